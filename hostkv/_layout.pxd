@@ -1,0 +1,245 @@
+# The memory map of a hostkv segment: the one place that says where every shared byte lives.
+#
+# A segment is one POSIX shared-memory object that every worker process maps, each at its own
+# address, so nothing in it is a pointer: records name each other by int32 index, regions are
+# found by byte offset from the segment start. Regions, in order (each 64-byte aligned; the
+# page pool 4096-aligned):
+#
+#   offset 0            HkvHeader            magic, format, config, region offsets, state,
+#                                            the robust mutex, counters, stats
+#   reg_leases          HkvLease[max_processes]      one slot per attached process
+#   reg_undo            HkvUndoEntry[undo_log_capacity]  the undo log of the open mutation
+#   reg_page_refcounts  int32[num_pages]     references to each page (tree + sequences); 0 = free
+#   reg_page_free_stack int32[num_pages]     free page indexes; entries [0, hdr_free_pages) valid
+#   reg_page_tokens     int32[num_pages * page_size]  the token ids whose KV each page holds
+#   reg_*_slab          HkvSlab header + records     fixed-size record pools (see _slab.pxd)
+#   reg_pool            uint8[num_pages * page_bytes]  the KV bytes; the only region engines write
+#
+# Field prefixes say which struct a name belongs to (as LMDB's mdb.c does). Per-process slots
+# are padded to whole cache lines so two processes never share one. tests/test_layout.py pins
+# every offset below: changing one is a conscious act that bumps HKV_LAYOUT_VERSION.
+#
+# Everything read from a segment is untrusted. Code that follows an index or an offset found
+# here bounds-checks it first and reports CorruptionError, never dereferences it blindly.
+
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from hostkv.includes.system cimport pthread_mutex_t
+
+cdef extern from *:
+    """
+    #include <pthread.h>
+    #include <stddef.h>
+    #include <stdint.h>
+
+    #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
+    #define HKV_LAYOUT_VERSION 1u
+    #define HKV_BYTE_ORDER_MARK 0x01020304u
+    #define HKV_CACHE_LINE 64
+
+    /* What a segment was built with. Attach refuses a segment whose format word differs:
+       another hostkv version, another libc (mutex size) or another architecture. */
+    typedef struct {
+        uint32_t fmt_layout_version;   /* HKV_LAYOUT_VERSION */
+        uint32_t fmt_byte_order;       /* HKV_BYTE_ORDER_MARK as written by the creator */
+        uint32_t fmt_pointer_size;     /* sizeof(void*) */
+        uint32_t fmt_mutex_size;       /* sizeof(pthread_mutex_t) */
+        uint32_t fmt_header_size;      /* sizeof(HkvHeader) */
+        uint32_t fmt_lease_size;       /* sizeof(HkvLease) */
+        uint32_t fmt_undo_entry_size;  /* sizeof(HkvUndoEntry) */
+        uint32_t fmt_slab_size;        /* sizeof(HkvSlab) */
+    } HkvFormat;
+
+    /* The resolved HostKVConfig, so that attach needs no config of its own. */
+    typedef struct {
+        int64_t cfg_num_pages;
+        int64_t cfg_page_bytes;                  /* bytes of KV per page */
+        int32_t cfg_page_size;                   /* tokens per page, a power of two */
+        int32_t cfg_enable_prefix_reuse;         /* 0 or 1 */
+        int32_t cfg_prefix_min_reuse_pages;
+        int32_t cfg_prefix_min_store_pages;
+        int32_t cfg_radix_node_capacity;
+        int32_t cfg_sequence_page_node_capacity;
+        int32_t cfg_max_sequences;
+        int32_t cfg_max_processes;
+        int32_t cfg_undo_log_capacity;           /* entries */
+        int32_t cfg_kv_num_layers;               /* the KVLayout; all four 0 when none was given */
+        int32_t cfg_kv_num_kv_heads;
+        int32_t cfg_kv_head_dim;
+        int32_t cfg_kv_dtype_code;               /* hostkv.config.DTYPE_CODES */
+        int32_t cfg_reserved;
+    } HkvConfig;
+
+    /* Byte offsets of the regions from the start of the segment. */
+    typedef struct {
+        int64_t reg_leases;
+        int64_t reg_undo;
+        int64_t reg_page_refcounts;
+        int64_t reg_page_free_stack;
+        int64_t reg_page_tokens;
+        int64_t reg_pool;
+        int64_t reg_total_size;                  /* the whole segment; attach compares fstat */
+        int64_t reg_reserved;
+    } HkvRegions;
+
+    /* Counters every process adds to; they survive the process that counted. */
+    typedef struct {
+        int64_t st_pages_allocated;
+        int64_t st_pages_freed;
+        int64_t st_recoveries;                   /* undo logs replayed after a death or error */
+        int64_t st_leases_reaped;                /* dead processes found by a sweep */
+        int64_t st_reserved[4];
+    } HkvStats;
+
+    enum {
+        HKV_STATE_INITIALISING = 1,              /* creator still writing; attach waits */
+        HKV_STATE_READY = 2,
+        HKV_STATE_CORRUPT = 3                    /* recovery failed; every operation refuses */
+    };
+
+    typedef struct {
+        uint64_t hdr_magic;                      /* HKV_MAGIC */
+        HkvFormat hdr_format;
+        HkvConfig hdr_config;
+        HkvRegions hdr_regions;
+        uint32_t hdr_state;                      /* HKV_STATE_*; READY is written last at create */
+        int32_t hdr_creator_pid;                 /* display only */
+        uint64_t hdr_generation;                 /* committed mutations so far */
+        int64_t hdr_last_sweep_ns;               /* CLOCK_MONOTONIC of the last lease sweep */
+        int64_t hdr_free_pages;                  /* valid entries of the page free stack */
+        int32_t hdr_active_leases;
+        int32_t hdr_reserved0;
+        int64_t hdr_undo_count;                  /* entries of the open mutation's undo log; 0 = none open */
+        HkvStats hdr_stats;
+        /* The one lock over all shared state: robust, process-shared, normal type, no
+           priority inheritance (PI and error-checking mutexes compare TIDs, which break
+           across PID namespaces). On its own cache line. */
+        pthread_mutex_t hdr_mutex __attribute__((aligned(HKV_CACHE_LINE)));
+    } __attribute__((aligned(HKV_CACHE_LINE))) HkvHeader;
+
+    enum { HKV_LEASE_FREE = 0, HKV_LEASE_ACTIVE = 1 };
+
+    /* One attached process. Its lease thread holds ls_mutex for the life of the process, so
+       the kernel's robust-futex list marks it owner-dead when the process dies, in whatever
+       PID namespace: a sweep's trylock then says EOWNERDEAD instead of EBUSY. */
+    typedef struct {
+        pthread_mutex_t ls_mutex;
+        uint32_t ls_state;                       /* HKV_LEASE_FREE / HKV_LEASE_ACTIVE */
+        int32_t ls_pid;                          /* display only: pids are not trusted */
+        uint64_t ls_generation;                  /* bumped at each registration of this slot */
+        int64_t ls_registered_ns;                /* CLOCK_REALTIME at registration, for inspect */
+    } __attribute__((aligned(HKV_CACHE_LINE))) HkvLease;
+
+    /* One logged store: before any store to shared state a mutation appends (where, old
+       value). ue_where is the byte offset of the field from the segment start, with the
+       store's width in bytes (4 or 8) in its top byte. */
+    typedef struct {
+        uint64_t ue_where;
+        uint64_t ue_old;
+    } HkvUndoEntry;
+
+    /* The head of a fixed-size record pool (see _slab.pxd): records follow it. */
+    typedef struct {
+        int32_t sl_capacity;
+        int32_t sl_record_size;                  /* bytes, a multiple of 8 */
+        int32_t sl_free_head;                    /* first free record, -1 when none */
+        int32_t sl_used;                         /* records in use */
+    } HkvSlab;
+
+    #define HKV_UNDO_WIDTH_SHIFT 56
+    #define HKV_UNDO_OFFSET_MASK ((1ULL << HKV_UNDO_WIDTH_SHIFT) - 1)
+
+    _Static_assert(sizeof(HkvLease) % HKV_CACHE_LINE == 0, "lease slots fill whole cache lines");
+    _Static_assert(offsetof(HkvHeader, hdr_mutex) % HKV_CACHE_LINE == 0, "mutex on its own line");
+    _Static_assert(sizeof(HkvUndoEntry) == 16, "undo entries are two words");
+    """
+    uint64_t HKV_MAGIC
+    uint32_t HKV_LAYOUT_VERSION
+    uint32_t HKV_BYTE_ORDER_MARK
+    int HKV_CACHE_LINE
+    int HKV_UNDO_WIDTH_SHIFT
+    uint64_t HKV_UNDO_OFFSET_MASK
+
+    enum:
+        HKV_STATE_INITIALISING
+        HKV_STATE_READY
+        HKV_STATE_CORRUPT
+        HKV_LEASE_FREE
+        HKV_LEASE_ACTIVE
+
+    ctypedef struct HkvFormat:
+        uint32_t fmt_layout_version
+        uint32_t fmt_byte_order
+        uint32_t fmt_pointer_size
+        uint32_t fmt_mutex_size
+        uint32_t fmt_header_size
+        uint32_t fmt_lease_size
+        uint32_t fmt_undo_entry_size
+        uint32_t fmt_slab_size
+
+    ctypedef struct HkvConfig:
+        int64_t cfg_num_pages
+        int64_t cfg_page_bytes
+        int32_t cfg_page_size
+        int32_t cfg_enable_prefix_reuse
+        int32_t cfg_prefix_min_reuse_pages
+        int32_t cfg_prefix_min_store_pages
+        int32_t cfg_radix_node_capacity
+        int32_t cfg_sequence_page_node_capacity
+        int32_t cfg_max_sequences
+        int32_t cfg_max_processes
+        int32_t cfg_undo_log_capacity
+        int32_t cfg_kv_num_layers
+        int32_t cfg_kv_num_kv_heads
+        int32_t cfg_kv_head_dim
+        int32_t cfg_kv_dtype_code
+        int32_t cfg_reserved
+
+    ctypedef struct HkvRegions:
+        int64_t reg_leases
+        int64_t reg_undo
+        int64_t reg_page_refcounts
+        int64_t reg_page_free_stack
+        int64_t reg_page_tokens
+        int64_t reg_pool
+        int64_t reg_total_size
+        int64_t reg_reserved
+
+    ctypedef struct HkvStats:
+        int64_t st_pages_allocated
+        int64_t st_pages_freed
+        int64_t st_recoveries
+        int64_t st_leases_reaped
+        int64_t st_reserved[4]
+
+    ctypedef struct HkvHeader:
+        uint64_t hdr_magic
+        HkvFormat hdr_format
+        HkvConfig hdr_config
+        HkvRegions hdr_regions
+        uint32_t hdr_state
+        int32_t hdr_creator_pid
+        uint64_t hdr_generation
+        int64_t hdr_last_sweep_ns
+        int64_t hdr_free_pages
+        int32_t hdr_active_leases
+        int32_t hdr_reserved0
+        int64_t hdr_undo_count
+        HkvStats hdr_stats
+        pthread_mutex_t hdr_mutex
+
+    ctypedef struct HkvLease:
+        pthread_mutex_t ls_mutex
+        uint32_t ls_state
+        int32_t ls_pid
+        uint64_t ls_generation
+        int64_t ls_registered_ns
+
+    ctypedef struct HkvUndoEntry:
+        uint64_t ue_where
+        uint64_t ue_old
+
+    ctypedef struct HkvSlab:
+        int32_t sl_capacity
+        int32_t sl_record_size
+        int32_t sl_free_head
+        int32_t sl_used

@@ -1,0 +1,103 @@
+# The mapped segment, its lock and its undo log, for the sibling modules to cimport.
+#
+# Every store to shared state during a mutation goes through log_store_i32 / log_store_i64:
+# they append (where, old value) to the undo log, then store. A mutation runs as
+#
+#     seg.begin()              # takes the lock; recovers first if the last holder died
+#     try:
+#         ...log_store_*...
+#         seg.commit()         # clears the log: the single store that publishes it all
+#     finally:
+#         seg.end()            # rolls back if not committed (any exception), unlocks
+#
+# so an exception, or death at any instruction, leaves the state as before or after.
+
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from hostkv._layout cimport (
+    HkvConfig, HkvHeader, HkvLease, HkvRegions, HkvUndoEntry, HKV_UNDO_WIDTH_SHIFT)
+from hostkv.includes.system cimport hkv_compiler_barrier
+
+ctypedef int (*rederive_hook)(Segment seg) except -1
+ctypedef int (*dead_lease_hook)(Segment seg, int32_t slot) except -1
+
+cdef enum CrashMode:
+    CRASH_EXIT = 1                      # _exit(CRASH_EXIT_STATUS): the process dies
+    CRASH_RAISE_KEYBOARD_INTERRUPT = 2  # an exception in a live process
+    CRASH_RAISE_MEMORY_ERROR = 3
+
+cdef enum:
+    CRASH_EXIT_STATUS = 77
+
+
+cdef class Segment:
+    cdef char* base
+    cdef HkvHeader* hdr
+    cdef HkvUndoEntry* undo
+    cdef int64_t undo_capacity
+    cdef size_t size
+    cdef readonly str name
+    cdef readonly bint closed
+    cdef bint locked                    # this object holds hdr_mutex now
+    cdef int64_t lock_timeout_ns
+    cdef int64_t crash_countdown        # > 0: die (or raise) at that many more steps
+    cdef int crash_mode
+    cdef int32_t lease_slot             # -1: no lease
+    cdef uint64_t lease_generation
+    cdef void* lease_holder             # LeaseHolder*, process-private
+    cdef long fork_epoch                # the module's epoch when this lease was taken
+    cdef Py_ssize_t exports             # live buffer views of the page pool
+    cdef Py_ssize_t _pool_shape[2]
+    cdef Py_ssize_t _pool_strides[2]
+
+    cdef _map(self, str name, int fd, int64_t size)
+    cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions)
+    cdef _bind_regions(self)
+    cdef _validate(self)
+    cdef int begin(self) except -1
+    cdef int commit(self) except -1
+    cdef void end(self) noexcept
+    cdef int crash_point(self) except -1
+    cdef int undo_full(self) except -1
+    cdef int corrupt(self, str what) except -1
+    cdef int sweep_leases(self) except -1
+    cdef HkvLease* lease_at(self, int32_t slot) except NULL
+
+
+cdef int add_rederive_hook(rederive_hook hook) except -1
+cdef int add_dead_lease_hook(dead_lease_hook hook) except -1
+
+
+cdef inline int log_store_i32(Segment seg, int32_t* field, int32_t value) except -1:
+    """Stores value into a shared int32 field after logging its old value."""
+    cdef int64_t n = seg.hdr.hdr_undo_count
+    cdef HkvUndoEntry* entry
+    if n >= seg.undo_capacity:
+        seg.undo_full()
+    entry = seg.undo + n
+    entry.ue_where = (<uint64_t>(<char*>field - seg.base)) | (<uint64_t>4 << HKV_UNDO_WIDTH_SHIFT)
+    entry.ue_old = <uint32_t>field[0]
+    hkv_compiler_barrier()
+    seg.hdr.hdr_undo_count = n + 1
+    hkv_compiler_barrier()
+    if seg.crash_countdown > 0:
+        seg.crash_point()
+    field[0] = value
+    return 0
+
+
+cdef inline int log_store_i64(Segment seg, int64_t* field, int64_t value) except -1:
+    """Stores value into a shared int64 field after logging its old value."""
+    cdef int64_t n = seg.hdr.hdr_undo_count
+    cdef HkvUndoEntry* entry
+    if n >= seg.undo_capacity:
+        seg.undo_full()
+    entry = seg.undo + n
+    entry.ue_where = (<uint64_t>(<char*>field - seg.base)) | (<uint64_t>8 << HKV_UNDO_WIDTH_SHIFT)
+    entry.ue_old = <uint64_t>field[0]
+    hkv_compiler_barrier()
+    seg.hdr.hdr_undo_count = n + 1
+    hkv_compiler_barrier()
+    if seg.crash_countdown > 0:
+        seg.crash_point()
+    field[0] = value
+    return 0

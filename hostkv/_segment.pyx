@@ -1,0 +1,980 @@
+# cython: language_level=3, embedsignature=True
+"""The shared-memory segment: create, attach, map, the robust lock, the undo log, leases.
+
+The memory map is in _layout.pxd. This module owns the header and the lease table; the page
+pool (_pages) and later layers register hooks that recovery and the lease sweep call, so this
+layer needs to know nothing of theirs.
+"""
+
+import math
+import os
+import re
+import time
+
+import posix_ipc
+
+from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_ND, PyBUF_STRIDES, PyBUF_FORMAT
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memset
+
+from hostkv._layout cimport *
+from hostkv.includes.system cimport *
+
+from hostkv.errors import (
+    CapacityError,
+    CorruptionError,
+    ForeignSegmentError,
+    IncompatibleSegmentError,
+    LockTimeoutError,
+    os_error,
+    translate_posix_ipc,
+)
+from hostkv.config import DTYPE_CODES
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks: what later layers add to recovery and to the reaping of a dead process.
+
+cdef enum:
+    MAX_HOOKS = 8
+
+cdef rederive_hook _rederive_hooks[MAX_HOOKS]
+cdef int _num_rederive_hooks = 0
+cdef dead_lease_hook _dead_lease_hooks[MAX_HOOKS]
+cdef int _num_dead_lease_hooks = 0
+
+
+cdef int add_rederive_hook(rederive_hook hook) except -1:
+    """Registers a function that rebuilds derived state (free lists, counters) after rollback.
+
+    Hooks run in registration order, which is import order: lower layers first.
+    """
+    global _num_rederive_hooks
+    cdef int i
+    for i in range(_num_rederive_hooks):
+        if _rederive_hooks[i] == hook:
+            return 0
+    if _num_rederive_hooks == MAX_HOOKS:
+        raise RuntimeError("too many rederive hooks")
+    _rederive_hooks[_num_rederive_hooks] = hook
+    _num_rederive_hooks += 1
+    return 0
+
+
+cdef int add_dead_lease_hook(dead_lease_hook hook) except -1:
+    """Registers a function that releases what a dead process held (its sequences)."""
+    global _num_dead_lease_hooks
+    cdef int i
+    for i in range(_num_dead_lease_hooks):
+        if _dead_lease_hooks[i] == hook:
+            return 0
+    if _num_dead_lease_hooks == MAX_HOOKS:
+        raise RuntimeError("too many dead-lease hooks")
+    _dead_lease_hooks[_num_dead_lease_hooks] = hook
+    _num_dead_lease_hooks += 1
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Fork: a child never uses its parent's lease (the parent's lease thread holds that slot).
+
+cdef long _fork_epoch = 0
+
+
+def _after_fork_in_child():
+    global _fork_epoch
+    _fork_epoch += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ---------------------------------------------------------------------------------------------
+# Names, time, mutexes
+
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
+SEGMENT_MODE = 0o600
+DEFAULT_LOCK_TIMEOUT = 10.0
+DEFAULT_READY_TIMEOUT = 5.0
+SWEEP_INTERVAL_NS = 1_000_000_000
+
+
+def check_name(name):
+    """Returns the posix_ipc name ('/' + name) or raises ValueError for a bad segment name."""
+    if not isinstance(name, str):
+        raise ValueError(f"segment name must be a str, got {type(name).__name__}")
+    if not _NAME_RE.fullmatch(name) or set(name) == {"."}:
+        raise ValueError(
+            "segment name must be 1-200 characters of letters, digits, '-', '_' and '.', "
+            f"and not only dots; got {name!r}")
+    return "/" + name
+
+
+def check_timeout(what, value):
+    """Returns value as a float of seconds, or raises ValueError for a negative or NaN one."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of seconds, got {value!r}") from None
+    if not seconds > 0 or math.isinf(seconds):
+        raise ValueError(f"{what} must be a positive, finite number of seconds, got {value!r}")
+    return seconds
+
+
+cdef inline int64_t now_ns(int clock) noexcept nogil:
+    cdef timespec ts
+    clock_gettime(clock, &ts)
+    return <int64_t>ts.tv_sec * 1_000_000_000 + ts.tv_nsec
+
+
+cdef int init_robust_mutex(pthread_mutex_t* mutex) except -1:
+    """Initialises a robust, process-shared, normal-type mutex without priority inheritance."""
+    cdef pthread_mutexattr_t attr
+    cdef int rc = pthread_mutexattr_init(&attr)
+    if rc == 0:
+        rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED)
+    if rc == 0:
+        rc = pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST)
+    if rc == 0:
+        rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_NORMAL)
+    if rc == 0:
+        rc = pthread_mutexattr_setprotocol(&attr, PTHREAD_PRIO_NONE)
+    if rc == 0:
+        rc = pthread_mutex_init(mutex, &attr)
+    pthread_mutexattr_destroy(&attr)
+    if rc != 0:
+        raise os_error(rc, "pthread_mutex_init")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The lease thread: holds this process's lease mutex for as long as the process lives.
+#
+# A robust mutex is owned by the thread that locked it and turns owner-dead when that thread
+# exits, so the lease cannot be held by whichever Python thread happened to attach: one
+# dedicated C thread takes it and blocks until told to let go.
+
+cdef enum LeaseCommand:
+    LEASE_IDLE = 0
+    LEASE_TAKE = 1          # trylock target; owner-dead counts as taken (after consistent)
+    LEASE_DROP = 2          # unlock target, keep running
+    LEASE_EXIT = 3          # unlock target if held, then exit
+
+ctypedef struct LeaseHolder:
+    pthread_mutex_t mutex
+    pthread_cond_t cond
+    int command
+    int result
+    bint holding
+    pthread_mutex_t* target
+    pthread_t thread
+
+
+cdef void* lease_thread_main(void* arg) noexcept nogil:
+    cdef LeaseHolder* h = <LeaseHolder*>arg
+    cdef int rc
+    pthread_mutex_lock(&h.mutex)
+    while True:
+        while h.command == LEASE_IDLE:
+            pthread_cond_wait(&h.cond, &h.mutex)
+        if h.command == LEASE_TAKE:
+            rc = pthread_mutex_trylock(h.target)
+            if rc == EOWNERDEAD:
+                # The slot's previous owner died after its lease was released or before it
+                # was recorded: nothing else guards this mutex, so it is simply ours now.
+                rc = pthread_mutex_consistent(h.target)
+            h.holding = rc == 0
+            h.result = rc
+        elif h.command == LEASE_DROP or h.command == LEASE_EXIT:
+            if h.holding:
+                pthread_mutex_unlock(h.target)
+                h.holding = False
+            h.result = 0
+        if h.command == LEASE_EXIT:
+            h.command = LEASE_IDLE
+            pthread_cond_broadcast(&h.cond)
+            pthread_mutex_unlock(&h.mutex)
+            return NULL
+        h.command = LEASE_IDLE
+        pthread_cond_broadcast(&h.cond)
+
+
+cdef int lease_call(LeaseHolder* h, int command, pthread_mutex_t* target) noexcept nogil:
+    cdef int rc
+    pthread_mutex_lock(&h.mutex)
+    if target != NULL:
+        h.target = target
+    h.command = command
+    pthread_cond_broadcast(&h.cond)
+    while h.command != LEASE_IDLE:
+        pthread_cond_wait(&h.cond, &h.mutex)
+    rc = h.result
+    pthread_mutex_unlock(&h.mutex)
+    return rc
+
+
+cdef LeaseHolder* lease_holder_start() except NULL:
+    cdef LeaseHolder* h = <LeaseHolder*>calloc(1, sizeof(LeaseHolder))
+    cdef int rc
+    if h == NULL:
+        raise MemoryError()
+    pthread_mutex_init(&h.mutex, NULL)
+    pthread_cond_init(&h.cond, NULL)
+    rc = pthread_create(&h.thread, NULL, lease_thread_main, h)
+    if rc != 0:
+        pthread_cond_destroy(&h.cond)
+        pthread_mutex_destroy(&h.mutex)
+        free(h)
+        raise os_error(rc, "pthread_create (lease thread)")
+    return h
+
+
+cdef void lease_holder_stop(LeaseHolder* h) noexcept nogil:
+    lease_call(h, LEASE_EXIT, NULL)
+    pthread_join(h.thread, NULL)
+    pthread_cond_destroy(&h.cond)
+    pthread_mutex_destroy(&h.mutex)
+    free(h)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout: where each region goes for a given config.
+
+cdef inline int64_t align_up(int64_t value, int64_t alignment) noexcept nogil:
+    return (value + alignment - 1) // alignment * alignment
+
+
+cdef int compute_regions(const HkvConfig* cfg, HkvRegions* out) except -1:
+    """Lays the regions out one after another. Both create and attach call this."""
+    cdef int64_t at = align_up(sizeof(HkvHeader), HKV_CACHE_LINE)
+    memset(out, 0, sizeof(HkvRegions))
+    out.reg_leases = at
+    at = align_up(at + <int64_t>cfg.cfg_max_processes * sizeof(HkvLease), HKV_CACHE_LINE)
+    out.reg_undo = at
+    at = align_up(at + <int64_t>cfg.cfg_undo_log_capacity * sizeof(HkvUndoEntry), HKV_CACHE_LINE)
+    out.reg_page_refcounts = at
+    at = align_up(at + cfg.cfg_num_pages * 4, HKV_CACHE_LINE)
+    out.reg_page_free_stack = at
+    at = align_up(at + cfg.cfg_num_pages * 4, HKV_CACHE_LINE)
+    out.reg_page_tokens = at
+    at = align_up(at + cfg.cfg_num_pages * cfg.cfg_page_size * 4, 4096)
+    out.reg_pool = at
+    out.reg_total_size = at + cfg.cfg_num_pages * cfg.cfg_page_bytes
+    return 0
+
+
+cdef HkvFormat expected_format() noexcept:
+    cdef HkvFormat fmt
+    memset(&fmt, 0, sizeof(fmt))
+    fmt.fmt_layout_version = HKV_LAYOUT_VERSION
+    fmt.fmt_byte_order = HKV_BYTE_ORDER_MARK
+    fmt.fmt_pointer_size = sizeof(void*)
+    fmt.fmt_mutex_size = sizeof(pthread_mutex_t)
+    fmt.fmt_header_size = sizeof(HkvHeader)
+    fmt.fmt_lease_size = sizeof(HkvLease)
+    fmt.fmt_undo_entry_size = sizeof(HkvUndoEntry)
+    fmt.fmt_slab_size = sizeof(HkvSlab)
+    return fmt
+
+
+_FORMAT_FIELDS = ("fmt_layout_version", "fmt_byte_order", "fmt_pointer_size", "fmt_mutex_size",
+                  "fmt_header_size", "fmt_lease_size", "fmt_undo_entry_size", "fmt_slab_size")
+
+# HostKVConfig field -> HkvConfig field. The KVLayout is stored as four fields.
+_CONFIG_FIELDS = (
+    ("num_pages", "cfg_num_pages"),
+    ("page_size", "cfg_page_size"),
+    ("page_bytes", "cfg_page_bytes"),
+    ("enable_prefix_reuse", "cfg_enable_prefix_reuse"),
+    ("prefix_min_reuse_pages", "cfg_prefix_min_reuse_pages"),
+    ("prefix_min_store_pages", "cfg_prefix_min_store_pages"),
+    ("radix_node_capacity", "cfg_radix_node_capacity"),
+    ("sequence_page_node_capacity", "cfg_sequence_page_node_capacity"),
+    ("max_sequences", "cfg_max_sequences"),
+    ("max_processes", "cfg_max_processes"),
+    ("undo_log_capacity", "cfg_undo_log_capacity"),
+)
+
+
+cdef HkvConfig config_to_c(object config) except *:
+    """Packs a resolved HostKVConfig into the header's form."""
+    cdef HkvConfig c
+    memset(&c, 0, sizeof(c))
+    values = {cname: int(getattr(config, pyname)) for pyname, cname in _CONFIG_FIELDS}
+    layout = config.kv_layout
+    if layout is not None:
+        values.update(cfg_kv_num_layers=layout.num_layers, cfg_kv_num_kv_heads=layout.num_kv_heads,
+                      cfg_kv_head_dim=layout.head_dim, cfg_kv_dtype_code=DTYPE_CODES[layout.dtype])
+    c.cfg_num_pages = values["cfg_num_pages"]
+    c.cfg_page_bytes = values["cfg_page_bytes"]
+    c.cfg_page_size = values["cfg_page_size"]
+    c.cfg_enable_prefix_reuse = values["cfg_enable_prefix_reuse"]
+    c.cfg_prefix_min_reuse_pages = values["cfg_prefix_min_reuse_pages"]
+    c.cfg_prefix_min_store_pages = values["cfg_prefix_min_store_pages"]
+    c.cfg_radix_node_capacity = values["cfg_radix_node_capacity"]
+    c.cfg_sequence_page_node_capacity = values["cfg_sequence_page_node_capacity"]
+    c.cfg_max_sequences = values["cfg_max_sequences"]
+    c.cfg_max_processes = values["cfg_max_processes"]
+    c.cfg_undo_log_capacity = values["cfg_undo_log_capacity"]
+    c.cfg_kv_num_layers = values.get("cfg_kv_num_layers", 0)
+    c.cfg_kv_num_kv_heads = values.get("cfg_kv_num_kv_heads", 0)
+    c.cfg_kv_head_dim = values.get("cfg_kv_head_dim", 0)
+    c.cfg_kv_dtype_code = values.get("cfg_kv_dtype_code", 0)
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# The segment
+
+cdef class Segment:
+    """One mapping of a hostkv segment, with this process's lease on it.
+
+    Use create() or attach(); close() gives the lease up and unmaps. Not for direct use by
+    engines: HostKVCache wraps it.
+    """
+
+    def __cinit__(self):
+        self.base = NULL
+        self.hdr = NULL
+        self.closed = True
+        self.lease_slot = -1
+        self.lease_holder = NULL
+        self.crash_countdown = 0
+        self.crash_mode = CRASH_EXIT
+        self.exports = 0
+
+    # -- opening ---------------------------------------------------------------------------
+
+    @staticmethod
+    def create(str name, object config, lock_timeout=DEFAULT_LOCK_TIMEOUT):
+        """Creates the segment `name` for a resolved HostKVConfig and attaches to it.
+
+        Raises:
+            ValueError: a bad name or timeout.
+            SegmentExistsError: a segment of that name exists.
+            SegmentError: the OS refused (ENOSPC when /dev/shm cannot hold it).
+        """
+        cdef Segment seg = Segment.__new__(Segment)
+        cdef HkvConfig ccfg
+        cdef HkvRegions regions
+        posix_name = check_name(name)
+        seg.lock_timeout_ns = <int64_t>(check_timeout("lock_timeout", lock_timeout) * 1e9)
+        ccfg = config_to_c(config)
+        compute_regions(&ccfg, &regions)
+        try:
+            shm = posix_ipc.SharedMemory(posix_name, posix_ipc.O_CREX, mode=SEGMENT_MODE)
+        except posix_ipc.Error as exc:
+            raise translate_posix_ipc(exc, "create segment", name, creating=True) from None
+        try:
+            try:
+                os.ftruncate(shm.fd, regions.reg_total_size)
+                # Reserve the memory now: on a full /dev/shm this fails here with ENOSPC
+                # instead of a SIGBUS at the first touch of an unbacked page later.
+                rc = posix_fallocate(shm.fd, 0, regions.reg_total_size)
+                if rc != 0:
+                    raise os_error(rc, f"reserve {regions.reg_total_size} bytes for segment", name)
+                seg._map(name, shm.fd, regions.reg_total_size)
+            finally:
+                shm.close_fd()
+            seg._initialise(&ccfg, &regions)
+            seg._register_lease()
+        except BaseException:
+            seg._unmap()
+            try:
+                shm.unlink()
+            except posix_ipc.Error:
+                pass
+            raise
+        return seg
+
+    @staticmethod
+    def attach(str name, lock_timeout=DEFAULT_LOCK_TIMEOUT, ready_timeout=DEFAULT_READY_TIMEOUT,
+               bint trust_other_users=False):
+        """Attaches to an existing segment and takes a lease on it.
+
+        Raises:
+            ValueError: a bad name or timeout.
+            SegmentNotFoundError: no segment of that name.
+            ForeignSegmentError: owned by another user or writable by group/other, and
+                trust_other_users is False.
+            IncompatibleSegmentError: too short, another format, or never became ready.
+        """
+        cdef Segment seg = Segment.__new__(Segment)
+        posix_name = check_name(name)
+        seg.lock_timeout_ns = <int64_t>(check_timeout("lock_timeout", lock_timeout) * 1e9)
+        ready_seconds = check_timeout("ready_timeout", ready_timeout)
+        try:
+            # size=0: posix_ipc resizes an existing segment to any non-zero size it is given.
+            shm = posix_ipc.SharedMemory(posix_name, 0, size=0)
+        except posix_ipc.Error as exc:
+            raise translate_posix_ipc(exc, "attach segment", name, creating=False) from None
+        try:
+            st = os.fstat(shm.fd)
+            if not trust_other_users:
+                if st.st_uid != getuid():
+                    raise ForeignSegmentError(
+                        f"segment {name!r} is owned by uid {st.st_uid}, not by this user "
+                        f"(uid {getuid()}); pass trust_other_users=True to attach anyway")
+                if st.st_mode & 0o022:
+                    raise ForeignSegmentError(
+                        f"segment {name!r} has mode {st.st_mode & 0o777:o}: other users can "
+                        "write it; pass trust_other_users=True to attach anyway")
+            if st.st_size < sizeof(HkvHeader):
+                raise IncompatibleSegmentError(
+                    f"segment {name!r} is {st.st_size} bytes, shorter than a hostkv header "
+                    f"({sizeof(HkvHeader)} bytes): not a hostkv segment, or its creator died "
+                    "before sizing it")
+            seg._map(name, shm.fd, st.st_size)
+        finally:
+            shm.close_fd()
+        try:
+            seg._wait_ready(ready_seconds)
+            seg._validate()
+            seg._register_lease()
+            seg.begin()
+            try:
+                seg.sweep_leases()
+                seg.commit()
+            finally:
+                seg.end()
+        except BaseException:
+            seg.close()
+            raise
+        return seg
+
+    cdef _map(self, str name, int fd, int64_t size):
+        cdef void* addr
+        with nogil:
+            addr = mmap(NULL, <size_t>size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if addr == MAP_FAILED:
+            import ctypes
+            raise os_error(ctypes.get_errno() or 12, "mmap segment", name)
+        self.base = <char*>addr
+        self.hdr = <HkvHeader*>addr
+        self.size = <size_t>size
+        self.name = name
+        self.closed = False
+        self.fork_epoch = _fork_epoch
+
+    cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions):
+        """Writes a fresh header and tables. Nobody else reads them before state is READY."""
+        cdef HkvHeader* hdr = self.hdr
+        cdef int32_t* free_stack
+        cdef int64_t i, n = ccfg.cfg_num_pages
+        hdr.hdr_state = HKV_STATE_INITIALISING
+        hdr.hdr_format = expected_format()
+        hdr.hdr_config = ccfg[0]
+        hdr.hdr_regions = regions[0]
+        hdr.hdr_creator_pid = getpid()
+        hdr.hdr_generation = 0
+        hdr.hdr_last_sweep_ns = now_ns(CLOCK_MONOTONIC)
+        hdr.hdr_undo_count = 0
+        init_robust_mutex(&hdr.hdr_mutex)
+        for i in range(ccfg.cfg_max_processes):
+            init_robust_mutex(&(<HkvLease*>(self.base + regions.reg_leases))[i].ls_mutex)
+        # Every page starts free; popping from the top hands out pages 0, 1, 2, ...
+        free_stack = <int32_t*>(self.base + regions.reg_page_free_stack)
+        for i in range(n):
+            free_stack[i] = <int32_t>(n - 1 - i)
+        hdr.hdr_free_pages = n
+        self._bind_regions()
+        for i in range(_num_rederive_hooks):
+            _rederive_hooks[i](self)
+        hdr.hdr_magic = HKV_MAGIC
+        __atomic_store_release_u32(&hdr.hdr_state, HKV_STATE_READY)
+
+    cdef _bind_regions(self):
+        self.undo = <HkvUndoEntry*>(self.base + self.hdr.hdr_regions.reg_undo)
+        self.undo_capacity = self.hdr.hdr_config.cfg_undo_log_capacity
+
+    def _wait_ready(self, double timeout):
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            state = __atomic_load_acquire_u32(&self.hdr.hdr_state)
+            if state == HKV_STATE_READY or state == HKV_STATE_CORRUPT:
+                return
+            if time.monotonic() >= deadline:
+                raise IncompatibleSegmentError(
+                    f"segment {self.name!r} did not become ready within {timeout:g} s "
+                    f"(state {state}): its creator may have died while initialising it; "
+                    "unlink it and create it again")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    cdef _validate(self):
+        """Checks an attached header: magic, format word, config sanity, region offsets."""
+        cdef HkvHeader* hdr = self.hdr
+        cdef HkvFormat fmt = expected_format()
+        cdef HkvRegions regions
+        cdef HkvConfig* c = &hdr.hdr_config
+        if hdr.hdr_magic != HKV_MAGIC:
+            raise IncompatibleSegmentError(f"segment {self.name!r} is not a hostkv segment (bad magic)")
+        cdef dict got = hdr.hdr_format
+        cdef dict want = fmt
+        for field in _FORMAT_FIELDS:
+            if got[field] != want[field]:
+                raise IncompatibleSegmentError(
+                    f"segment {self.name!r} has another format: {field} is {got[field]}, "
+                    f"this hostkv expects {want[field]}")
+        if (c.cfg_num_pages <= 0 or c.cfg_num_pages >= 2**31 or c.cfg_page_size <= 0
+                or c.cfg_page_bytes <= 0 or c.cfg_max_processes <= 0
+                or c.cfg_undo_log_capacity <= 0 or c.cfg_radix_node_capacity < 0
+                or c.cfg_sequence_page_node_capacity < 0 or c.cfg_max_sequences < 0
+                or c.cfg_num_pages * c.cfg_page_bytes >= 2**46):
+            raise CorruptionError(f"segment {self.name!r} has an impossible config in its header")
+        compute_regions(c, &regions)
+        if (<char*>&regions)[:sizeof(HkvRegions)] != (<char*>&hdr.hdr_regions)[:sizeof(HkvRegions)]:
+            raise CorruptionError(f"segment {self.name!r}: region offsets disagree with its config")
+        if <int64_t>self.size != regions.reg_total_size:
+            raise IncompatibleSegmentError(
+                f"segment {self.name!r} is {self.size} bytes but its header describes "
+                f"{regions.reg_total_size}")
+        self._bind_regions()
+
+    # -- the lock ----------------------------------------------------------------------------
+
+    cdef int begin(self) except -1:
+        """Takes the lock and opens a mutation; recovers first if the last holder died."""
+        cdef int rc
+        cdef timespec deadline
+        cdef int64_t deadline_ns
+        if self.closed:
+            raise ValueError("the segment is closed")
+        if self.fork_epoch != _fork_epoch:
+            self._after_fork()
+        if self.locked:
+            raise RuntimeError("hostkv segment lock is not re-entrant")
+        rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
+        if rc == EBUSY:
+            deadline_ns = now_ns(CLOCK_REALTIME) + self.lock_timeout_ns
+            deadline.tv_sec = deadline_ns // 1_000_000_000
+            deadline.tv_nsec = deadline_ns % 1_000_000_000
+            with nogil:
+                rc = pthread_mutex_timedlock(&self.hdr.hdr_mutex, &deadline)
+                while rc == EINTR:
+                    rc = pthread_mutex_timedlock(&self.hdr.hdr_mutex, &deadline)
+        if rc == ETIMEDOUT:
+            raise LockTimeoutError(
+                f"segment {self.name!r}: lock not acquired within "
+                f"{self.lock_timeout_ns / 1e9:g} s; another process holds it (stopped or stuck)")
+        if rc == ENOTRECOVERABLE:
+            raise CorruptionError(
+                f"segment {self.name!r}: an earlier recovery failed; the segment is unusable, "
+                "unlink it and create it again")
+        if rc != 0 and rc != EOWNERDEAD:
+            raise os_error(rc, "lock segment", self.name)
+        self.locked = True
+        if rc == EOWNERDEAD:
+            # The holder died mid-mutation. Roll it back, re-derive, and only then say the
+            # state is consistent; if that fails, unlock without marking it consistent, so
+            # every later locker gets ENOTRECOVERABLE -> CorruptionError.
+            try:
+                self._recover()
+            except BaseException:
+                self.hdr.hdr_state = HKV_STATE_CORRUPT
+                self.locked = False
+                pthread_mutex_unlock(&self.hdr.hdr_mutex)
+                raise
+            pthread_mutex_consistent(&self.hdr.hdr_mutex)
+        if self.hdr.hdr_state != HKV_STATE_READY:
+            self.locked = False
+            pthread_mutex_unlock(&self.hdr.hdr_mutex)
+            raise CorruptionError(f"segment {self.name!r} is marked corrupt; unlink it")
+        if self.hdr.hdr_undo_count != 0:
+            self._recover()
+        if now_ns(CLOCK_MONOTONIC) - self.hdr.hdr_last_sweep_ns > SWEEP_INTERVAL_NS:
+            self.sweep_leases()
+            self.commit()
+        return 0
+
+    cdef int commit(self) except -1:
+        """Publishes the open mutation: its last logged store, then the log cleared."""
+        log_store_i64(self, <int64_t*>&self.hdr.hdr_generation, <int64_t>self.hdr.hdr_generation + 1)
+        if self.crash_countdown > 0:
+            self.crash_point()
+        hkv_compiler_barrier()
+        self.hdr.hdr_undo_count = 0
+        return 0
+
+    cdef void end(self) noexcept:
+        """Rolls back what is not committed, then unlocks. Safe to call in any state."""
+        if not self.locked:
+            return
+        if self.hdr.hdr_undo_count != 0:
+            try:
+                self._recover()
+            except BaseException:
+                # Rollback itself found the segment unusable: mark it, so that nobody works
+                # on it again. The exception that brought us here is the one the caller sees.
+                self.hdr.hdr_state = HKV_STATE_CORRUPT
+        self.locked = False
+        pthread_mutex_unlock(&self.hdr.hdr_mutex)
+
+    def _recover(self):
+        """Replays the undo log backwards, re-derives derived state, then clears the log.
+
+        Idempotent: a death in the middle of it leaves the log as it was, and the next
+        locker replays it again (each entry restores the same old value).
+        """
+        cdef int64_t i, n = self.hdr.hdr_undo_count
+        cdef HkvUndoEntry* entry
+        cdef uint64_t where, width
+        cdef int64_t limit = self.hdr.hdr_regions.reg_pool
+        cdef uint64_t mutex_at = <uint64_t>(<char*>&self.hdr.hdr_mutex - self.base)
+        if n < 0 or n > self.undo_capacity:
+            self.corrupt(f"undo log count {n} is outside [0, {self.undo_capacity}]")
+        i = n - 1
+        while i >= 0:
+            entry = self.undo + i
+            where = entry.ue_where & HKV_UNDO_OFFSET_MASK
+            width = entry.ue_where >> HKV_UNDO_WIDTH_SHIFT
+            # Only metadata is ever logged: an entry pointing at the header's own lock and
+            # log bookkeeping, into the page pool, or past the end is corruption.
+            if ((width != 4 and width != 8) or where % width != 0 or where < 8
+                    or where + width > <uint64_t>limit
+                    or (where + width > mutex_at and where < mutex_at + sizeof(pthread_mutex_t))):
+                self.corrupt(f"undo entry {i} points at offset {where} width {width}")
+            if self.crash_countdown > 0:
+                self.crash_point()
+            if width == 4:
+                (<uint32_t*>(self.base + where))[0] = <uint32_t>entry.ue_old
+            else:
+                (<uint64_t*>(self.base + where))[0] = entry.ue_old
+            i -= 1
+        for i in range(_num_rederive_hooks):
+            _rederive_hooks[i](self)
+        hkv_compiler_barrier()
+        self.hdr.hdr_undo_count = 0
+        if n:
+            self.hdr.hdr_stats.st_recoveries += 1
+
+    cdef int corrupt(self, str what) except -1:
+        raise CorruptionError(f"segment {self.name!r}: {what}")
+
+    cdef int undo_full(self) except -1:
+        raise CapacityError(
+            f"segment {self.name!r}: this operation needs more than the undo log's "
+            f"{self.undo_capacity} entries; split the batch or raise undo_log_capacity",
+            resource="undo log", needed=self.undo_capacity + 1, available=self.undo_capacity)
+
+    cdef int crash_point(self) except -1:
+        """Counts a step of the open mutation; at the armed step, dies or raises (tests only)."""
+        self.crash_countdown -= 1
+        if self.crash_countdown != 0:
+            return 0
+        if self.crash_mode == CRASH_EXIT:
+            _exit(CRASH_EXIT_STATUS)
+        if self.crash_mode == CRASH_RAISE_KEYBOARD_INTERRUPT:
+            raise KeyboardInterrupt("injected at a crash point")
+        raise MemoryError("injected at a crash point")
+
+    def _arm_crash_point(self, long step, str mode="exit"):
+        """Test hook: at the `step`-th logged store or commit from now, _exit or raise.
+
+        mode is "exit" (the process dies with status 77), "keyboard_interrupt" or
+        "memory_error". step 0 disarms.
+        """
+        modes = {"exit": CRASH_EXIT, "keyboard_interrupt": CRASH_RAISE_KEYBOARD_INTERRUPT,
+                 "memory_error": CRASH_RAISE_MEMORY_ERROR}
+        if mode not in modes:
+            raise ValueError(f"crash mode must be one of {sorted(modes)}, got {mode!r}")
+        if step < 0:
+            raise ValueError(f"crash step must be >= 0, got {step}")
+        self.crash_mode = modes[mode]
+        self.crash_countdown = step
+
+    @property
+    def crash_steps_left(self):
+        """Steps left before an armed crash point fires (0: disarmed or already fired)."""
+        return self.crash_countdown
+
+    # -- leases ------------------------------------------------------------------------------
+
+    cdef HkvLease* lease_at(self, int32_t slot) except NULL:
+        if slot < 0 or slot >= self.hdr.hdr_config.cfg_max_processes:
+            self.corrupt(f"lease slot {slot} out of range")
+        return (<HkvLease*>(self.base + self.hdr.hdr_regions.reg_leases)) + slot
+
+    def _register_lease(self):
+        """Takes a free lease slot for this process and has the lease thread hold its mutex."""
+        cdef LeaseHolder* holder
+        cdef HkvLease* lease
+        cdef int32_t slot
+        cdef int rc
+        if self.lease_holder == NULL:
+            self.lease_holder = lease_holder_start()
+        holder = <LeaseHolder*>self.lease_holder
+        self.begin()
+        try:
+            for slot in range(self.hdr.hdr_config.cfg_max_processes):
+                lease = self.lease_at(slot)
+                if lease.ls_state != HKV_LEASE_FREE:
+                    continue
+                with nogil:
+                    rc = lease_call(holder, LEASE_TAKE, &lease.ls_mutex)
+                if rc == ENOTRECOVERABLE:
+                    # A free slot whose mutex a failed sweep left unrecoverable: nobody can
+                    # be waiting on it (only trylock touches lease mutexes), so start afresh.
+                    init_robust_mutex(&lease.ls_mutex)
+                    with nogil:
+                        rc = lease_call(holder, LEASE_TAKE, &lease.ls_mutex)
+                if rc != 0:
+                    continue
+                try:
+                    log_store_i32(self, <int32_t*>&lease.ls_state, HKV_LEASE_ACTIVE)
+                    log_store_i32(self, &lease.ls_pid, getpid())
+                    log_store_i64(self, <int64_t*>&lease.ls_generation, <int64_t>lease.ls_generation + 1)
+                    log_store_i64(self, &lease.ls_registered_ns, now_ns(CLOCK_REALTIME))
+                    log_store_i32(self, &self.hdr.hdr_active_leases, self.hdr.hdr_active_leases + 1)
+                    self.commit()
+                except BaseException:
+                    with nogil:
+                        lease_call(holder, LEASE_DROP, NULL)
+                    raise
+                self.lease_slot = slot
+                self.lease_generation = lease.ls_generation
+                self.fork_epoch = _fork_epoch
+                return slot
+            raise CapacityError(
+                f"segment {self.name!r}: all {self.hdr.hdr_config.cfg_max_processes} lease slots "
+                "are held by live processes; raise max_processes",
+                resource="lease slots", needed=1, available=0)
+        finally:
+            self.end()
+
+    def _release_lease(self):
+        """Gives this process's lease slot back, then lets the lease thread unlock it."""
+        cdef HkvLease* lease
+        if self.lease_slot < 0:
+            return
+        self.begin()
+        try:
+            lease = self.lease_at(self.lease_slot)
+            if lease.ls_state == HKV_LEASE_ACTIVE and lease.ls_generation == self.lease_generation:
+                for i in range(_num_dead_lease_hooks):
+                    _dead_lease_hooks[i](self, self.lease_slot)
+                log_store_i32(self, <int32_t*>&lease.ls_state, HKV_LEASE_FREE)
+                log_store_i32(self, &self.hdr.hdr_active_leases, self.hdr.hdr_active_leases - 1)
+            self.commit()
+        finally:
+            self.end()
+        self.lease_slot = -1
+        with nogil:
+            lease_call(<LeaseHolder*>self.lease_holder, LEASE_DROP, NULL)
+
+    cdef int sweep_leases(self) except -1:
+        """Within an open mutation: frees the lease of every process that has died."""
+        cdef HkvLease* lease
+        cdef int32_t slot
+        cdef int rc
+        for slot in range(self.hdr.hdr_config.cfg_max_processes):
+            if slot == self.lease_slot:
+                continue
+            lease = self.lease_at(slot)
+            if lease.ls_state == HKV_LEASE_FREE:
+                continue
+            if lease.ls_state != HKV_LEASE_ACTIVE:
+                self.corrupt(f"lease slot {slot} has state {lease.ls_state}")
+            rc = pthread_mutex_trylock(&lease.ls_mutex)
+            if rc == EBUSY:
+                continue                       # its lease thread holds it: alive
+            if rc == EOWNERDEAD:
+                pthread_mutex_consistent(&lease.ls_mutex)
+            if rc == 0 or rc == EOWNERDEAD:
+                # Unheld or owner-dead: the process is gone (a live one always holds it).
+                pthread_mutex_unlock(&lease.ls_mutex)
+            elif rc != ENOTRECOVERABLE:
+                raise os_error(rc, f"probe lease slot {slot}", self.name)
+            for i in range(_num_dead_lease_hooks):
+                _dead_lease_hooks[i](self, slot)
+            log_store_i32(self, <int32_t*>&lease.ls_state, HKV_LEASE_FREE)
+            log_store_i32(self, &self.hdr.hdr_active_leases, self.hdr.hdr_active_leases - 1)
+            log_store_i64(self, &self.hdr.hdr_stats.st_leases_reaped,
+                          self.hdr.hdr_stats.st_leases_reaped + 1)
+        log_store_i64(self, &self.hdr.hdr_last_sweep_ns, now_ns(CLOCK_MONOTONIC))
+        return 0
+
+    def reap(self):
+        """Sweeps the lease table now: releases what dead processes held. Returns how many."""
+        cdef int64_t before
+        self.begin()
+        try:
+            before = self.hdr.hdr_stats.st_leases_reaped
+            self.sweep_leases()
+            reaped = self.hdr.hdr_stats.st_leases_reaped - before
+            self.commit()
+        finally:
+            self.end()
+        return reaped
+
+    def _after_fork(self):
+        """In a forked child: forget the parent's lease (its thread is not here) and take one."""
+        self.lease_slot = -1
+        self.lease_holder = NULL        # the parent's holder; its thread does not exist here
+        self.exports = 0
+        self.fork_epoch = _fork_epoch
+        self._register_lease()
+
+    # -- closing -----------------------------------------------------------------------------
+
+    def close(self):
+        """Gives the lease up and unmaps. Raises BufferError while pool views are alive."""
+        if self.closed:
+            return
+        if self.exports:
+            raise BufferError(
+                f"segment {self.name!r}: {self.exports} numpy/torch view(s) of the page pool "
+                "are still alive; delete them before close()")
+        try:
+            if self.fork_epoch == _fork_epoch and self.lease_slot >= 0:
+                self._release_lease()
+        finally:
+            if self.lease_holder != NULL and self.fork_epoch == _fork_epoch:
+                with nogil:
+                    lease_holder_stop(<LeaseHolder*>self.lease_holder)
+            self.lease_holder = NULL
+            self._unmap()
+
+    def _unmap(self):
+        if self.base != NULL:
+            munmap(self.base, self.size)
+        self.base = NULL
+        self.hdr = NULL
+        self.closed = True
+
+    def __dealloc__(self):
+        if self.base != NULL and self.exports == 0:
+            try:
+                self.close()
+            except BaseException:
+                pass
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def config_values(self):
+        """The header's config as a dict of HostKVConfig field values (kv layout separate)."""
+        self._check_open()
+        cdef dict c = self.hdr.hdr_config
+        values = {pyname: c[cname] for pyname, cname in _CONFIG_FIELDS}
+        values["enable_prefix_reuse"] = bool(values["enable_prefix_reuse"])
+        layout = None
+        if c["cfg_kv_num_layers"]:
+            layout = (c["cfg_kv_num_layers"], c["cfg_kv_num_kv_heads"], c["cfg_kv_head_dim"],
+                      c["cfg_kv_dtype_code"])
+        return values, layout
+
+    def header_info(self):
+        """A snapshot of the header (format, regions, state, counters) as plain dicts."""
+        self._check_open()
+        cdef dict hdr = self.hdr[0]
+        return {
+            "format": dict(hdr["hdr_format"]),
+            "regions": dict(hdr["hdr_regions"]),
+            "state": hdr["hdr_state"],
+            "creator_pid": hdr["hdr_creator_pid"],
+            "generation": hdr["hdr_generation"],
+            "free_pages": hdr["hdr_free_pages"],
+            "active_leases": hdr["hdr_active_leases"],
+            "undo_count": hdr["hdr_undo_count"],
+            "stats": {k: v for k, v in dict(hdr["hdr_stats"]).items() if k != "st_reserved"},
+        }
+
+    def leases(self):
+        """The lease table: (slot, state, pid, generation, registered_ns) of every used slot."""
+        cdef HkvLease* lease
+        self._check_open()
+        out = []
+        for slot in range(self.hdr.hdr_config.cfg_max_processes):
+            lease = self.lease_at(slot)
+            if lease.ls_state != HKV_LEASE_FREE:
+                out.append((slot, lease.ls_state, lease.ls_pid, lease.ls_generation,
+                            lease.ls_registered_ns))
+        return out
+
+    @property
+    def lease_slot_index(self):
+        """This process's lease slot, or -1."""
+        return self.lease_slot
+
+    def check_header(self):
+        """Checks this layer's invariants (call with the lock held, via _locked_check)."""
+        cdef HkvLease* lease
+        cdef int32_t active = 0
+        if self.hdr.hdr_magic != HKV_MAGIC:
+            self.corrupt("bad magic")
+        if self.hdr.hdr_undo_count != 0:
+            self.corrupt(f"undo log holds {self.hdr.hdr_undo_count} entries outside a mutation")
+        for slot in range(self.hdr.hdr_config.cfg_max_processes):
+            lease = self.lease_at(slot)
+            if lease.ls_state == HKV_LEASE_ACTIVE:
+                active += 1
+            elif lease.ls_state != HKV_LEASE_FREE:
+                self.corrupt(f"lease slot {slot} has state {lease.ls_state}")
+        if active != self.hdr.hdr_active_leases:
+            self.corrupt(f"{active} active lease slots, header counts {self.hdr.hdr_active_leases}")
+        if self.lease_slot >= 0 and self.fork_epoch == _fork_epoch:
+            lease = self.lease_at(self.lease_slot)
+            if lease.ls_state != HKV_LEASE_ACTIVE or lease.ls_generation != self.lease_generation:
+                self.corrupt(f"this process's lease (slot {self.lease_slot}) was taken away")
+
+    def run_locked(self, fn, *args):
+        """Calls fn(*args) holding the lock as a read-only step (no mutation is opened)."""
+        self.begin()
+        try:
+            return fn(*args)
+        finally:
+            self.end()
+
+    def _check_open(self):
+        if self.closed:
+            raise ValueError("the segment is closed")
+
+    # -- the page pool's bytes -----------------------------------------------------------------
+
+    def pool_address(self):
+        """The address of the page pool in this process (for views; changes per process)."""
+        self._check_open()
+        return <size_t>(self.base + self.hdr.hdr_regions.reg_pool)
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        # The page pool as a writable uint8 [num_pages, page_bytes] buffer: numpy and torch
+        # views keep this object alive and counted, so close() can refuse to unmap under them.
+        if self.closed:
+            raise ValueError("the segment is closed")
+        self.exports += 1
+        view.buf = self.base + self.hdr.hdr_regions.reg_pool
+        view.obj = self
+        view.len = self.hdr.hdr_config.cfg_num_pages * self.hdr.hdr_config.cfg_page_bytes
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = NULL
+        if flags & PyBUF_FORMAT:
+            view.format = b"B"
+        view.ndim = 2
+        view.shape = <Py_ssize_t*>&self._pool_shape[0]
+        view.strides = <Py_ssize_t*>&self._pool_strides[0]
+        view.suboffsets = NULL
+        view.internal = NULL
+        self._pool_shape[0] = self.hdr.hdr_config.cfg_num_pages
+        self._pool_shape[1] = self.hdr.hdr_config.cfg_page_bytes
+        self._pool_strides[0] = self.hdr.hdr_config.cfg_page_bytes
+        self._pool_strides[1] = 1
+
+    def __releasebuffer__(self, Py_buffer* view):
+        self.exports -= 1
+
+
+cdef extern from *:
+    """
+    static inline void __atomic_store_release_u32(uint32_t* p, uint32_t v) {
+        __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    }
+    static inline uint32_t __atomic_load_acquire_u32(uint32_t* p) {
+        return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    }
+    """
+    void __atomic_store_release_u32(uint32_t* p, uint32_t v) noexcept nogil
+    uint32_t __atomic_load_acquire_u32(uint32_t* p) noexcept nogil

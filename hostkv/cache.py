@@ -1,0 +1,292 @@
+"""HostKVCache: one process's handle on a shared hostkv segment.
+
+The compiled modules do everything that touches shared memory; this class is the public
+face over them: create or attach, stats, check, reap, zero-copy views of the page pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import posix_ipc
+
+from hostkv import _pages, _segment
+from hostkv.config import HostKVConfig, KVLayout, dtype_from_code
+from hostkv.errors import ConfigError, IncompatibleSegmentError, translate_posix_ipc
+
+__all__ = ["CacheStats", "HostKVCache"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    """A consistent snapshot of a segment's counters, shared by every process.
+
+    Attributes:
+        free_pages: Pages no one references.
+        cached_pages: Pages held by the radix tree.
+        borrowed_pages: Tree pages that a live sequence holds too (not evictable).
+        active_sequences: Live sequences across all processes.
+        active_processes: Attached processes (live leases).
+        lookups: Allocation requests that looked for a prefix.
+        lookup_tokens: Their prompt tokens.
+        hit_tokens: Their reused tokens.
+        evicted_pages: Tree pages evicted so far.
+        pages_allocated: Pages handed out so far.
+        pages_freed: Pages returned to the free list so far.
+        recoveries: Mutations rolled back after a crash or an exception.
+        leases_reaped: Dead processes whose references were released.
+        generation: Committed mutations so far.
+    """
+
+    free_pages: int
+    cached_pages: int
+    borrowed_pages: int
+    active_sequences: int
+    active_processes: int
+    lookups: int
+    lookup_tokens: int
+    hit_tokens: int
+    evicted_pages: int
+    pages_allocated: int
+    pages_freed: int
+    recoveries: int
+    leases_reaped: int
+    generation: int
+
+
+class HostKVCache:
+    """A handle on a hostkv segment: the shared page pool and prefix cache.
+
+    Make one with :meth:`create` (a new segment) or :meth:`attach` (an existing one). Each
+    handle holds a lease on the segment until :meth:`close`; a process that dies without
+    closing has its lease, and what its sequences held, reclaimed by the others. Usable as a
+    context manager (closes on exit; :meth:`unlink` removes the segment's name).
+    """
+
+    def __init__(self, segment: _segment.Segment) -> None:
+        """Wraps an open Segment; use create() or attach() instead."""
+        self._segment = segment
+        values, layout = segment.config_values()
+        if layout is not None:
+            num_layers, num_kv_heads, head_dim, dtype_code = layout
+            try:
+                dtype = dtype_from_code(dtype_code)
+            except ConfigError as exc:
+                raise IncompatibleSegmentError(f"segment {segment.name!r}: {exc}") from None
+            values["kv_layout"] = KVLayout(num_layers, num_kv_heads, head_dim, dtype)
+        self._config = HostKVConfig(**values)
+
+    @classmethod
+    def create(cls, name: str, config: HostKVConfig, *, lock_timeout: float = 10.0) -> "HostKVCache":
+        """Creates the segment `name` (mode 0600, memory reserved up front) and attaches.
+
+        Args:
+            name: Letters, digits, '-', '_' and '.', at most 200 characters.
+            config: The configuration; 0 capacities are derived (apply_runtime_defaults).
+            lock_timeout: Seconds any operation waits for the segment's lock.
+
+        Raises:
+            ValueError: A bad name or timeout.
+            ConfigError: A bad config.
+            SegmentExistsError: The name is taken.
+            SegmentError: The OS refused (errno ENOSPC when /dev/shm is too full).
+        """
+        if not isinstance(config, HostKVConfig):
+            raise ConfigError(f"config must be a HostKVConfig, got {type(config).__name__}")
+        resolved = config.apply_runtime_defaults()
+        return cls(_segment.Segment.create(name, resolved, lock_timeout=lock_timeout))
+
+    @classmethod
+    def attach(
+        cls,
+        name: str,
+        *,
+        expected_config: Optional[HostKVConfig] = None,
+        lock_timeout: float = 10.0,
+        ready_timeout: float = 5.0,
+        trust_other_users: bool = False,
+    ) -> "HostKVCache":
+        """Attaches to an existing segment, reading its config from the header.
+
+        Args:
+            name: The segment's name.
+            expected_config: If given, the segment's config must equal it once resolved.
+            lock_timeout: Seconds any operation waits for the segment's lock.
+            ready_timeout: Seconds to wait for a segment still being created.
+            trust_other_users: Attach even if another user owns the segment or other users
+                may write it.
+
+        Raises:
+            SegmentNotFoundError: No segment of that name.
+            ForeignSegmentError: Owned by another user or writable by others.
+            IncompatibleSegmentError: Another format, a short segment, a config other than
+                expected_config, or a creator that never finished.
+        """
+        segment = _segment.Segment.attach(
+            name, lock_timeout=lock_timeout, ready_timeout=ready_timeout,
+            trust_other_users=trust_other_users)
+        try:
+            cache = cls(segment)
+            if expected_config is not None:
+                cache._compare_config(expected_config.apply_runtime_defaults())
+        except BaseException:
+            segment.close()
+            raise
+        return cache
+
+    def _compare_config(self, expected: HostKVConfig) -> None:
+        differing = [
+            f"{field.name}: segment has {getattr(self._config, field.name)!r}, "
+            f"expected {getattr(expected, field.name)!r}"
+            for field in dataclasses.fields(HostKVConfig)
+            if getattr(self._config, field.name) != getattr(expected, field.name)
+        ]
+        if differing:
+            raise IncompatibleSegmentError(
+                f"segment {self.name!r} has another config: " + "; ".join(differing))
+
+    @staticmethod
+    def unlink_segment(name: str) -> None:
+        """Removes the segment's name; processes that mapped it keep their mapping.
+
+        Raises:
+            SegmentNotFoundError: No segment of that name.
+        """
+        posix_name = _segment.check_name(name)
+        try:
+            posix_ipc.unlink_shared_memory(posix_name)
+        except posix_ipc.Error as exc:
+            raise translate_posix_ipc(exc, "unlink segment", name, creating=False) from None
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The segment's name (without the leading '/')."""
+        return self._segment.name
+
+    @property
+    def config(self) -> HostKVConfig:
+        """The segment's resolved configuration, as stored in its header."""
+        return self._config
+
+    @property
+    def closed(self) -> bool:
+        """True after close()."""
+        return self._segment.closed
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        """A consistent snapshot of the shared counters (taken under the lock)."""
+        info = self._segment.run_locked(self._segment.header_info)
+        st = info["stats"]
+        return CacheStats(
+            free_pages=info["free_pages"],
+            cached_pages=0,
+            borrowed_pages=0,
+            active_sequences=0,
+            active_processes=info["active_leases"],
+            lookups=0,
+            lookup_tokens=0,
+            hit_tokens=0,
+            evicted_pages=0,
+            pages_allocated=st["st_pages_allocated"],
+            pages_freed=st["st_pages_freed"],
+            recoveries=st["st_recoveries"],
+            leases_reaped=st["st_leases_reaped"],
+            generation=info["generation"],
+        )
+
+    def check(self) -> None:
+        """Walks every invariant of the segment under the lock.
+
+        Raises:
+            CorruptionError: The first broken invariant, named.
+        """
+        self._segment.run_locked(self._check_locked)
+
+    def _check_locked(self) -> None:
+        self._segment.check_header()
+        _pages.check_pages(self._segment)
+
+    def reap(self) -> int:
+        """Releases what dead processes held, now. Returns how many dead processes it found."""
+        return self._segment.reap()
+
+    def pages_array(self) -> np.ndarray:
+        """The page pool as a writable uint8 array [num_pages, page_bytes], without copying.
+
+        The array keeps the mapping alive: close() raises while any view exists.
+        """
+        return np.asarray(self._segment)
+
+    def pages_tensor(self, dtype: Any = None, shape: Optional[Tuple[int, ...]] = None) -> Any:
+        """The page pool as a torch tensor, without copying.
+
+        Args:
+            dtype: A torch dtype; defaults to the KVLayout's dtype, or torch.uint8.
+            shape: The tensor's shape; its first dimension must be num_pages and the rest
+                must hold exactly page_bytes. Defaults to (num_pages, *kv_layout.page_shape)
+                with a KVLayout, else (num_pages, page_bytes).
+
+        Raises:
+            ImportError: torch is not installed (pip install 'hostkv[torch]').
+            ValueError: The dtype and shape do not tile a page exactly.
+        """
+        try:
+            import torch
+        except ImportError as exc:
+            raise ImportError(
+                "pages_tensor needs torch; install it with pip install 'hostkv[torch]'") from exc
+        cfg = self._config
+        layout = cfg.kv_layout
+        if dtype is None:
+            dtype = getattr(torch, layout.dtype) if layout is not None else torch.uint8
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if shape is None:
+            if layout is not None and dtype == getattr(torch, layout.dtype):
+                shape = (cfg.num_pages,) + tuple(layout.page_shape(cfg.page_size))
+            else:
+                itemsize = torch.empty((), dtype=dtype).element_size()
+                if cfg.page_bytes % itemsize:
+                    raise ValueError(
+                        f"page_bytes {cfg.page_bytes} is not a multiple of {dtype}'s "
+                        f"{itemsize} bytes")
+                shape = (cfg.num_pages, cfg.page_bytes // itemsize)
+        shape = tuple(int(d) for d in shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_page = itemsize * int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else itemsize
+        if not shape or shape[0] != cfg.num_pages or per_page != cfg.page_bytes or min(shape) <= 0:
+            raise ValueError(
+                f"shape {shape} of {dtype} does not tile the pool: the first dimension must be "
+                f"num_pages={cfg.num_pages} and the rest must hold page_bytes={cfg.page_bytes}")
+        flat = self.pages_array().reshape(-1)
+        return torch.from_numpy(flat).view(dtype).view(shape)
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Gives up this process's lease and unmaps the segment (the segment lives on).
+
+        Raises:
+            BufferError: numpy or torch views of the pool are still alive.
+        """
+        self._segment.close()
+
+    def unlink(self) -> None:
+        """Removes the segment's name, so no new process can attach (mappings live on)."""
+        self.unlink_segment(self.name)
+
+    def __enter__(self) -> "HostKVCache":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self._config.num_pages} pages"
+        return f"<HostKVCache {self.name!r} {state}>"

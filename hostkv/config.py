@@ -1,0 +1,433 @@
+"""Configuration of a hostkv segment: :class:`HostKVConfig` and :class:`KVLayout`.
+
+A config is validated when it is built, so a bad value is a :class:`~hostkv.errors.ConfigError`
+(also a ``ValueError``) naming the field and the value, before any shared memory exists.
+Capacities left at 0 mean "derive"; :meth:`HostKVConfig.apply_runtime_defaults` returns the
+resolved config, which is the one stored in the segment header.
+
+This module must stay importable without torch (and without numpy): torch dtypes are
+recognised by their ``str()``, numpy dtypes only when numpy is already imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import sys
+import types
+from typing import Any, Mapping, Optional, Tuple
+
+from hostkv.errors import ConfigError
+
+__all__ = ["DTYPE_CODES", "HostKVConfig", "KVLayout", "dtype_from_code"]
+
+# Records address each other by int32 index, so every count of records (and the number of
+# token slots, num_pages * page_size) must stay below this.
+_INT32_LIMIT = 2**31
+
+# The page pool is num_pages * page_bytes bytes; 64 TiB is far beyond any host's memory and
+# keeps every byte offset well inside int64 arithmetic in the compiled layer.
+_MAX_POOL_BYTES = 2**46
+
+_MAX_PAGE_SIZE = 65536
+_MAX_PROCESSES = 4096
+
+_ENV_PREFIX_REUSE = "HOSTKV_ENABLE_PREFIX_REUSE"
+
+#: Stable small-integer code of each supported KV dtype. The code, not the name, is stored
+#: in the segment header, so these values must never change; new dtypes get new codes.
+DTYPE_CODES: Mapping[str, int] = types.MappingProxyType(
+    {
+        "float16": 1,
+        "bfloat16": 2,
+        "float32": 3,
+        "float64": 4,
+        "float8_e4m3fn": 5,
+        "float8_e5m2": 6,
+        "int8": 7,
+        "uint8": 8,
+    }
+)
+
+_ITEMSIZES: Mapping[str, int] = types.MappingProxyType(
+    {
+        "float16": 2,
+        "bfloat16": 2,
+        "float32": 4,
+        "float64": 8,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "int8": 1,
+        "uint8": 1,
+    }
+)
+
+_CODE_TO_DTYPE: Mapping[int, str] = types.MappingProxyType(
+    {code: name for name, code in DTYPE_CODES.items()}
+)
+
+
+def dtype_from_code(code: int) -> str:
+    """Return the dtype name stored in a segment header as ``code``.
+
+    Args:
+        code: A value of :data:`DTYPE_CODES`.
+
+    Returns:
+        The dtype's name, e.g. ``"bfloat16"``.
+
+    Raises:
+        ConfigError: ``code`` is not a known dtype code.
+    """
+    if isinstance(code, bool) or not isinstance(code, int) or code not in _CODE_TO_DTYPE:
+        raise ConfigError(
+            f"dtype code must be one of {sorted(_CODE_TO_DTYPE)}, got {code!r}"
+        )
+    return _CODE_TO_DTYPE[code]
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _as_int(value: Any, field: str) -> int:
+    """Return ``value`` as a Python int, accepting numpy integers but not bool or float."""
+    # bool is an int subclass, but num_pages=True is always a mistake.
+    if isinstance(value, bool):
+        raise ConfigError(f"{field} must be an integer, got {_describe(value)}")
+    try:
+        # operator.index accepts int and numpy integers and refuses float and str.
+        return operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{field} must be an integer, got {_describe(value)}") from None
+
+
+def _positive_int(value: Any, field: str) -> int:
+    result = _as_int(value, field)
+    if result <= 0:
+        raise ConfigError(f"{field} must be a positive integer, got {result}")
+    return result
+
+
+def _dtype_name(dtype: Any) -> str:
+    """Normalise a dtype given as a name, a torch dtype or a numpy dtype to its name."""
+    name: Optional[str] = None
+    if isinstance(dtype, str):
+        name = dtype
+    elif str(dtype).startswith("torch."):
+        # torch.float16 prints as "torch.float16"; matching the text keeps torch unimported.
+        name = str(dtype)
+    else:
+        numpy = sys.modules.get("numpy")
+        # A numpy dtype can only exist if numpy is already imported: no need to import it.
+        if numpy is not None:
+            if isinstance(dtype, numpy.dtype):
+                name = dtype.name
+            elif isinstance(dtype, type) and issubclass(dtype, numpy.generic):
+                name = numpy.dtype(dtype).name
+    if name is not None and name.startswith("torch."):
+        name = name[len("torch."):]
+    if name not in DTYPE_CODES:
+        raise ConfigError(
+            f"KVLayout.dtype must be one of {', '.join(DTYPE_CODES)}, got {dtype!r}"
+        )
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """The shape of the KV cache one page holds.
+
+    A page holds, for each layer, K then V for ``page_size`` tokens, each token's K (or V)
+    being ``[num_kv_heads, head_dim]`` elements of ``dtype``: the page's shape is
+    ``(num_layers, 2, page_size, num_kv_heads, head_dim)``, C-contiguous.
+
+    Attributes:
+        num_layers: Transformer layers, > 0.
+        num_kv_heads: KV heads per layer (after GQA/MQA grouping), > 0.
+        head_dim: Elements per head, > 0.
+        dtype: Element type, one of the names in :data:`DTYPE_CODES`. A numpy dtype or a
+            torch dtype is accepted and stored as its name (``torch.bfloat16`` becomes
+            ``"bfloat16"``).
+
+    Raises:
+        ConfigError: A field is not a positive integer, or the dtype is not supported.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        # object.__setattr__: the dataclass is frozen, and normalising here keeps equality
+        # and hashing on canonical values (numpy int 8 and int 8 give equal layouts).
+        for field in ("num_layers", "num_kv_heads", "head_dim"):
+            value = _positive_int(getattr(self, field), f"KVLayout.{field}")
+            object.__setattr__(self, field, value)
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of :attr:`dtype`."""
+        return _ITEMSIZES[self.dtype]
+
+    @property
+    def dtype_code(self) -> int:
+        """The code of :attr:`dtype` stored in the segment header (see :data:`DTYPE_CODES`)."""
+        return DTYPE_CODES[self.dtype]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of KV per token: K and V, for every layer, head and head element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of one page of ``page_size`` tokens.
+
+        Args:
+            page_size: Tokens per page, > 0.
+
+        Returns:
+            ``page_size * token_bytes``.
+
+        Raises:
+            ConfigError: ``page_size`` is not a positive integer.
+        """
+        return _positive_int(page_size, "page_size") * self.token_bytes
+
+    def page_shape(self, page_size: int) -> Tuple[int, int, int, int, int]:
+        """Shape of one page viewed as an array of :attr:`dtype`.
+
+        Args:
+            page_size: Tokens per page, > 0.
+
+        Returns:
+            ``(num_layers, 2, page_size, num_kv_heads, head_dim)``: for each layer, K
+            (index 0) then V (index 1), each ``[page_size, num_kv_heads, head_dim]``.
+
+        Raises:
+            ConfigError: ``page_size`` is not a positive integer.
+        """
+        page_size = _positive_int(page_size, "page_size")
+        return (self.num_layers, 2, page_size, self.num_kv_heads, self.head_dim)
+
+
+# Fields where 0 means "derive in apply_runtime_defaults".
+_DERIVED_FIELDS = (
+    "radix_node_capacity",
+    "sequence_page_node_capacity",
+    "max_sequences",
+    "max_processes",
+    "undo_log_capacity",
+)
+
+
+def _env_prefix_reuse() -> Optional[bool]:
+    """Read HOSTKV_ENABLE_PREFIX_REUSE: None when unset or empty, else its boolean value."""
+    raw = os.environ.get(_ENV_PREFIX_REUSE)
+    # An empty value counts as unset, so `HOSTKV_ENABLE_PREFIX_REUSE= cmd` clears it.
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("0", "false"):
+        return False
+    raise ConfigError(
+        f"{_ENV_PREFIX_REUSE} must be 0, 1, false or true, got {raw!r}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKVConfig:
+    """The configuration of one segment.
+
+    Give the page size in bytes either as ``page_bytes`` or as a ``kv_layout`` (which
+    derives it); when both are given they must agree. Capacities set to 0 are derived by
+    :meth:`apply_runtime_defaults`; a config stored in a segment is always resolved.
+
+    Attributes:
+        num_pages: Pages in the pool, > 0 and < 2**31.
+        page_size: Tokens per page: a power of two, at most 65536. Only full pages are
+            reusable.
+        page_bytes: Bytes per page. 0 means "take it from ``kv_layout``".
+        kv_layout: The KV shape of a page, or None when only ``page_bytes`` is known (the
+            pool is then raw bytes to the cache).
+        enable_prefix_reuse: Whether allocation matches and borrows cached prefixes and
+            commit caches pages. Overridden by the environment variable
+            ``HOSTKV_ENABLE_PREFIX_REUSE`` (``0``/``1``/``false``/``true``) in
+            :meth:`apply_runtime_defaults`.
+        prefix_min_reuse_pages: The fewest matched pages worth borrowing, >= 1; a shorter
+            match is ignored.
+        prefix_min_store_pages: The fewest full pages worth committing to the tree, >= 1.
+        radix_node_capacity: Radix-tree node records. 0 derives ``max(4096, num_pages // 2)``.
+        sequence_page_node_capacity: Records of sequences' page lists. 0 derives
+            ``4 * num_pages``.
+        max_sequences: Live sequences across all processes. 0 derives
+            ``min(num_pages, 4096)``.
+        max_processes: Lease slots, i.e. processes attached at once, at most 4096. 0
+            derives 64.
+        undo_log_capacity: Undo-log entries. 0 derives ``8 * num_pages + 65536``.
+
+    Raises:
+        ConfigError: A field has the wrong type or is out of range, ``page_bytes`` and
+            ``kv_layout`` disagree or are both missing, a count would not fit an int32
+            index, or the pool would exceed 2**46 bytes.
+    """
+
+    num_pages: int
+    page_size: int = 16
+    page_bytes: int = 0
+    kv_layout: Optional[KVLayout] = None
+    enable_prefix_reuse: bool = True
+    prefix_min_reuse_pages: int = 1
+    prefix_min_store_pages: int = 1
+    radix_node_capacity: int = 0
+    sequence_page_node_capacity: int = 0
+    max_sequences: int = 0
+    max_processes: int = 0
+    undo_log_capacity: int = 0
+
+    def __post_init__(self) -> None:
+        # Types first, normalised to plain ints (object.__setattr__: the class is frozen),
+        # so every later check and the header writer see Python ints.
+        for field in (
+            "num_pages",
+            "page_size",
+            "page_bytes",
+            "prefix_min_reuse_pages",
+            "prefix_min_store_pages",
+        ) + _DERIVED_FIELDS:
+            value = _as_int(getattr(self, field), f"HostKVConfig.{field}")
+            object.__setattr__(self, field, value)
+        if not isinstance(self.enable_prefix_reuse, bool):
+            raise ConfigError(
+                "HostKVConfig.enable_prefix_reuse must be a bool, got "
+                f"{_describe(self.enable_prefix_reuse)}"
+            )
+        if self.kv_layout is not None and not isinstance(self.kv_layout, KVLayout):
+            raise ConfigError(
+                "HostKVConfig.kv_layout must be a KVLayout or None, got "
+                f"{_describe(self.kv_layout)}"
+            )
+
+        if self.num_pages <= 0:
+            raise ConfigError(
+                f"HostKVConfig.num_pages must be a positive integer, got {self.num_pages}"
+            )
+        page_size = self.page_size
+        if page_size <= 0 or page_size & (page_size - 1) or page_size > _MAX_PAGE_SIZE:
+            raise ConfigError(
+                "HostKVConfig.page_size must be a power of two between 1 and "
+                f"{_MAX_PAGE_SIZE}, got {page_size}"
+            )
+        if self.page_bytes < 0:
+            raise ConfigError(
+                f"HostKVConfig.page_bytes must be >= 0 (0: from kv_layout), got {self.page_bytes}"
+            )
+        for field in ("prefix_min_reuse_pages", "prefix_min_store_pages"):
+            if getattr(self, field) < 1:
+                raise ConfigError(
+                    f"HostKVConfig.{field} must be >= 1, got {getattr(self, field)}"
+                )
+        for field in _DERIVED_FIELDS:
+            if getattr(self, field) < 0:
+                raise ConfigError(
+                    f"HostKVConfig.{field} must be >= 0 (0: derive), got {getattr(self, field)}"
+                )
+        if self.max_processes > _MAX_PROCESSES:
+            raise ConfigError(
+                f"HostKVConfig.max_processes must be at most {_MAX_PROCESSES}, "
+                f"got {self.max_processes}"
+            )
+
+        if self.kv_layout is not None:
+            layout_bytes = self.kv_layout.page_bytes(page_size)
+            if self.page_bytes == 0:
+                object.__setattr__(self, "page_bytes", layout_bytes)
+            elif self.page_bytes != layout_bytes:
+                raise ConfigError(
+                    f"HostKVConfig.page_bytes is {self.page_bytes} but kv_layout gives "
+                    f"{layout_bytes} bytes per page of {page_size} tokens"
+                )
+        elif self.page_bytes == 0:
+            raise ConfigError(
+                "HostKVConfig: give page_bytes or kv_layout "
+                "(page_bytes is 0 and kv_layout is None)"
+            )
+
+        for field in ("num_pages",) + _DERIVED_FIELDS:
+            value = getattr(self, field)
+            if value >= _INT32_LIMIT:
+                raise ConfigError(
+                    f"HostKVConfig.{field} must be < 2**31 (int32 indexes), got {value}"
+                )
+        token_slots = self.num_pages * page_size
+        if token_slots >= _INT32_LIMIT:
+            raise ConfigError(
+                f"HostKVConfig.num_pages * page_size must be < 2**31 token slots (int32 "
+                f"indexes), got {self.num_pages} * {page_size} = {token_slots}"
+            )
+        pool_bytes = self.num_pages * self.page_bytes
+        if pool_bytes > _MAX_POOL_BYTES:
+            raise ConfigError(
+                f"HostKVConfig.num_pages * page_bytes must be at most 2**46 bytes, got "
+                f"{self.num_pages} * {self.page_bytes} = {pool_bytes}"
+            )
+
+    @property
+    def is_resolved(self) -> bool:
+        """True when no capacity is left at 0 ("derive"); see :meth:`apply_runtime_defaults`."""
+        return all(getattr(self, field) != 0 for field in _DERIVED_FIELDS)
+
+    def apply_runtime_defaults(self) -> HostKVConfig:
+        """Return the resolved config: every 0 capacity derived, environment applied.
+
+        Derived values (only where the field is 0):
+
+        - ``radix_node_capacity``: ``max(4096, num_pages // 2)``; nodes span several pages,
+          so half a node per page is plenty, with a floor for small pools.
+        - ``sequence_page_node_capacity``: ``4 * num_pages``.
+        - ``max_sequences``: ``min(num_pages, 4096)``; a live sequence holds at least one page.
+        - ``max_processes``: 64.
+        - ``undo_log_capacity``: ``8 * num_pages + 65536``; every store to shared state
+          during a mutation is logged before it is made, and a batch that touches every
+          page writes a few entries per page (refcount, token ids, list links), plus a
+          fixed allowance for the tree and sequence records.
+
+        ``HOSTKV_ENABLE_PREFIX_REUSE``, when set to ``0``, ``1``, ``false`` or ``true``
+        (any case), overrides ``enable_prefix_reuse``; empty counts as unset.
+
+        Applying it to a resolved config returns an equal config (it is idempotent).
+
+        Returns:
+            A new :class:`HostKVConfig` with :attr:`is_resolved` true.
+
+        Raises:
+            ConfigError: The environment variable has another value, or a derived value
+                would not fit an int32 index (set that field explicitly).
+        """
+        derived = {
+            "radix_node_capacity": max(4096, self.num_pages // 2),
+            "sequence_page_node_capacity": 4 * self.num_pages,
+            "max_sequences": min(self.num_pages, 4096),
+            "max_processes": 64,
+            "undo_log_capacity": 8 * self.num_pages + 65536,
+        }
+        changes: dict = {}
+        for field, value in derived.items():
+            if getattr(self, field) != 0:
+                continue
+            if value >= _INT32_LIMIT:
+                raise ConfigError(
+                    f"HostKVConfig.{field} derived from num_pages={self.num_pages} is "
+                    f"{value}, which does not fit an int32 index; set {field} explicitly"
+                )
+            changes[field] = value
+        reuse = _env_prefix_reuse()
+        if reuse is not None:
+            changes["enable_prefix_reuse"] = reuse
+        # replace() runs __post_init__ again, so the resolved config is validated whole.
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,61 @@
+"""Shared fixtures: every test gets its own segment name, unlinked afterwards, failures included."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import posix_ipc
+import pytest
+
+import hostkv
+
+
+def _unlink_quietly(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory("/" + name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+@pytest.fixture
+def segment_name(request):
+    """A fresh segment name; the segment (if any test created it) is unlinked in teardown."""
+    names = []
+
+    def make(suffix: str = "") -> str:
+        name = f"hostkv-test-{os.getpid()}-{uuid.uuid4().hex[:12]}{suffix}"
+        names.append(name)
+        return name
+
+    name = make()
+    request.node.extra_segment_name = make
+    yield name
+    for n in names:
+        _unlink_quietly(n)
+
+
+@pytest.fixture
+def new_name(request, segment_name):
+    """A factory for further unique names, unlinked in teardown like segment_name."""
+    return request.node.extra_segment_name
+
+
+def small_config(**overrides) -> hostkv.HostKVConfig:
+    """A small pool suitable for unit tests."""
+    values = dict(num_pages=32, page_size=4, page_bytes=64, max_processes=8)
+    values.update(overrides)
+    return hostkv.HostKVConfig(**values)
+
+
+@pytest.fixture
+def cache(segment_name):
+    """A freshly created small cache, closed and unlinked in teardown."""
+    c = hostkv.HostKVCache.create(segment_name, small_config())
+    try:
+        yield c
+    finally:
+        try:
+            c.close()
+        except BufferError:
+            pass
