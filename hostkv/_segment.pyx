@@ -344,6 +344,12 @@ cdef class Segment:
         self.crash_countdown = 0
         self.crash_mode = CRASH_EXIT
         self.exports = 0
+        armed = os.environ.get("HOSTKV_CRASH_AT")
+        if armed:
+            # Test-only, for crashing inside attach or recovery, before a caller could arm
+            # it: "N" or "N:mode", counted from this segment's first logged store.
+            step, _, mode = armed.partition(":")
+            self._arm_crash_point(int(step), mode or "exit")
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -702,14 +708,18 @@ cdef class Segment:
         """Takes a free lease slot for this process and has the lease thread hold its mutex."""
         cdef LeaseHolder* holder
         cdef HkvLease* lease
-        cdef int32_t slot
+        cdef int32_t slot, attempt
         cdef int rc
         if self.lease_holder == NULL:
             self.lease_holder = lease_holder_start()
         holder = <LeaseHolder*>self.lease_holder
         self.begin()
         try:
-            for slot in range(self.hdr.hdr_config.cfg_max_processes):
+            for attempt in range(2 * self.hdr.hdr_config.cfg_max_processes):
+                if attempt == self.hdr.hdr_config.cfg_max_processes:
+                    # Every slot taken: reclaim the slots of dead processes, then look again.
+                    self.sweep_leases()
+                slot = attempt % self.hdr.hdr_config.cfg_max_processes
                 lease = self.lease_at(slot)
                 if lease.ls_state != HKV_LEASE_FREE:
                     continue
@@ -978,3 +988,71 @@ cdef extern from *:
     """
     void __atomic_store_release_u32(uint32_t* p, uint32_t v) noexcept nogil
     uint32_t __atomic_load_acquire_u32(uint32_t* p) noexcept nogil
+
+
+cdef dict _offsets(const char* base, list fields):
+    return {name: <Py_ssize_t>(<const char*><size_t>addr - base) for name, addr in fields}
+
+
+def layout_info():
+    """The byte offset of every header and lease field and each struct's size.
+
+    tests/test_layout.py pins these: a change here is a format change (bump
+    HKV_LAYOUT_VERSION).
+    """
+    cdef HkvHeader h
+    cdef HkvLease l
+    cdef HkvUndoEntry u
+    cdef HkvSlab s
+    cdef const char* hb = <const char*>&h
+    header = _offsets(hb, [
+        ("hdr_magic", <size_t>&h.hdr_magic),
+        ("hdr_format", <size_t>&h.hdr_format),
+        ("fmt_layout_version", <size_t>&h.hdr_format.fmt_layout_version),
+        ("fmt_mutex_size", <size_t>&h.hdr_format.fmt_mutex_size),
+        ("fmt_slab_size", <size_t>&h.hdr_format.fmt_slab_size),
+        ("hdr_config", <size_t>&h.hdr_config),
+        ("cfg_num_pages", <size_t>&h.hdr_config.cfg_num_pages),
+        ("cfg_page_bytes", <size_t>&h.hdr_config.cfg_page_bytes),
+        ("cfg_page_size", <size_t>&h.hdr_config.cfg_page_size),
+        ("cfg_max_processes", <size_t>&h.hdr_config.cfg_max_processes),
+        ("cfg_undo_log_capacity", <size_t>&h.hdr_config.cfg_undo_log_capacity),
+        ("cfg_kv_dtype_code", <size_t>&h.hdr_config.cfg_kv_dtype_code),
+        ("hdr_regions", <size_t>&h.hdr_regions),
+        ("reg_leases", <size_t>&h.hdr_regions.reg_leases),
+        ("reg_undo", <size_t>&h.hdr_regions.reg_undo),
+        ("reg_page_refcounts", <size_t>&h.hdr_regions.reg_page_refcounts),
+        ("reg_page_free_stack", <size_t>&h.hdr_regions.reg_page_free_stack),
+        ("reg_page_tokens", <size_t>&h.hdr_regions.reg_page_tokens),
+        ("reg_pool", <size_t>&h.hdr_regions.reg_pool),
+        ("reg_total_size", <size_t>&h.hdr_regions.reg_total_size),
+        ("hdr_state", <size_t>&h.hdr_state),
+        ("hdr_creator_pid", <size_t>&h.hdr_creator_pid),
+        ("hdr_generation", <size_t>&h.hdr_generation),
+        ("hdr_last_sweep_ns", <size_t>&h.hdr_last_sweep_ns),
+        ("hdr_free_pages", <size_t>&h.hdr_free_pages),
+        ("hdr_active_leases", <size_t>&h.hdr_active_leases),
+        ("hdr_undo_count", <size_t>&h.hdr_undo_count),
+        ("hdr_stats", <size_t>&h.hdr_stats),
+        ("st_recoveries", <size_t>&h.hdr_stats.st_recoveries),
+        ("hdr_mutex", <size_t>&h.hdr_mutex),
+    ])
+    lease = _offsets(<const char*>&l, [
+        ("ls_mutex", <size_t>&l.ls_mutex),
+        ("ls_state", <size_t>&l.ls_state),
+        ("ls_pid", <size_t>&l.ls_pid),
+        ("ls_generation", <size_t>&l.ls_generation),
+        ("ls_registered_ns", <size_t>&l.ls_registered_ns),
+    ])
+    undo = _offsets(<const char*>&u, [("ue_where", <size_t>&u.ue_where), ("ue_old", <size_t>&u.ue_old)])
+    slab = _offsets(<const char*>&s, [
+        ("sl_capacity", <size_t>&s.sl_capacity), ("sl_record_size", <size_t>&s.sl_record_size),
+        ("sl_free_head", <size_t>&s.sl_free_head), ("sl_used", <size_t>&s.sl_used)])
+    return {
+        "layout_version": HKV_LAYOUT_VERSION,
+        "magic": HKV_MAGIC,
+        "sizes": {"HkvHeader": sizeof(HkvHeader), "HkvLease": sizeof(HkvLease),
+                  "HkvUndoEntry": sizeof(HkvUndoEntry), "HkvSlab": sizeof(HkvSlab),
+                  "pthread_mutex_t": sizeof(pthread_mutex_t)},
+        "header": header, "lease": lease, "undo": undo, "slab": slab,
+    }

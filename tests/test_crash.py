@@ -1,0 +1,155 @@
+"""Crash at every step of every mutation of the segment layer, and exceptions in between."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import hostkv
+from hostkv import _pages
+
+from conftest import small_config
+from crashlib import CRASH_STATUS, crash_every_step, raise_every_step, run_in_child, snapshot
+
+
+# -- the operations: op(cache, ctx) performs one mutation ------------------------------------
+
+def alloc_three(cache, ctx):
+    _pages.alloc_pages(cache._segment, 3)
+
+
+def free_given(cache, ctx):
+    _pages.free_pages(cache._segment, ctx)
+
+
+def attach_only(cache, ctx):
+    """The child's attach is the operation (armed through the environment)."""
+
+
+def close_lease(cache, ctx):
+    cache.close()
+
+
+def reap_dead(cache, ctx):
+    cache.reap()
+
+
+def _dead_child(name):
+    """A process that attaches and dies without closing: a dead lease to reap."""
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            cache = hostkv.HostKVCache.attach(name)  # noqa: F841 - kept alive until _exit
+            status = 0
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _prepare_pages(cache):
+    """Some pages allocated, one of them twice referenced, so free has both cases."""
+    held = _pages.alloc_pages(cache._segment, 4)
+    return held
+
+
+@pytest.fixture
+def crash_cache(segment_name):
+    cache = hostkv.HostKVCache.create(segment_name, small_config(num_pages=16, max_processes=4))
+    yield cache
+    cache.close()
+
+
+def expect_allocated(n):
+    def check(before, after):
+        if after.free_pages != before.free_pages - n:
+            return f"free pages {before.free_pages} -> {after.free_pages}, expected -{n}"
+        return None
+    return check
+
+
+def test_page_allocate_crash_at_every_step(crash_cache):
+    _prepare_pages(crash_cache)
+    steps = crash_every_step(crash_cache, alloc_three, expect_after=expect_allocated(3))
+    assert steps >= 5  # 3 refcounts, free count, counter, generation
+
+
+def test_page_free_crash_at_every_step(crash_cache):
+    held = _prepare_pages(crash_cache)
+    steps = crash_every_step(crash_cache, free_given, ctx=held[:3], expect_after=expect_allocated(-3))
+    assert steps >= 9
+
+
+def test_lease_register_crash_at_every_step(crash_cache):
+    # The child's attach (registration, then a sweep) is armed from its environment.
+    steps = crash_every_step(crash_cache, attach_only, env_crash=True)
+    assert steps >= 5
+
+
+def test_lease_release_crash_at_every_step(crash_cache):
+    steps = crash_every_step(crash_cache, close_lease)
+    assert steps >= 2
+
+
+def test_reap_crash_at_every_step(crash_cache):
+    # Every round needs a dead lease to reap, and crash_every_step reaps before it compares,
+    # so this loop is written out: a dead child, then an armed child whose attach sweeps it.
+    for step in range(1, 50):
+        _dead_child(crash_cache.name)
+        seg = crash_cache._segment
+        assert len(seg.leases()) == 2
+        status = run_in_child(crash_cache.name, lambda c, _: None, None, step, env_crash=True)
+        # The armed child's attach sweeps (and reaps) the dead lease: it crashed in there,
+        # or completed it.
+        crash_cache.check()
+        if status == 0:
+            break
+        assert status == CRASH_STATUS
+        crash_cache.reap()
+        crash_cache.check()
+        assert len(seg.leases()) == 1
+    else:
+        raise AssertionError("attach with a sweep never completed")
+    crash_cache.reap()
+    assert len(crash_cache._segment.leases()) == 1
+
+
+def test_crash_during_recovery_is_recovered(crash_cache):
+    """A process killed while replaying the undo log leaves it to the next locker."""
+    held = _prepare_pages(crash_cache)
+    before = snapshot(crash_cache)
+    # Leave a mutation half done: 6 logged stores of the free of three pages.
+    assert run_in_child(crash_cache.name, free_given, held[:3], 6) == CRASH_STATUS
+    # Now crash the recovering process at each step of its replay until one finishes.
+    for step in range(1, 40):
+        status = run_in_child(crash_cache.name, attach_only, None, step, env_crash=True)
+        if status == 0:
+            break
+        assert status == CRASH_STATUS
+    else:
+        raise AssertionError("recovery never completed")
+    assert step > 2, "the replay should have had several steps to crash at"
+    assert snapshot(crash_cache) == before
+
+
+@pytest.mark.parametrize("mode", ["keyboard_interrupt", "memory_error"])
+def test_exception_mid_mutation_rolls_back(crash_cache, mode):
+    held = _prepare_pages(crash_cache)
+    assert raise_every_step(crash_cache, alloc_three, None, mode) >= 5
+    assert raise_every_step(crash_cache, free_given, held[:3], mode) >= 9
+    recoveries = crash_cache.stats().recoveries
+    assert recoveries > 0
+    crash_cache.check()
+
+
+def test_undo_log_full_is_capacity_error_and_rolls_back(segment_name):
+    cfg = small_config(num_pages=64, undo_log_capacity=16)
+    with hostkv.HostKVCache.create(segment_name, cfg) as cache:
+        before = snapshot(cache)
+        with pytest.raises(hostkv.CapacityError, match="undo log") as info:
+            _pages.alloc_pages(cache._segment, 40)
+        assert info.value.resource == "undo log"
+        assert snapshot(cache) == before
