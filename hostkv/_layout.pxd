@@ -12,7 +12,12 @@
 #   reg_page_refcounts  int32[num_pages]     references to each page (tree + sequences); 0 = free
 #   reg_page_free_stack int32[num_pages]     free page indexes; entries [0, hdr_free_pages) valid
 #   reg_page_tokens     int32[num_pages * page_size]  the token ids whose KV each page holds
-#   reg_*_slab          HkvSlab header + records     fixed-size record pools (see _slab.pxd)
+#   reg_page_next       int32[num_pages]     next page of the same radix node; -1 ends a
+#                                            node, -2: the page is not in the tree
+#   reg_radix_nodes     HkvSlab + HkvRadixNode[radix_node_capacity]  the tree's nodes
+#   reg_radix_table     int32[rt_table_capacity]  child hash table: (parent, first-page hash)
+#                                            -> node, open addressing, -1 = empty
+#   reg_radix_heap      int32[radix_node_capacity]  min-heap of evictable leaves by last access
 #   reg_pool            uint8[num_pages * page_bytes]  the KV bytes; the only region engines write
 #
 # Field prefixes say which struct a name belongs to (as LMDB's mdb.c does). Per-process slots
@@ -32,7 +37,7 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 1u
+    #define HKV_LAYOUT_VERSION 2u
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
 
@@ -47,6 +52,8 @@ cdef extern from *:
         uint32_t fmt_lease_size;       /* sizeof(HkvLease) */
         uint32_t fmt_undo_entry_size;  /* sizeof(HkvUndoEntry) */
         uint32_t fmt_slab_size;        /* sizeof(HkvSlab) */
+        uint32_t fmt_radix_node_size;  /* sizeof(HkvRadixNode) */
+        uint32_t fmt_reserved;
     } HkvFormat;
 
     /* The resolved HostKVConfig, so that attach needs no config of its own. */
@@ -76,19 +83,39 @@ cdef extern from *:
         int64_t reg_page_refcounts;
         int64_t reg_page_free_stack;
         int64_t reg_page_tokens;
+        int64_t reg_page_next;
+        int64_t reg_radix_nodes;
+        int64_t reg_radix_table;
+        int64_t reg_radix_heap;
         int64_t reg_pool;
         int64_t reg_total_size;                  /* the whole segment; attach compares fstat */
-        int64_t reg_reserved;
     } HkvRegions;
 
     /* Counters every process adds to; they survive the process that counted. */
     typedef struct {
         int64_t st_pages_allocated;
         int64_t st_pages_freed;
-        int64_t st_recoveries;                   /* undo logs replayed after a death or error */
+        int64_t st_recoveries;                   /* undo logs of dead lock holders replayed */
         int64_t st_leases_reaped;                /* dead processes found by a sweep */
-        int64_t st_reserved[4];
+        int64_t st_lookups;                      /* prefix borrows (allocation requests) */
+        int64_t st_lookup_tokens;                /* their tokens */
+        int64_t st_hit_tokens;                   /* their tokens served from the tree */
+        int64_t st_inserted_pages;               /* pages the tree adopted */
+        int64_t st_evicted_pages;                /* pages the tree let go to make room */
+        int64_t st_rollbacks;                    /* mutations undone after an exception */
+        int64_t st_reserved[2];
     } HkvStats;
+
+    /* The radix tree's bookkeeping; every count is kept exactly, O(1) per change. */
+    typedef struct {
+        int64_t rt_tick;                         /* logical clock of borrows and commits */
+        int32_t rt_table_capacity;               /* power of two, >= 2 * radix_node_capacity */
+        int32_t rt_heap_size;                    /* evictable leaves */
+        int64_t rt_cached_pages;                 /* pages held by the tree */
+        int64_t rt_protected_pages;              /* pages of nodes some borrower has locked */
+        int64_t rt_evictable_leaf_pages;         /* pages of the nodes in the heap */
+        int64_t rt_reserved;
+    } HkvRadixState;
 
     enum {
         HKV_STATE_INITIALISING = 1,              /* creator still writing; attach waits */
@@ -110,6 +137,7 @@ cdef extern from *:
         int32_t hdr_reserved0;
         int64_t hdr_undo_count;                  /* entries of the open mutation's undo log; 0 = none open */
         HkvStats hdr_stats;
+        HkvRadixState hdr_radix;
         /* The one lock over all shared state: robust, process-shared, normal type, no
            priority inheritance (PI and error-checking mutexes compare TIDs, which break
            across PID namespaces). On its own cache line. */
@@ -145,12 +173,36 @@ cdef extern from *:
         int32_t sl_used;                         /* records in use */
     } HkvSlab;
 
+    /* The first field of every slab record. */
+    typedef struct {
+        int32_t sr_next_free;                    /* the next free record while free; -1 ends */
+        int32_t sr_in_use;                       /* 1 in use, 0 free: recovery rebuilds the free list from it */
+    } HkvSlabRecord;
+
+    /* A radix-tree node: a run of one or more full pages under its parent. Its pages are
+       rn_first_page and the pages reached from it through reg_page_next. */
+    typedef struct {
+        HkvSlabRecord rn_slab;
+        int32_t rn_parent;                       /* -1: a top-level node of namespace rn_namespace */
+        int32_t rn_num_pages;                    /* >= 1 */
+        int32_t rn_first_page;
+        int32_t rn_num_children;
+        int32_t rn_lock_count;                   /* locked paths running through this node */
+        int32_t rn_heap_pos;                     /* index in the eviction heap, -1 if not an evictable leaf */
+        uint64_t rn_namespace;
+        uint64_t rn_key_hash;                    /* hash of the first page's token ids */
+        int64_t rn_last_access;                  /* rt_tick of the last borrow or commit through it */
+        int64_t rn_reserved;
+    } HkvRadixNode;
+
     #define HKV_UNDO_WIDTH_SHIFT 56
     #define HKV_UNDO_OFFSET_MASK ((1ULL << HKV_UNDO_WIDTH_SHIFT) - 1)
 
     _Static_assert(sizeof(HkvLease) % HKV_CACHE_LINE == 0, "lease slots fill whole cache lines");
     _Static_assert(offsetof(HkvHeader, hdr_mutex) % HKV_CACHE_LINE == 0, "mutex on its own line");
     _Static_assert(sizeof(HkvUndoEntry) == 16, "undo entries are two words");
+    _Static_assert(sizeof(HkvRadixNode) == 64, "a radix node is one cache line");
+    _Static_assert(offsetof(HkvRadixNode, rn_slab) == 0, "slab records start with HkvSlabRecord");
     """
     uint64_t HKV_MAGIC
     uint32_t HKV_LAYOUT_VERSION
@@ -175,6 +227,8 @@ cdef extern from *:
         uint32_t fmt_lease_size
         uint32_t fmt_undo_entry_size
         uint32_t fmt_slab_size
+        uint32_t fmt_radix_node_size
+        uint32_t fmt_reserved
 
     ctypedef struct HkvConfig:
         int64_t cfg_num_pages
@@ -200,16 +254,34 @@ cdef extern from *:
         int64_t reg_page_refcounts
         int64_t reg_page_free_stack
         int64_t reg_page_tokens
+        int64_t reg_page_next
+        int64_t reg_radix_nodes
+        int64_t reg_radix_table
+        int64_t reg_radix_heap
         int64_t reg_pool
         int64_t reg_total_size
-        int64_t reg_reserved
 
     ctypedef struct HkvStats:
         int64_t st_pages_allocated
         int64_t st_pages_freed
         int64_t st_recoveries
         int64_t st_leases_reaped
-        int64_t st_reserved[4]
+        int64_t st_lookups
+        int64_t st_lookup_tokens
+        int64_t st_hit_tokens
+        int64_t st_inserted_pages
+        int64_t st_evicted_pages
+        int64_t st_rollbacks
+        int64_t st_reserved[2]
+
+    ctypedef struct HkvRadixState:
+        int64_t rt_tick
+        int32_t rt_table_capacity
+        int32_t rt_heap_size
+        int64_t rt_cached_pages
+        int64_t rt_protected_pages
+        int64_t rt_evictable_leaf_pages
+        int64_t rt_reserved
 
     ctypedef struct HkvHeader:
         uint64_t hdr_magic
@@ -225,6 +297,7 @@ cdef extern from *:
         int32_t hdr_reserved0
         int64_t hdr_undo_count
         HkvStats hdr_stats
+        HkvRadixState hdr_radix
         pthread_mutex_t hdr_mutex
 
     ctypedef struct HkvLease:
@@ -243,3 +316,20 @@ cdef extern from *:
         int32_t sl_record_size
         int32_t sl_free_head
         int32_t sl_used
+
+    ctypedef struct HkvSlabRecord:
+        int32_t sr_next_free
+        int32_t sr_in_use
+
+    ctypedef struct HkvRadixNode:
+        HkvSlabRecord rn_slab
+        int32_t rn_parent
+        int32_t rn_num_pages
+        int32_t rn_first_page
+        int32_t rn_num_children
+        int32_t rn_lock_count
+        int32_t rn_heap_pos
+        uint64_t rn_namespace
+        uint64_t rn_key_hash
+        int64_t rn_last_access
+        int64_t rn_reserved

@@ -7,7 +7,7 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t
 
 from hostkv._layout cimport HkvHeader
-from hostkv._segment cimport Segment, add_rederive_hook, log_store_i32, log_store_i64
+from hostkv._segment cimport Segment, add_rederive_hook, check_open, log_store_i32, log_store_i64
 
 from hostkv.errors import CorruptionError, OutOfPagesError
 
@@ -105,6 +105,7 @@ def alloc_pages(Segment seg, int64_t count):
         OutOfPagesError: fewer than `count` pages are free (nothing changes).
     """
     cdef cnp.ndarray[int32_t, ndim=1] out = np.empty(max(count, 0), dtype=np.int32)
+    check_open(seg)
     if count < 0:
         raise ValueError(f"page count must be >= 0, got {count}")
     seg.begin()
@@ -123,8 +124,10 @@ def free_pages(Segment seg, pages):
         ValueError: a page index outside the pool (nothing changes).
         CorruptionError: a page that is already free (nothing changes).
     """
-    cdef cnp.ndarray[int32_t, ndim=1] arr = _page_array(seg, pages)
+    cdef cnp.ndarray[int32_t, ndim=1] arr
     cdef Py_ssize_t i
+    check_open(seg)
+    arr = _page_array(seg, pages)
     seg.begin()
     try:
         for i in range(arr.shape[0]):
@@ -135,6 +138,7 @@ def free_pages(Segment seg, pages):
 
 
 def _page_array(Segment seg, pages):
+    check_open(seg)
     arr = np.asarray(pages)
     if arr.ndim != 1 or not (arr.dtype.kind in "iu" or arr.size == 0):
         raise ValueError(f"pages must be a 1-D sequence of integers, got {arr.dtype} shape {arr.shape}")
@@ -146,18 +150,24 @@ def _page_array(Segment seg, pages):
 
 def refcounts(Segment seg):
     """A copy of every page's refcount (read under the caller's lock for a consistent view)."""
-    cdef int32_t[::1] view = <int32_t[:seg.hdr.hdr_config.cfg_num_pages]>page_refcounts(seg)
+    cdef int32_t[::1] view
+    check_open(seg)
+    view = <int32_t[:seg.hdr.hdr_config.cfg_num_pages]>page_refcounts(seg)
     return np.array(view, dtype=np.int32, copy=True)
 
 
 def check_pages(Segment seg):
     """Checks the pool's invariants; call with the lock held. Raises CorruptionError."""
-    cdef int32_t* refcounts = page_refcounts(seg)
-    cdef int32_t* stack = page_free_stack(seg)
-    cdef int64_t n = seg.hdr.hdr_config.cfg_num_pages
-    cdef int64_t free_pages = seg.hdr.hdr_free_pages
+    cdef int32_t* refcounts
+    cdef int32_t* stack
+    cdef int64_t n, free_pages
     cdef int64_t i, zero = 0
     cdef int32_t page
+    check_open(seg)
+    refcounts = page_refcounts(seg)
+    stack = page_free_stack(seg)
+    n = seg.hdr.hdr_config.cfg_num_pages
+    free_pages = seg.hdr.hdr_free_pages
     if free_pages < 0 or free_pages > n:
         seg.corrupt(f"free page count {free_pages} outside [0, {n}]")
     seen = np.zeros(n, dtype=np.uint8)

@@ -39,17 +39,19 @@ cdef class Segment:
     cdef readonly bint closed
     cdef bint locked                    # this object holds hdr_mutex now
     cdef int64_t lock_timeout_ns
+    cdef int reaped_by_begin            # dead leases the sweep inside the last begin() freed
     cdef int64_t crash_countdown        # > 0: die (or raise) at that many more steps
     cdef int crash_mode
     cdef int32_t lease_slot             # -1: no lease
     cdef uint64_t lease_generation
     cdef void* lease_holder             # LeaseHolder*, process-private
     cdef long fork_epoch                # the module's epoch when this lease was taken
+    cdef uint64_t hash_mask             # ANDed into page hashes; tests force collisions with it
     cdef Py_ssize_t exports             # live buffer views of the page pool
     cdef Py_ssize_t _pool_shape[2]
     cdef Py_ssize_t _pool_strides[2]
 
-    cdef _map(self, str name, int fd, int64_t size)
+    cdef _map(self, name, int fd, int64_t size)
     cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions)
     cdef _bind_regions(self)
     cdef _validate(self)
@@ -61,6 +63,13 @@ cdef class Segment:
     cdef int corrupt(self, str what) except -1
     cdef int sweep_leases(self) except -1
     cdef HkvLease* lease_at(self, int32_t slot) except NULL
+
+
+cdef inline int check_open(Segment seg) except -1:
+    """Raises ValueError for a closed segment (its header is unmapped)."""
+    if seg.closed:
+        raise ValueError("the segment is closed")
+    return 0
 
 
 cdef int add_rederive_hook(rederive_hook hook) except -1

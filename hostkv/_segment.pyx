@@ -99,6 +99,7 @@ SEGMENT_MODE = 0o600
 DEFAULT_LOCK_TIMEOUT = 10.0
 DEFAULT_READY_TIMEOUT = 5.0
 SWEEP_INTERVAL_NS = 1_000_000_000
+MAX_TIMEOUT = 1e9            # about 31 years: beyond it a deadline in ns would overflow
 
 
 def check_name(name):
@@ -118,8 +119,9 @@ def check_timeout(what, value):
         seconds = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be a number of seconds, got {value!r}") from None
-    if not seconds > 0 or math.isinf(seconds):
-        raise ValueError(f"{what} must be a positive, finite number of seconds, got {value!r}")
+    if not 0 < seconds <= MAX_TIMEOUT:
+        raise ValueError(
+            f"{what} must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {value!r}")
     return seconds
 
 
@@ -246,6 +248,15 @@ cdef inline int64_t align_up(int64_t value, int64_t alignment) noexcept nogil:
     return (value + alignment - 1) // alignment * alignment
 
 
+cdef int64_t radix_table_capacity(int64_t node_capacity) noexcept nogil:
+    """The child hash table's slots: a power of two at least twice the node capacity, so
+    linear probing stays short (load factor <= 1/2)."""
+    cdef int64_t capacity = 16
+    while capacity < 2 * node_capacity:
+        capacity *= 2
+    return capacity
+
+
 cdef int compute_regions(const HkvConfig* cfg, HkvRegions* out) except -1:
     """Lays the regions out one after another. Both create and attach call this."""
     cdef int64_t at = align_up(sizeof(HkvHeader), HKV_CACHE_LINE)
@@ -259,7 +270,16 @@ cdef int compute_regions(const HkvConfig* cfg, HkvRegions* out) except -1:
     out.reg_page_free_stack = at
     at = align_up(at + cfg.cfg_num_pages * 4, HKV_CACHE_LINE)
     out.reg_page_tokens = at
-    at = align_up(at + cfg.cfg_num_pages * cfg.cfg_page_size * 4, 4096)
+    at = align_up(at + cfg.cfg_num_pages * cfg.cfg_page_size * 4, HKV_CACHE_LINE)
+    out.reg_page_next = at
+    at = align_up(at + cfg.cfg_num_pages * 4, HKV_CACHE_LINE)
+    out.reg_radix_nodes = at
+    at = align_up(at + sizeof(HkvSlab) + <int64_t>cfg.cfg_radix_node_capacity * sizeof(HkvRadixNode),
+                  HKV_CACHE_LINE)
+    out.reg_radix_table = at
+    at = align_up(at + radix_table_capacity(cfg.cfg_radix_node_capacity) * 4, HKV_CACHE_LINE)
+    out.reg_radix_heap = at
+    at = align_up(at + <int64_t>cfg.cfg_radix_node_capacity * 4, 4096)
     out.reg_pool = at
     out.reg_total_size = at + cfg.cfg_num_pages * cfg.cfg_page_bytes
     return 0
@@ -276,11 +296,13 @@ cdef HkvFormat expected_format() noexcept:
     fmt.fmt_lease_size = sizeof(HkvLease)
     fmt.fmt_undo_entry_size = sizeof(HkvUndoEntry)
     fmt.fmt_slab_size = sizeof(HkvSlab)
+    fmt.fmt_radix_node_size = sizeof(HkvRadixNode)
     return fmt
 
 
 _FORMAT_FIELDS = ("fmt_layout_version", "fmt_byte_order", "fmt_pointer_size", "fmt_mutex_size",
-                  "fmt_header_size", "fmt_lease_size", "fmt_undo_entry_size", "fmt_slab_size")
+                  "fmt_header_size", "fmt_lease_size", "fmt_undo_entry_size", "fmt_slab_size",
+                  "fmt_radix_node_size")
 
 # HostKVConfig field -> HkvConfig field. The KVLayout is stored as four fields.
 _CONFIG_FIELDS = (
@@ -344,6 +366,7 @@ cdef class Segment:
         self.crash_countdown = 0
         self.crash_mode = CRASH_EXIT
         self.exports = 0
+        self.hash_mask = <uint64_t>-1
         armed = os.environ.get("HOSTKV_CRASH_AT")
         if armed:
             # Test-only, for crashing inside attach or recovery, before a caller could arm
@@ -354,7 +377,7 @@ cdef class Segment:
     # -- opening ---------------------------------------------------------------------------
 
     @staticmethod
-    def create(str name, object config, lock_timeout=DEFAULT_LOCK_TIMEOUT):
+    def create(name, object config, lock_timeout=DEFAULT_LOCK_TIMEOUT):
         """Creates the segment `name` for a resolved HostKVConfig and attaches to it.
 
         Raises:
@@ -396,7 +419,7 @@ cdef class Segment:
         return seg
 
     @staticmethod
-    def attach(str name, lock_timeout=DEFAULT_LOCK_TIMEOUT, ready_timeout=DEFAULT_READY_TIMEOUT,
+    def attach(name, lock_timeout=DEFAULT_LOCK_TIMEOUT, ready_timeout=DEFAULT_READY_TIMEOUT,
                bint trust_other_users=False):
         """Attaches to an existing segment and takes a lease on it.
 
@@ -450,7 +473,7 @@ cdef class Segment:
             raise
         return seg
 
-    cdef _map(self, str name, int fd, int64_t size):
+    cdef _map(self, name, int fd, int64_t size):
         cdef void* addr
         with nogil:
             addr = mmap(NULL, <size_t>size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
@@ -468,6 +491,8 @@ cdef class Segment:
         """Writes a fresh header and tables. Nobody else reads them before state is READY."""
         cdef HkvHeader* hdr = self.hdr
         cdef int32_t* free_stack
+        cdef HkvSlab* slab
+        cdef int32_t* page_next
         cdef int64_t i, n = ccfg.cfg_num_pages
         hdr.hdr_state = HKV_STATE_INITIALISING
         hdr.hdr_format = expected_format()
@@ -485,6 +510,14 @@ cdef class Segment:
         for i in range(n):
             free_stack[i] = <int32_t>(n - 1 - i)
         hdr.hdr_free_pages = n
+        page_next = <int32_t*>(self.base + regions.reg_page_next)
+        for i in range(n):
+            page_next[i] = -2                  # not in the tree (see _radix.pxd)
+        hdr.hdr_radix.rt_table_capacity = <int32_t>radix_table_capacity(ccfg.cfg_radix_node_capacity)
+        memset(self.base + regions.reg_radix_table, 0xFF, hdr.hdr_radix.rt_table_capacity * 4)
+        slab = <HkvSlab*>(self.base + regions.reg_radix_nodes)
+        slab.sl_capacity = ccfg.cfg_radix_node_capacity
+        slab.sl_record_size = sizeof(HkvRadixNode)
         self._bind_regions()
         for i in range(_num_rederive_hooks):
             _rederive_hooks[i](self)
@@ -578,22 +611,25 @@ cdef class Segment:
             # state is consistent; if that fails, unlock without marking it consistent, so
             # every later locker gets ENOTRECOVERABLE -> CorruptionError.
             try:
-                self._recover()
+                self._recover(True)
             except BaseException:
                 self.hdr.hdr_state = HKV_STATE_CORRUPT
                 self.locked = False
                 pthread_mutex_unlock(&self.hdr.hdr_mutex)
                 raise
             pthread_mutex_consistent(&self.hdr.hdr_mutex)
-        if self.hdr.hdr_state != HKV_STATE_READY:
-            self.locked = False
-            pthread_mutex_unlock(&self.hdr.hdr_mutex)
-            raise CorruptionError(f"segment {self.name!r} is marked corrupt; unlink it")
-        if self.hdr.hdr_undo_count != 0:
-            self._recover()
-        if now_ns(CLOCK_MONOTONIC) - self.hdr.hdr_last_sweep_ns > SWEEP_INTERVAL_NS:
-            self.sweep_leases()
-            self.commit()
+        try:
+            if self.hdr.hdr_state != HKV_STATE_READY:
+                raise CorruptionError(f"segment {self.name!r} is marked corrupt; unlink it")
+            if self.hdr.hdr_undo_count != 0:
+                self._recover(True)
+            self.reaped_by_begin = 0
+            if now_ns(CLOCK_MONOTONIC) - self.hdr.hdr_last_sweep_ns > SWEEP_INTERVAL_NS:
+                self.reaped_by_begin = self.sweep_leases()
+                self.commit()
+        except BaseException:
+            self.end()          # rolls back a half-done sweep and unlocks
+            raise
         return 0
 
     cdef int commit(self) except -1:
@@ -611,7 +647,7 @@ cdef class Segment:
             return
         if self.hdr.hdr_undo_count != 0:
             try:
-                self._recover()
+                self._recover(False)
             except BaseException:
                 # Rollback itself found the segment unusable: mark it, so that nobody works
                 # on it again. The exception that brought us here is the one the caller sees.
@@ -619,8 +655,11 @@ cdef class Segment:
         self.locked = False
         pthread_mutex_unlock(&self.hdr.hdr_mutex)
 
-    def _recover(self):
+    def _recover(self, bint after_death):
         """Replays the undo log backwards, re-derives derived state, then clears the log.
+
+        after_death: the log is a dead holder's (counted as a recovery) rather than this
+        process's own failed mutation (counted as a rollback).
 
         Idempotent: a death in the middle of it leaves the log as it was, and the next
         locker replays it again (each entry restores the same old value).
@@ -654,8 +693,10 @@ cdef class Segment:
             _rederive_hooks[i](self)
         hkv_compiler_barrier()
         self.hdr.hdr_undo_count = 0
-        if n:
+        if n and after_death:
             self.hdr.hdr_stats.st_recoveries += 1
+        elif n:
+            self.hdr.hdr_stats.st_rollbacks += 1
 
     cdef int corrupt(self, str what) except -1:
         raise CorruptionError(f"segment {self.name!r}: {what}")
@@ -692,6 +733,10 @@ cdef class Segment:
         self.crash_mode = modes[mode]
         self.crash_countdown = step
 
+    def _set_hash_mask(self, uint64_t mask):
+        """Test hook: page hashes are ANDed with mask in this process (0: all collide)."""
+        self.hash_mask = mask
+
     @property
     def crash_steps_left(self):
         """Steps left before an armed crash point fires (0: disarmed or already fired)."""
@@ -717,8 +762,10 @@ cdef class Segment:
         try:
             for attempt in range(2 * self.hdr.hdr_config.cfg_max_processes):
                 if attempt == self.hdr.hdr_config.cfg_max_processes:
-                    # Every slot taken: reclaim the slots of dead processes, then look again.
+                    # Every slot taken: reclaim the slots of dead processes (a mutation of
+                    # its own, kept even if no slot comes free), then look again.
                     self.sweep_leases()
+                    self.commit()
                 slot = attempt % self.hdr.hdr_config.cfg_max_processes
                 lease = self.lease_at(slot)
                 if lease.ls_state != HKV_LEASE_FREE:
@@ -776,10 +823,12 @@ cdef class Segment:
             lease_call(<LeaseHolder*>self.lease_holder, LEASE_DROP, NULL)
 
     cdef int sweep_leases(self) except -1:
-        """Within an open mutation: frees the lease of every process that has died."""
+        """Within an open mutation: frees the lease of every process that has died.
+
+        Returns how many it freed."""
         cdef HkvLease* lease
         cdef int32_t slot
-        cdef int rc
+        cdef int rc, reaped = 0
         for slot in range(self.hdr.hdr_config.cfg_max_processes):
             if slot == self.lease_slot:
                 continue
@@ -804,17 +853,15 @@ cdef class Segment:
             log_store_i32(self, &self.hdr.hdr_active_leases, self.hdr.hdr_active_leases - 1)
             log_store_i64(self, &self.hdr.hdr_stats.st_leases_reaped,
                           self.hdr.hdr_stats.st_leases_reaped + 1)
+            reaped += 1
         log_store_i64(self, &self.hdr.hdr_last_sweep_ns, now_ns(CLOCK_MONOTONIC))
-        return 0
+        return reaped
 
     def reap(self):
         """Sweeps the lease table now: releases what dead processes held. Returns how many."""
-        cdef int64_t before
         self.begin()
         try:
-            before = self.hdr.hdr_stats.st_leases_reaped
-            self.sweep_leases()
-            reaped = self.hdr.hdr_stats.st_leases_reaped - before
+            reaped = self.reaped_by_begin + self.sweep_leases()
             self.commit()
         finally:
             self.end()
@@ -888,8 +935,10 @@ cdef class Segment:
             "generation": hdr["hdr_generation"],
             "free_pages": hdr["hdr_free_pages"],
             "active_leases": hdr["hdr_active_leases"],
+            "tree_nodes": (<HkvSlab*>(self.base + self.hdr.hdr_regions.reg_radix_nodes)).sl_used,
             "undo_count": hdr["hdr_undo_count"],
             "stats": {k: v for k, v in dict(hdr["hdr_stats"]).items() if k != "st_reserved"},
+            "radix": {k: v for k, v in dict(hdr["hdr_radix"]).items() if k != "rt_reserved"},
         }
 
     def leases(self):
@@ -1004,6 +1053,7 @@ def layout_info():
     cdef HkvLease l
     cdef HkvUndoEntry u
     cdef HkvSlab s
+    cdef HkvRadixNode n
     cdef const char* hb = <const char*>&h
     header = _offsets(hb, [
         ("hdr_magic", <size_t>&h.hdr_magic),
@@ -1024,6 +1074,10 @@ def layout_info():
         ("reg_page_refcounts", <size_t>&h.hdr_regions.reg_page_refcounts),
         ("reg_page_free_stack", <size_t>&h.hdr_regions.reg_page_free_stack),
         ("reg_page_tokens", <size_t>&h.hdr_regions.reg_page_tokens),
+        ("reg_page_next", <size_t>&h.hdr_regions.reg_page_next),
+        ("reg_radix_nodes", <size_t>&h.hdr_regions.reg_radix_nodes),
+        ("reg_radix_table", <size_t>&h.hdr_regions.reg_radix_table),
+        ("reg_radix_heap", <size_t>&h.hdr_regions.reg_radix_heap),
         ("reg_pool", <size_t>&h.hdr_regions.reg_pool),
         ("reg_total_size", <size_t>&h.hdr_regions.reg_total_size),
         ("hdr_state", <size_t>&h.hdr_state),
@@ -1035,6 +1089,14 @@ def layout_info():
         ("hdr_undo_count", <size_t>&h.hdr_undo_count),
         ("hdr_stats", <size_t>&h.hdr_stats),
         ("st_recoveries", <size_t>&h.hdr_stats.st_recoveries),
+        ("st_evicted_pages", <size_t>&h.hdr_stats.st_evicted_pages),
+        ("hdr_radix", <size_t>&h.hdr_radix),
+        ("rt_tick", <size_t>&h.hdr_radix.rt_tick),
+        ("rt_table_capacity", <size_t>&h.hdr_radix.rt_table_capacity),
+        ("rt_heap_size", <size_t>&h.hdr_radix.rt_heap_size),
+        ("rt_cached_pages", <size_t>&h.hdr_radix.rt_cached_pages),
+        ("rt_protected_pages", <size_t>&h.hdr_radix.rt_protected_pages),
+        ("rt_evictable_leaf_pages", <size_t>&h.hdr_radix.rt_evictable_leaf_pages),
         ("hdr_mutex", <size_t>&h.hdr_mutex),
     ])
     lease = _offsets(<const char*>&l, [
@@ -1048,11 +1110,17 @@ def layout_info():
     slab = _offsets(<const char*>&s, [
         ("sl_capacity", <size_t>&s.sl_capacity), ("sl_record_size", <size_t>&s.sl_record_size),
         ("sl_free_head", <size_t>&s.sl_free_head), ("sl_used", <size_t>&s.sl_used)])
+    node = _offsets(<const char*>&n, [
+        ("rn_slab", <size_t>&n.rn_slab), ("rn_parent", <size_t>&n.rn_parent),
+        ("rn_num_pages", <size_t>&n.rn_num_pages), ("rn_first_page", <size_t>&n.rn_first_page),
+        ("rn_num_children", <size_t>&n.rn_num_children), ("rn_lock_count", <size_t>&n.rn_lock_count),
+        ("rn_heap_pos", <size_t>&n.rn_heap_pos), ("rn_namespace", <size_t>&n.rn_namespace),
+        ("rn_key_hash", <size_t>&n.rn_key_hash), ("rn_last_access", <size_t>&n.rn_last_access)])
     return {
         "layout_version": HKV_LAYOUT_VERSION,
         "magic": HKV_MAGIC,
         "sizes": {"HkvHeader": sizeof(HkvHeader), "HkvLease": sizeof(HkvLease),
                   "HkvUndoEntry": sizeof(HkvUndoEntry), "HkvSlab": sizeof(HkvSlab),
-                  "pthread_mutex_t": sizeof(pthread_mutex_t)},
-        "header": header, "lease": lease, "undo": undo, "slab": slab,
+                  "HkvRadixNode": sizeof(HkvRadixNode), "pthread_mutex_t": sizeof(pthread_mutex_t)},
+        "header": header, "lease": lease, "undo": undo, "slab": slab, "radix_node": node,
     }

@@ -12,11 +12,25 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import posix_ipc
 
-from hostkv import _pages, _segment
+from hostkv import _pages, _radix, _segment
+from hostkv._tokens import as_namespace, as_tokens
 from hostkv.config import HostKVConfig, KVLayout, dtype_from_code
 from hostkv.errors import ConfigError, IncompatibleSegmentError, translate_posix_ipc
 
-__all__ = ["CacheStats", "HostKVCache"]
+__all__ = ["CacheStats", "HostKVCache", "PrefixMatch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached page-aligned prefix of a token sequence.
+
+    Attributes:
+        num_tokens: Tokens covered, a multiple of page_size (0 when nothing matched).
+        pages: The pages holding their KV, np.int32, num_tokens // page_size of them.
+    """
+
+    num_tokens: int
+    pages: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +47,13 @@ class CacheStats:
         lookup_tokens: Their prompt tokens.
         hit_tokens: Their reused tokens.
         evicted_pages: Tree pages evicted so far.
+        inserted_pages: Pages the tree adopted so far.
+        tree_nodes: Radix-tree node records in use.
+        evictable_pages: Cached pages no borrower protects (evictable, leaves first).
         pages_allocated: Pages handed out so far.
         pages_freed: Pages returned to the free list so far.
-        recoveries: Mutations rolled back after a crash or an exception.
+        recoveries: Mutations of dead lock holders rolled back.
+        rollbacks: Mutations rolled back after an exception in a live process.
         leases_reaped: Dead processes whose references were released.
         generation: Committed mutations so far.
     """
@@ -49,9 +67,13 @@ class CacheStats:
     lookup_tokens: int
     hit_tokens: int
     evicted_pages: int
+    inserted_pages: int
+    tree_nodes: int
+    evictable_pages: int
     pages_allocated: int
     pages_freed: int
     recoveries: int
+    rollbacks: int
     leases_reaped: int
     generation: int
 
@@ -183,19 +205,24 @@ class HostKVCache:
         """A consistent snapshot of the shared counters (taken under the lock)."""
         info = self._segment.run_locked(self._segment.header_info)
         st = info["stats"]
+        radix = info["radix"]
         return CacheStats(
             free_pages=info["free_pages"],
-            cached_pages=0,
-            borrowed_pages=0,
+            cached_pages=radix["rt_cached_pages"],
+            borrowed_pages=radix["rt_protected_pages"],
             active_sequences=0,
             active_processes=info["active_leases"],
-            lookups=0,
-            lookup_tokens=0,
-            hit_tokens=0,
-            evicted_pages=0,
+            lookups=st["st_lookups"],
+            lookup_tokens=st["st_lookup_tokens"],
+            hit_tokens=st["st_hit_tokens"],
+            evicted_pages=st["st_evicted_pages"],
+            inserted_pages=st["st_inserted_pages"],
+            tree_nodes=info["tree_nodes"],
+            evictable_pages=radix["rt_cached_pages"] - radix["rt_protected_pages"],
             pages_allocated=st["st_pages_allocated"],
             pages_freed=st["st_pages_freed"],
             recoveries=st["st_recoveries"],
+            rollbacks=st["st_rollbacks"],
             leases_reaped=st["st_leases_reaped"],
             generation=info["generation"],
         )
@@ -211,6 +238,25 @@ class HostKVCache:
     def _check_locked(self) -> None:
         self._segment.check_header()
         _pages.check_pages(self._segment)
+        _radix.check_tree(self._segment)
+
+    def match_prefix(self, tokens: Any, namespace: int = 0) -> PrefixMatch:
+        """The longest cached page-aligned prefix of tokens in namespace: a pure lookup.
+
+        It borrows nothing, refreshes no recency and counts in no stats; the pages may be
+        evicted as soon as it returns. Engines borrow through WorkerView's allocation.
+
+        Raises:
+            ValueError: token ids outside [0, 2**31), not integers, or a bad namespace.
+        """
+        arr = as_tokens(tokens)
+        pages = _radix.match(self._segment, arr, as_namespace(namespace))
+        return PrefixMatch(num_tokens=len(pages) * self._config.page_size, pages=pages)
+
+    def evict(self, num_pages: int) -> int:
+        """Evicts up to num_pages cached pages that no borrower holds, least recently used
+        leaves first. Returns how many pages the tree let go."""
+        return _radix.evict(self._segment, int(num_pages))
 
     def reap(self) -> int:
         """Releases what dead processes held, now. Returns how many dead processes it found."""
@@ -220,7 +266,12 @@ class HostKVCache:
         """The page pool as a writable uint8 array [num_pages, page_bytes], without copying.
 
         The array keeps the mapping alive: close() raises while any view exists.
+
+        Raises:
+            ValueError: the cache is closed.
         """
+        if self._segment.closed:
+            raise ValueError("the segment is closed")
         return np.asarray(self._segment)
 
     def pages_tensor(self, dtype: Any = None, shape: Optional[Tuple[int, ...]] = None) -> Any:

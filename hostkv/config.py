@@ -32,6 +32,8 @@ _MAX_POOL_BYTES = 2**46
 
 _MAX_PAGE_SIZE = 65536
 _MAX_PROCESSES = 4096
+# The smallest mutations (registering a lease, one radix insert) log a few dozen stores.
+_MIN_UNDO_LOG = 256
 
 _ENV_PREFIX_REUSE = "HOSTKV_ENABLE_PREFIX_REUSE"
 
@@ -337,6 +339,11 @@ class HostKVConfig:
                 raise ConfigError(
                     f"HostKVConfig.{field} must be >= 0 (0: derive), got {getattr(self, field)}"
                 )
+        if 0 < self.undo_log_capacity < _MIN_UNDO_LOG:
+            raise ConfigError(
+                f"HostKVConfig.undo_log_capacity must be 0 (derive) or at least {_MIN_UNDO_LOG}, "
+                f"got {self.undo_log_capacity}"
+            )
         if self.max_processes > _MAX_PROCESSES:
             raise ConfigError(
                 f"HostKVConfig.max_processes must be at most {_MAX_PROCESSES}, "

@@ -73,6 +73,8 @@ BAD_CONFIGS = [
      dict(num_pages=8, page_bytes=64, max_sequences=2**31), "max_sequences"),
     ("undo-negative", HostKVConfig, dict(num_pages=8, page_bytes=64, undo_log_capacity=-3),
      "undo_log_capacity"),
+    ("undo-too-small", HostKVConfig, dict(num_pages=8, page_bytes=64, undo_log_capacity=10),
+     "undo_log_capacity"),
     ("undo-int32", HostKVConfig, dict(num_pages=8, page_bytes=64, undo_log_capacity=2**31),
      "undo_log_capacity"),
     ("max_processes-too-large", HostKVConfig, dict(num_pages=8, page_bytes=64, max_processes=4097),
@@ -234,7 +236,7 @@ def test_defaults_large_pool():
 def test_explicit_values_kept():
     cfg = HostKVConfig(num_pages=100, page_bytes=64, radix_node_capacity=7,
                        sequence_page_node_capacity=9, max_sequences=3, max_processes=2,
-                       undo_log_capacity=11, enable_prefix_reuse=False)
+                       undo_log_capacity=300, enable_prefix_reuse=False)
     resolved = cfg.apply_runtime_defaults()
     assert resolved == cfg
     assert resolved.is_resolved and cfg.is_resolved

@@ -1,0 +1,945 @@
+# cython: language_level=3, embedsignature=True
+"""The radix-tree prefix cache in the segment: match, borrow (lock), insert, evict, check.
+
+Every function that changes the tree runs inside an open mutation and changes shared state
+only through logged stores, so an exception or a death at any step rolls back whole. The
+memory map is in _layout.pxd, the structure in _radix.pxd.
+"""
+
+import numpy as np
+cimport numpy as cnp
+
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.string cimport memcmp
+
+from hostkv._layout cimport HkvHeader, HkvRadixNode, HkvRadixState, HkvSlab, HkvSlabRecord
+from hostkv._segment cimport (
+    Segment, add_rederive_hook, check_open, log_store_i32, log_store_i64)
+from hostkv._slab cimport (
+    slab_alloc, slab_check, slab_check_index, slab_free, slab_record, slab_rederive)
+from hostkv._pages cimport check_page_index, page_decref, page_incref, page_refcounts
+
+from hostkv.errors import CapacityError, CorruptionError
+
+cnp.import_array()
+
+cdef enum:
+    NOT_IN_TREE = -2        # reg_page_next value of a page the tree does not hold
+    END_OF_NODE = -1
+
+
+# -- access ------------------------------------------------------------------------------------
+
+cdef Tree tree_of(Segment seg) noexcept:
+    cdef Tree t
+    cdef HkvHeader* hdr = seg.hdr
+    t.slab = <HkvSlab*>(seg.base + hdr.hdr_regions.reg_radix_nodes)
+    t.state = &hdr.hdr_radix
+    t.table = <int32_t*>(seg.base + hdr.hdr_regions.reg_radix_table)
+    t.heap = <int32_t*>(seg.base + hdr.hdr_regions.reg_radix_heap)
+    t.page_next = <int32_t*>(seg.base + hdr.hdr_regions.reg_page_next)
+    t.page_tokens = <int32_t*>(seg.base + hdr.hdr_regions.reg_page_tokens)
+    t.page_size = hdr.hdr_config.cfg_page_size
+    t.node_capacity = hdr.hdr_config.cfg_radix_node_capacity
+    t.num_pages = hdr.hdr_config.cfg_num_pages
+    t.table_mask = hdr.hdr_radix.rt_table_capacity - 1
+    t.hash_mask = seg.hash_mask
+    return t
+
+
+cdef inline HkvRadixNode* node_ptr(Tree* t, int32_t index) noexcept nogil:
+    return <HkvRadixNode*>slab_record(t.slab, index)
+
+
+cdef HkvRadixNode* node_at(Segment seg, Tree* t, int64_t index) except NULL:
+    """The in-use node at index, bounds-checked."""
+    cdef HkvRadixNode* node
+    if index < 0 or index >= t.node_capacity:
+        seg.corrupt(f"radix node index {index} outside [0, {t.node_capacity})")
+    node = node_ptr(t, <int32_t>index)
+    if node.rn_slab.sr_in_use != 1:
+        seg.corrupt(f"radix node {index} is referenced but free")
+    return node
+
+
+cdef inline const int32_t* tokens_of(Tree* t, int32_t page) noexcept nogil:
+    return t.page_tokens + <int64_t>page * t.page_size
+
+
+# -- hashing -----------------------------------------------------------------------------------
+
+cdef inline uint64_t mix64(uint64_t x) noexcept nogil:
+    # The finaliser of SplitMix64: every input bit affects every output bit.
+    x ^= x >> 30
+    x *= 0xBF58476D1CE4E5B9ULL
+    x ^= x >> 27
+    x *= 0x94D049BB133111EBULL
+    x ^= x >> 31
+    return x
+
+
+cdef inline uint64_t page_hash(Tree* t, const int32_t* tokens) noexcept nogil:
+    """A hash of one page's token ids. It only finds candidates: matches compare tokens."""
+    cdef uint64_t h = 0x9E3779B97F4A7C15ULL
+    cdef int32_t i
+    for i in range(t.page_size):
+        h = (h ^ <uint32_t>tokens[i]) * 0x100000001B3ULL
+        h ^= h >> 29
+    return mix64(h) & t.hash_mask
+
+
+cdef inline int64_t home_slot(Tree* t, int32_t parent, uint64_t namespace, uint64_t key_hash) noexcept nogil:
+    return <int64_t>(mix64(key_hash ^ mix64(<uint64_t>(parent + 1) ^ (namespace * 0x9E3779B97F4A7C15ULL)))
+                     & <uint64_t>t.table_mask)
+
+
+cdef inline bint pages_equal(Tree* t, const int32_t* a, const int32_t* b) noexcept nogil:
+    return memcmp(a, b, <size_t>t.page_size * 4) == 0
+
+
+# -- the child table ---------------------------------------------------------------------------
+
+cdef int32_t table_find(Tree* t, int32_t parent, uint64_t namespace, const int32_t* first_tokens) noexcept nogil:
+    """The child of parent whose first page holds first_tokens; -1 if none, -2 if corrupt."""
+    cdef uint64_t key_hash = page_hash(t, first_tokens)
+    cdef int64_t slot = home_slot(t, parent, namespace, key_hash)
+    cdef int64_t probes
+    cdef int32_t entry
+    cdef HkvRadixNode* node
+    for probes in range(t.table_mask + 1):
+        entry = t.table[slot]
+        if entry == -1:
+            return -1
+        if entry < 0 or entry >= t.node_capacity:
+            return -2
+        node = node_ptr(t, entry)
+        if (node.rn_parent == parent and node.rn_namespace == namespace
+                and node.rn_key_hash == key_hash):
+            if node.rn_first_page < 0 or node.rn_first_page >= t.num_pages:
+                return -2
+            if pages_equal(t, tokens_of(t, node.rn_first_page), first_tokens):
+                return entry
+        slot = (slot + 1) & t.table_mask
+    return -2
+
+
+cdef int64_t table_slot_of(Segment seg, Tree* t, int32_t index) except -1:
+    """The table slot that holds node index (probing from its home slot)."""
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    cdef int64_t slot = home_slot(t, node.rn_parent, node.rn_namespace, node.rn_key_hash)
+    cdef int64_t probes
+    for probes in range(t.table_mask + 1):
+        if t.table[slot] == index:
+            return slot
+        if t.table[slot] == -1:
+            break
+        slot = (slot + 1) & t.table_mask
+    seg.corrupt(f"radix node {index} is missing from the child table")
+
+
+cdef int table_insert(Segment seg, Tree* t, int32_t index) except -1:
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    cdef int64_t slot = home_slot(t, node.rn_parent, node.rn_namespace, node.rn_key_hash)
+    cdef int64_t probes
+    for probes in range(t.table_mask + 1):
+        if t.table[slot] == -1:
+            log_store_i32(seg, &t.table[slot], index)
+            return 0
+        slot = (slot + 1) & t.table_mask
+    seg.corrupt("the child table is full")
+
+
+cdef int table_remove(Segment seg, Tree* t, int32_t index) except -1:
+    """Removes a node by backward-shift deletion: no tombstones, probe runs stay short."""
+    cdef int64_t hole = table_slot_of(seg, t, index)
+    cdef int64_t slot = (hole + 1) & t.table_mask
+    cdef int64_t home
+    cdef int32_t entry
+    cdef HkvRadixNode* node
+    while True:
+        entry = t.table[slot]
+        if entry == -1:
+            break
+        node = node_at(seg, t, entry)
+        home = home_slot(t, node.rn_parent, node.rn_namespace, node.rn_key_hash)
+        # The entry may move back into the hole unless its home lies cyclically in (hole, slot].
+        if ((slot - home) & t.table_mask) >= ((slot - hole) & t.table_mask):
+            log_store_i32(seg, &t.table[hole], entry)
+            hole = slot
+        slot = (slot + 1) & t.table_mask
+    log_store_i32(seg, &t.table[hole], -1)
+    return 0
+
+
+# -- the eviction heap: evictable leaves by (last access, index) --------------------------------
+
+cdef inline bint heap_before(Tree* t, int32_t a, int32_t b) noexcept nogil:
+    cdef HkvRadixNode* na = node_ptr(t, a)
+    cdef HkvRadixNode* nb = node_ptr(t, b)
+    return na.rn_last_access < nb.rn_last_access or (
+        na.rn_last_access == nb.rn_last_access and a < b)
+
+
+cdef int heap_put(Segment seg, Tree* t, int32_t pos, int32_t index) except -1:
+    log_store_i32(seg, &t.heap[pos], index)
+    log_store_i32(seg, &node_at(seg, t, index).rn_heap_pos, pos)
+    return 0
+
+
+cdef int heap_sift(Segment seg, Tree* t, int32_t pos) except -1:
+    """Moves the entry at pos up or down until the heap order holds again."""
+    cdef int32_t size = t.state.rt_heap_size
+    cdef int32_t entry = t.heap[pos], parent, child
+    while pos > 0:
+        parent = (pos - 1) // 2
+        if not heap_before(t, entry, t.heap[parent]):
+            break
+        heap_put(seg, t, pos, t.heap[parent])
+        pos = parent
+    while True:
+        child = 2 * pos + 1
+        if child >= size:
+            break
+        if child + 1 < size and heap_before(t, t.heap[child + 1], t.heap[child]):
+            child += 1
+        if not heap_before(t, t.heap[child], entry):
+            break
+        heap_put(seg, t, pos, t.heap[child])
+        pos = child
+    heap_put(seg, t, pos, entry)
+    return 0
+
+
+cdef int heap_push(Segment seg, Tree* t, int32_t index) except -1:
+    cdef int32_t pos = t.state.rt_heap_size
+    if pos < 0 or pos >= t.node_capacity:
+        seg.corrupt(f"eviction heap size {pos} outside [0, {t.node_capacity})")
+    log_store_i32(seg, &t.state.rt_heap_size, pos + 1)
+    log_store_i32(seg, &t.heap[pos], index)
+    heap_sift(seg, t, pos)
+    return 0
+
+
+cdef int heap_remove(Segment seg, Tree* t, int32_t index) except -1:
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    cdef int32_t pos = node.rn_heap_pos
+    cdef int32_t last = t.state.rt_heap_size - 1
+    if pos < 0 or pos > last or t.heap[pos] != index:
+        seg.corrupt(f"radix node {index} has heap position {pos}, not in the heap")
+    log_store_i32(seg, &t.state.rt_heap_size, last)
+    log_store_i32(seg, &node.rn_heap_pos, -1)
+    if pos != last:
+        log_store_i32(seg, &t.heap[pos], t.heap[last])
+        heap_sift(seg, t, pos)
+    return 0
+
+
+cdef int update_evictable(Segment seg, Tree* t, int32_t index) except -1:
+    """Puts a node in the heap, or takes it out, as its evictability now says."""
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    cdef bint evictable = node.rn_lock_count == 0 and node.rn_num_children == 0
+    if evictable and node.rn_heap_pos < 0:
+        heap_push(seg, t, index)
+        log_store_i64(seg, &t.state.rt_evictable_leaf_pages,
+                      t.state.rt_evictable_leaf_pages + node.rn_num_pages)
+    elif not evictable and node.rn_heap_pos >= 0:
+        heap_remove(seg, t, index)
+        log_store_i64(seg, &t.state.rt_evictable_leaf_pages,
+                      t.state.rt_evictable_leaf_pages - node.rn_num_pages)
+    return 0
+
+
+# -- paths: lock, unlock, touch ----------------------------------------------------------------
+
+cdef int tree_lock(Segment seg, Tree* t, int32_t index) except -1:
+    """Locks a node and its ancestors: none of them can be evicted until tree_unlock."""
+    cdef HkvRadixNode* node
+    cdef int32_t steps = 0
+    while index != -1:
+        node = node_at(seg, t, index)
+        if node.rn_lock_count == 0:
+            log_store_i64(seg, &t.state.rt_protected_pages,
+                          t.state.rt_protected_pages + node.rn_num_pages)
+        log_store_i32(seg, &node.rn_lock_count, node.rn_lock_count + 1)
+        if node.rn_heap_pos >= 0:
+            update_evictable(seg, t, index)
+        index = node.rn_parent
+        steps += 1
+        if steps > t.node_capacity:
+            seg.corrupt("a cycle in the radix tree's parent links")
+    return 0
+
+
+cdef int tree_unlock(Segment seg, Tree* t, int32_t index) except -1:
+    """Undoes one tree_lock of the same node."""
+    cdef HkvRadixNode* node
+    cdef int32_t steps = 0
+    while index != -1:
+        node = node_at(seg, t, index)
+        if node.rn_lock_count <= 0:
+            seg.corrupt(f"radix node {index} unlocked more often than locked")
+        log_store_i32(seg, &node.rn_lock_count, node.rn_lock_count - 1)
+        if node.rn_lock_count == 0:
+            log_store_i64(seg, &t.state.rt_protected_pages,
+                          t.state.rt_protected_pages - node.rn_num_pages)
+            update_evictable(seg, t, index)
+        index = node.rn_parent
+        steps += 1
+        if steps > t.node_capacity:
+            seg.corrupt("a cycle in the radix tree's parent links")
+    return 0
+
+
+cdef int touch(Segment seg, Tree* t, int32_t index) except -1:
+    """Marks a node and its ancestors as used now (a borrow or a commit)."""
+    cdef HkvRadixNode* node
+    cdef int64_t tick = t.state.rt_tick + 1
+    cdef int32_t steps = 0
+    log_store_i64(seg, &t.state.rt_tick, tick)
+    while index != -1:
+        node = node_at(seg, t, index)
+        log_store_i64(seg, &node.rn_last_access, tick)
+        if node.rn_heap_pos >= 0:
+            heap_sift(seg, t, node.rn_heap_pos)
+        index = node.rn_parent
+        steps += 1
+        if steps > t.node_capacity:
+            seg.corrupt("a cycle in the radix tree's parent links")
+    return 0
+
+
+# -- walking -----------------------------------------------------------------------------------
+
+cdef int tree_walk(Tree* t, const int32_t* tokens, int64_t num_pages, uint64_t namespace,
+                   int32_t* out_pages, Walk* walk) noexcept nogil:
+    """Matches tokens (num_pages full pages) against the tree without changing anything.
+
+    Fills walk; out_pages (if not NULL) receives the matched pages. Returns -1 with
+    walk.error set when an index read from the segment is out of range or a walk loops.
+    """
+    cdef int32_t parent = -1, child, page, in_node
+    cdef int64_t pos = 0, depth = 0
+    cdef HkvRadixNode* node
+    walk.matched = 0
+    walk.node = -1
+    walk.node_matched = 0
+    walk.error = 0
+    while pos < num_pages:
+        child = table_find(t, parent, namespace, tokens + pos * t.page_size)
+        if child == -1:
+            break
+        if child < -1:
+            walk.error = 1
+            return -1
+        node = node_ptr(t, child)
+        page = node.rn_first_page
+        in_node = 0
+        # The first page was compared by table_find; compare the rest page by page.
+        while in_node < node.rn_num_pages and pos < num_pages:
+            if page < 0 or page >= t.num_pages:
+                walk.error = 1
+                return -1
+            if in_node > 0 and not pages_equal(t, tokens_of(t, page), tokens + pos * t.page_size):
+                break
+            if out_pages != NULL:
+                out_pages[pos] = page
+            pos += 1
+            in_node += 1
+            page = t.page_next[page]
+        walk.node = child
+        walk.node_matched = in_node
+        walk.matched = pos
+        if in_node < node.rn_num_pages:
+            break
+        parent = child
+        depth += 1
+        if depth > t.node_capacity:
+            walk.error = 1
+            return -1
+    return 0
+
+
+cdef int walk_or_raise(Segment seg, Tree* t, const int32_t* tokens, int64_t num_pages,
+                       uint64_t namespace, int32_t* out_pages, Walk* walk) except -1:
+    with nogil:
+        tree_walk(t, tokens, num_pages, namespace, out_pages, walk)
+    if walk.error:
+        seg.corrupt("a radix walk met an out-of-range index or a cycle")
+    return 0
+
+
+# -- structural changes --------------------------------------------------------------------------
+
+cdef int32_t page_at(Segment seg, Tree* t, HkvRadixNode* node, int32_t offset) except -1:
+    """The page `offset` links after the node's first page."""
+    cdef int32_t page = node.rn_first_page
+    cdef int32_t i
+    for i in range(offset):
+        check_page_index(seg, page)
+        page = t.page_next[page]
+    check_page_index(seg, page)
+    return page
+
+
+cdef int32_t split(Segment seg, Tree* t, int32_t index, int32_t head_pages) except -1:
+    """Splits a node after head_pages pages; returns the new node, which takes the head.
+
+    The new head takes the old node's place under its parent (same table key); the old node
+    keeps its identity, its children and its locks, now covering only the tail.
+    """
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    cdef HkvRadixNode* head
+    cdef int32_t head_index, last_head_page, tail_first
+    if head_pages <= 0 or head_pages >= node.rn_num_pages:
+        seg.corrupt(f"split of a {node.rn_num_pages}-page node at {head_pages}")
+    head_index = slab_alloc(seg, t.slab)
+    if head_index < 0:
+        raise CapacityError("no radix node record free for a split", resource="radix nodes",
+                            needed=1, available=0)
+    head = node_at(seg, t, head_index)
+    last_head_page = page_at(seg, t, node, head_pages - 1)
+    tail_first = t.page_next[last_head_page]
+    check_page_index(seg, tail_first)
+    log_store_i32(seg, &head.rn_parent, node.rn_parent)
+    log_store_i32(seg, &head.rn_num_pages, head_pages)
+    log_store_i32(seg, &head.rn_first_page, node.rn_first_page)
+    log_store_i32(seg, &head.rn_num_children, 1)
+    log_store_i32(seg, &head.rn_lock_count, node.rn_lock_count)
+    log_store_i32(seg, &head.rn_heap_pos, -1)
+    log_store_i64(seg, <int64_t*>&head.rn_namespace, <int64_t>node.rn_namespace)
+    log_store_i64(seg, <int64_t*>&head.rn_key_hash, <int64_t>node.rn_key_hash)
+    log_store_i64(seg, &head.rn_last_access, node.rn_last_access)
+    log_store_i32(seg, &t.table[table_slot_of(seg, t, index)], head_index)
+    log_store_i32(seg, &t.page_next[last_head_page], END_OF_NODE)
+    log_store_i32(seg, &node.rn_parent, head_index)
+    log_store_i32(seg, &node.rn_first_page, tail_first)
+    log_store_i32(seg, &node.rn_num_pages, node.rn_num_pages - head_pages)
+    log_store_i64(seg, <int64_t*>&node.rn_key_hash, <int64_t>page_hash(t, tokens_of(t, tail_first)))
+    table_insert(seg, t, index)
+    if node.rn_heap_pos >= 0:
+        log_store_i64(seg, &t.state.rt_evictable_leaf_pages,
+                      t.state.rt_evictable_leaf_pages - head_pages)
+    return head_index
+
+
+cdef int release_pages(Segment seg, Tree* t, int32_t page, int32_t count) except -1:
+    """Drops the tree's reference to `count` linked pages starting at page."""
+    cdef int32_t i, next_page
+    for i in range(count):
+        check_page_index(seg, page)
+        next_page = t.page_next[page]
+        log_store_i32(seg, &t.page_next[page], NOT_IN_TREE)
+        page_decref(seg, page)
+        page = next_page
+    return 0
+
+
+cdef int remove_leaf(Segment seg, Tree* t, int32_t index) except -1:
+    """Evicts a whole evictable leaf: its pages, its table entry, its record."""
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    cdef int32_t parent = node.rn_parent
+    cdef int32_t count = node.rn_num_pages
+    heap_remove(seg, t, index)
+    log_store_i64(seg, &t.state.rt_evictable_leaf_pages, t.state.rt_evictable_leaf_pages - count)
+    log_store_i64(seg, &t.state.rt_cached_pages, t.state.rt_cached_pages - count)
+    release_pages(seg, t, node.rn_first_page, count)
+    table_remove(seg, t, index)
+    slab_free(seg, t.slab, index)
+    if parent != -1:
+        node = node_at(seg, t, parent)
+        log_store_i32(seg, &node.rn_num_children, node.rn_num_children - 1)
+        update_evictable(seg, t, parent)
+    return count
+
+
+cdef int trim_leaf(Segment seg, Tree* t, int32_t index, int32_t drop) except -1:
+    """Evicts the last `drop` pages of an evictable leaf, keeping at least one."""
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    cdef int32_t keep = node.rn_num_pages - drop
+    cdef int32_t last_kept
+    if drop <= 0 or keep <= 0:
+        seg.corrupt(f"trim of {drop} pages from a {node.rn_num_pages}-page leaf")
+    last_kept = page_at(seg, t, node, keep - 1)
+    release_pages(seg, t, t.page_next[last_kept], drop)
+    log_store_i32(seg, &t.page_next[last_kept], END_OF_NODE)
+    log_store_i32(seg, &node.rn_num_pages, keep)
+    log_store_i64(seg, &t.state.rt_evictable_leaf_pages, t.state.rt_evictable_leaf_pages - drop)
+    log_store_i64(seg, &t.state.rt_cached_pages, t.state.rt_cached_pages - drop)
+    return 0
+
+
+cdef int64_t tree_evict_pages(Segment seg, Tree* t, int64_t want) except -1:
+    """Evicts up to `want` pages, least recently used leaves first, trimming the last one.
+
+    Returns the pages the tree let go (they are free unless a sequence still holds them).
+    """
+    cdef int64_t evicted = 0
+    cdef int32_t leaf
+    cdef HkvRadixNode* node
+    while evicted < want and t.state.rt_heap_size > 0:
+        leaf = t.heap[0]
+        node = node_at(seg, t, leaf)
+        if node.rn_num_pages <= want - evicted:
+            evicted += remove_leaf(seg, t, leaf)
+        else:
+            trim_leaf(seg, t, leaf, <int32_t>(want - evicted))
+            evicted = want
+    if evicted:
+        log_store_i64(seg, &seg.hdr.hdr_stats.st_evicted_pages,
+                      seg.hdr.hdr_stats.st_evicted_pages + evicted)
+    return evicted
+
+
+cdef int evict_records(Segment seg, Tree* t, int32_t want, int32_t protect) except -1:
+    """Evicts whole LRU leaves until `want` node records are free; `protect` (and its path)
+    is locked meanwhile so the caller's own path survives. Returns records now free."""
+    cdef int64_t evicted = 0
+    if protect != -1:
+        tree_lock(seg, t, protect)
+    while t.slab.sl_capacity - t.slab.sl_used < want and t.state.rt_heap_size > 0:
+        evicted += remove_leaf(seg, t, t.heap[0])
+    if protect != -1:
+        tree_unlock(seg, t, protect)
+    if evicted:
+        log_store_i64(seg, &seg.hdr.hdr_stats.st_evicted_pages,
+                      seg.hdr.hdr_stats.st_evicted_pages + evicted)
+    return t.slab.sl_capacity - t.slab.sl_used
+
+
+# -- the operations ------------------------------------------------------------------------------
+
+cdef int64_t tree_borrow(Segment seg, Tree* t, const int32_t* tokens, int64_t num_pages,
+                         uint64_t namespace, int32_t* out_pages, int32_t* out_node) except -1:
+    """Matches and locks the longest cached prefix of num_pages pages; returns its pages.
+
+    A match that ends inside a node splits it (evicting an LRU leaf for the record if
+    needed), so the lock covers exactly the borrowed pages; when no record can be had, the
+    borrow stops at the previous node boundary instead. *out_node is the node to unlock
+    later, or -1 when nothing matched. Touches the path (a borrow is a use).
+    """
+    cdef Walk walk
+    cdef int64_t matched
+    cdef int32_t node_index
+    cdef HkvRadixNode* node
+    out_node[0] = -1
+    walk_or_raise(seg, t, tokens, num_pages, namespace, out_pages, &walk)
+    if walk.matched == 0:
+        return 0
+    matched = walk.matched
+    node_index = walk.node
+    node = node_at(seg, t, node_index)
+    if walk.node_matched < node.rn_num_pages:
+        if t.slab.sl_used >= t.slab.sl_capacity:
+            evict_records(seg, t, 1, node_index)
+        if t.slab.sl_used < t.slab.sl_capacity:
+            node_index = split(seg, t, node_index, walk.node_matched)
+        else:
+            matched -= walk.node_matched
+            node_index = node.rn_parent
+    if node_index == -1:
+        return 0
+    tree_lock(seg, t, node_index)
+    touch(seg, t, node_index)
+    out_node[0] = node_index
+    return matched
+
+
+cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int32_t* pages,
+                         int64_t num_pages, uint64_t namespace, int32_t* out_tree_pages,
+                         int32_t* out_node) except -1:
+    """Caches num_pages full pages of tokens, held in `pages`, under namespace.
+
+    Pages already cached under the same tokens win: out_tree_pages[i] receives the tree's
+    page for each of the request's pages, and the return value says how many leading pages
+    were already cached (the caller keeps its own copies of those; the tree adopted the
+    rest, adding its own reference). *out_node is the node of the last page. Touches the
+    path (a commit is a use).
+
+    Raises:
+        CapacityError: no node record even after eviction (the caller rolls back).
+        ValueError: a page is outside the pool, free, listed twice, or already in the tree
+            at another place.
+    """
+    cdef Walk walk
+    cdef int64_t existing, i
+    cdef int32_t parent, needed, new_index, page, prev = -1
+    cdef HkvRadixNode* node
+    cdef bint partial
+    cdef int32_t* refcounts = page_refcounts(seg)
+    out_node[0] = -1
+    if num_pages <= 0:
+        return 0
+    walk_or_raise(seg, t, tokens, num_pages, namespace, out_tree_pages, &walk)
+    existing = walk.matched
+    partial = walk.node != -1 and walk.node_matched < node_at(seg, t, walk.node).rn_num_pages
+    if existing == num_pages:
+        if walk.node != -1:
+            touch(seg, t, walk.node)
+        out_node[0] = walk.node
+        return existing
+    for i in range(existing, num_pages):
+        page = pages[i]
+        if page < 0 or page >= t.num_pages:
+            raise ValueError(f"page {page} is outside the pool [0, {t.num_pages})")
+        if refcounts[page] <= 0:
+            raise ValueError(f"page {page} is free: only held pages can be cached")
+        if t.page_next[page] != NOT_IN_TREE:
+            raise ValueError(f"page {page} is already cached (or listed twice)")
+    needed = 2 if partial else 1
+    if t.slab.sl_capacity - t.slab.sl_used < needed:
+        if evict_records(seg, t, needed, walk.node) < needed:
+            raise CapacityError(
+                f"segment {seg.name!r}: no radix node record free (capacity "
+                f"{t.node_capacity}, all on locked paths); raise radix_node_capacity",
+                resource="radix nodes", needed=needed,
+                available=t.slab.sl_capacity - t.slab.sl_used)
+    parent = walk.node
+    if partial:
+        parent = split(seg, t, walk.node, walk.node_matched)
+    new_index = slab_alloc(seg, t.slab)
+    node = node_at(seg, t, new_index)
+    for i in range(existing, num_pages):
+        page = pages[i]
+        if t.page_next[page] != NOT_IN_TREE:
+            raise ValueError(f"page {page} is listed twice")
+        if not pages_equal(t, tokens_of(t, page), tokens + i * t.page_size):
+            write_tokens(seg, t, page, tokens + i * t.page_size)
+        page_incref(seg, page)
+        log_store_i32(seg, &t.page_next[page], END_OF_NODE)
+        if prev != -1:
+            log_store_i32(seg, &t.page_next[prev], page)
+        prev = page
+        out_tree_pages[i] = page
+    log_store_i32(seg, &node.rn_parent, parent)
+    log_store_i32(seg, &node.rn_num_pages, <int32_t>(num_pages - existing))
+    log_store_i32(seg, &node.rn_first_page, pages[existing])
+    log_store_i32(seg, &node.rn_num_children, 0)
+    log_store_i32(seg, &node.rn_lock_count, 0)
+    log_store_i32(seg, &node.rn_heap_pos, -1)
+    log_store_i64(seg, <int64_t*>&node.rn_namespace, <int64_t>namespace)
+    log_store_i64(seg, <int64_t*>&node.rn_key_hash,
+                  <int64_t>page_hash(t, tokens + existing * t.page_size))
+    log_store_i64(seg, &node.rn_last_access, t.state.rt_tick)
+    table_insert(seg, t, new_index)
+    if parent != -1:
+        node = node_at(seg, t, parent)
+        log_store_i32(seg, &node.rn_num_children, node.rn_num_children + 1)
+        update_evictable(seg, t, parent)
+    log_store_i64(seg, &t.state.rt_cached_pages, t.state.rt_cached_pages + num_pages - existing)
+    log_store_i64(seg, &seg.hdr.hdr_stats.st_inserted_pages,
+                  seg.hdr.hdr_stats.st_inserted_pages + num_pages - existing)
+    update_evictable(seg, t, new_index)
+    touch(seg, t, new_index)
+    out_node[0] = new_index
+    return existing
+
+
+cdef int write_tokens(Segment seg, Tree* t, int32_t page, const int32_t* tokens) except -1:
+    cdef int32_t* slots = t.page_tokens + <int64_t>page * t.page_size
+    cdef int32_t i
+    for i in range(t.page_size):
+        if slots[i] != tokens[i]:
+            log_store_i32(seg, &slots[i], tokens[i])
+    return 0
+
+
+# -- recovery and checking -------------------------------------------------------------------------
+
+cdef int rederive_tree(Segment seg) except -1:
+    """Rebuilds the node free list, the eviction heap and the page counts from the nodes."""
+    cdef Tree t = tree_of(seg)
+    cdef int32_t i, size = 0
+    cdef int64_t cached = 0, protected = 0, evictable = 0
+    cdef HkvRadixNode* node
+    slab_rederive(seg, t.slab)
+    for i in range(t.node_capacity):
+        node = node_ptr(&t, i)
+        node.rn_heap_pos = -1
+        if node.rn_slab.sr_in_use != 1:
+            continue
+        cached += node.rn_num_pages
+        if node.rn_lock_count > 0:
+            protected += node.rn_num_pages
+        elif node.rn_num_children == 0:
+            t.heap[size] = i
+            node.rn_heap_pos = size
+            size += 1
+            evictable += node.rn_num_pages
+    t.state.rt_heap_size = size
+    t.state.rt_cached_pages = cached
+    t.state.rt_protected_pages = protected
+    t.state.rt_evictable_leaf_pages = evictable
+    # Heapify bottom-up; these stores are recovery's own, not a mutation's (nothing is logged).
+    i = size // 2 - 1
+    while i >= 0:
+        sift_down_unlogged(&t, i)
+        i -= 1
+    return 0
+
+
+cdef void sift_down_unlogged(Tree* t, int32_t pos) noexcept nogil:
+    cdef int32_t size = t.state.rt_heap_size
+    cdef int32_t entry = t.heap[pos], child
+    while True:
+        child = 2 * pos + 1
+        if child >= size:
+            break
+        if child + 1 < size and heap_before(t, t.heap[child + 1], t.heap[child]):
+            child += 1
+        if not heap_before(t, t.heap[child], entry):
+            break
+        t.heap[pos] = t.heap[child]
+        node_ptr(t, t.heap[pos]).rn_heap_pos = pos
+        pos = child
+    t.heap[pos] = entry
+    node_ptr(t, entry).rn_heap_pos = pos
+
+
+add_rederive_hook(rederive_tree)
+
+
+cdef int tree_check(Segment seg) except -1:
+    """Checks every invariant of the tree (the lock is held). Raises CorruptionError."""
+    cdef Tree t = tree_of(seg)
+    cdef int32_t i, j, page, steps, parent
+    cdef int64_t cached = 0, protected = 0, evictable = 0, in_table = 0, heap_entries = 0
+    cdef HkvRadixNode* node
+    cdef HkvRadixNode* up
+    cdef int32_t* refcounts = page_refcounts(seg)
+    slab_check(seg, t.slab, "radix node")
+    owner = np.full(t.num_pages, -1, dtype=np.int64)
+    children = np.zeros(t.node_capacity, dtype=np.int64)
+    child_locks = np.zeros(t.node_capacity, dtype=np.int64)
+    for i in range(t.node_capacity):
+        node = node_ptr(&t, i)
+        if node.rn_slab.sr_in_use != 1:
+            continue
+        if node.rn_num_pages < 1:
+            seg.corrupt(f"radix node {i} covers {node.rn_num_pages} pages")
+        if node.rn_lock_count < 0:
+            seg.corrupt(f"radix node {i} has lock count {node.rn_lock_count}")
+        parent = node.rn_parent
+        if parent != -1:
+            up = node_at(seg, &t, parent)
+            if up.rn_namespace != node.rn_namespace:
+                seg.corrupt(f"radix node {i} is in another namespace than its parent {parent}")
+            children[parent] += 1
+            child_locks[parent] += node.rn_lock_count
+        # Every node reaches a top-level node: no cycles, no orphans.
+        steps = 0
+        j = parent
+        while j != -1:
+            j = node_at(seg, &t, j).rn_parent
+            steps += 1
+            if steps > t.node_capacity:
+                seg.corrupt(f"radix node {i}: a cycle in its parent links")
+        # Its pages: in range, held, each in exactly one node, the last one ends the node.
+        page = node.rn_first_page
+        for j in range(node.rn_num_pages):
+            check_page_index(seg, page)
+            if owner[page] != -1:
+                seg.corrupt(f"page {page} is in radix nodes {owner[page]} and {i}")
+            owner[page] = i
+            if refcounts[page] < 1:
+                seg.corrupt(f"page {page} of radix node {i} has refcount {refcounts[page]}")
+            if j == node.rn_num_pages - 1:
+                if t.page_next[page] != END_OF_NODE:
+                    seg.corrupt(f"radix node {i}'s last page {page} links on to {t.page_next[page]}")
+            page = t.page_next[page]
+        if node.rn_key_hash != page_hash(&t, tokens_of(&t, node.rn_first_page)):
+            seg.corrupt(f"radix node {i}'s key hash does not match its first page")
+        if table_find(&t, node.rn_parent, node.rn_namespace, tokens_of(&t, node.rn_first_page)) != i:
+            seg.corrupt(f"radix node {i} is not found by a lookup of its first page")
+        cached += node.rn_num_pages
+        if node.rn_lock_count > 0:
+            protected += node.rn_num_pages
+        if node.rn_lock_count == 0 and node.rn_num_children == 0:
+            evictable += node.rn_num_pages
+            if node.rn_heap_pos < 0 or node.rn_heap_pos >= t.state.rt_heap_size or t.heap[node.rn_heap_pos] != i:
+                seg.corrupt(f"radix node {i} is an unlocked leaf but not in the eviction heap")
+        elif node.rn_heap_pos != -1:
+            seg.corrupt(f"radix node {i} is in the eviction heap but not evictable")
+    for i in range(t.node_capacity):
+        node = node_ptr(&t, i)
+        if node.rn_slab.sr_in_use != 1:
+            continue
+        if children[i] != node.rn_num_children:
+            seg.corrupt(f"radix node {i} counts {node.rn_num_children} children, has {children[i]}")
+        if child_locks[i] > node.rn_lock_count:
+            seg.corrupt(f"radix node {i} has lock count {node.rn_lock_count} below its "
+                        f"children's {child_locks[i]}")
+    for page in range(t.num_pages):
+        if (owner[page] == -1) != (t.page_next[page] == NOT_IN_TREE):
+            seg.corrupt(f"page {page}: tree link {t.page_next[page]} but owner {owner[page]}")
+    for j in range(t.table_mask + 1):
+        if t.table[j] != -1:
+            node_at(seg, &t, t.table[j])
+            in_table += 1
+    if in_table != t.slab.sl_used:
+        seg.corrupt(f"the child table holds {in_table} nodes, {t.slab.sl_used} are in use")
+    for j in range(t.state.rt_heap_size):
+        if j > 0 and heap_before(&t, t.heap[j], t.heap[(j - 1) // 2]):
+            seg.corrupt(f"the eviction heap is out of order at {j}")
+    if (cached != t.state.rt_cached_pages or protected != t.state.rt_protected_pages
+            or evictable != t.state.rt_evictable_leaf_pages):
+        seg.corrupt(
+            f"tree counts: cached {t.state.rt_cached_pages} (walked {cached}), protected "
+            f"{t.state.rt_protected_pages} (walked {protected}), evictable leaf pages "
+            f"{t.state.rt_evictable_leaf_pages} (walked {evictable})")
+    return 0
+
+
+# -- Python entry points (each one lock, one mutation) -----------------------------------------------
+
+cdef inline int32_t* i32_data(cnp.ndarray arr) noexcept:
+    return <int32_t*>cnp.PyArray_DATA(arr)
+
+
+def match(Segment seg, cnp.ndarray tokens, uint64_t namespace):
+    """The longest cached page-aligned prefix of tokens: (num_pages, pages). A pure lookup."""
+    cdef Tree t
+    cdef Walk walk
+    cdef int64_t num_pages
+    cdef cnp.ndarray pages
+    check_open(seg)
+    num_pages = tokens.shape[0] // seg.hdr.hdr_config.cfg_page_size
+    pages = np.empty(num_pages, dtype=np.int32)
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        walk_or_raise(seg, &t, i32_data(tokens), num_pages, namespace, i32_data(pages), &walk)
+    finally:
+        seg.end()
+    return pages[:walk.matched]
+
+
+def borrow(Segment seg, cnp.ndarray tokens, uint64_t namespace):
+    """Locks the longest cached prefix: (pages, node to unlock). Counts as a lookup."""
+    cdef Tree t
+    cdef int32_t node = -1
+    cdef int64_t matched
+    cdef int32_t page_size
+    cdef int64_t num_pages
+    cdef cnp.ndarray pages
+    cdef HkvHeader* hdr
+    check_open(seg)
+    page_size = seg.hdr.hdr_config.cfg_page_size
+    num_pages = tokens.shape[0] // page_size
+    pages = np.empty(num_pages, dtype=np.int32)
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        hdr = seg.hdr
+        matched = tree_borrow(seg, &t, i32_data(tokens), num_pages, namespace, i32_data(pages), &node)
+        log_store_i64(seg, &hdr.hdr_stats.st_lookups, hdr.hdr_stats.st_lookups + 1)
+        log_store_i64(seg, &hdr.hdr_stats.st_lookup_tokens,
+                      hdr.hdr_stats.st_lookup_tokens + tokens.shape[0])
+        log_store_i64(seg, &hdr.hdr_stats.st_hit_tokens,
+                      hdr.hdr_stats.st_hit_tokens + matched * page_size)
+        seg.commit()
+    finally:
+        seg.end()
+    return pages[:matched], node
+
+
+def unlock(Segment seg, int32_t node):
+    """Releases a lock taken by borrow() (or insert(..., lock=True))."""
+    cdef Tree t
+    check_open(seg)
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        tree_unlock(seg, &t, node)
+        seg.commit()
+    finally:
+        seg.end()
+
+
+def insert(Segment seg, cnp.ndarray tokens, cnp.ndarray pages, uint64_t namespace, bint lock=False):
+    """Caches the full pages of tokens held in pages: (existing, tree_pages, node).
+
+    existing: how many leading pages were already cached (those of `pages` stay the
+    caller's); tree_pages: the tree's page for every full page; node: locked if lock=True.
+    """
+    cdef Tree t
+    cdef int32_t node = -1
+    cdef int64_t existing
+    cdef int64_t num_pages
+    cdef cnp.ndarray tree_pages
+    check_open(seg)
+    num_pages = tokens.shape[0] // seg.hdr.hdr_config.cfg_page_size
+    tree_pages = np.empty(num_pages, dtype=np.int32)
+    if pages.shape[0] < num_pages:
+        raise ValueError(f"{num_pages} full pages of tokens but only {pages.shape[0]} pages given")
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        existing = tree_insert(seg, &t, i32_data(tokens), i32_data(pages), num_pages, namespace,
+                               i32_data(tree_pages), &node)
+        if lock and node != -1:
+            tree_lock(seg, &t, node)
+        seg.commit()
+    finally:
+        seg.end()
+    return existing, tree_pages, node
+
+
+def evict(Segment seg, int64_t num_pages):
+    """Evicts up to num_pages unlocked pages, LRU leaves first; returns how many went."""
+    cdef Tree t
+    cdef int64_t evicted
+    check_open(seg)
+    if num_pages < 0:
+        raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        evicted = tree_evict_pages(seg, &t, num_pages)
+        seg.commit()
+    finally:
+        seg.end()
+    return evicted
+
+
+def check_tree(Segment seg):
+    """Checks the tree's invariants; call with the lock held."""
+    check_open(seg)
+    tree_check(seg)
+
+
+def tree_contents(Segment seg):
+    """Every cached node as (namespace, tokens of its whole path, pages of its whole path,
+    lock count): a set, for tests and inspect. Call with the lock held."""
+    cdef Tree t
+    cdef int32_t i, j, k, page, index, steps
+    cdef HkvRadixNode* node
+    check_open(seg)
+    t = tree_of(seg)
+    out = set()
+    for i in range(t.node_capacity):
+        node = node_ptr(&t, i)
+        if node.rn_slab.sr_in_use != 1:
+            continue
+        chain = []
+        index = i
+        steps = 0
+        while index != -1:
+            chain.append(index)
+            index = node_at(seg, &t, index).rn_parent
+            steps += 1
+            if steps > t.node_capacity:
+                seg.corrupt("a cycle in the radix tree's parent links")
+        tokens = []
+        pages = []
+        for index in reversed(chain):
+            node = node_at(seg, &t, index)
+            page = node.rn_first_page
+            for j in range(node.rn_num_pages):
+                check_page_index(seg, page)
+                for k in range(t.page_size):
+                    tokens.append(t.page_tokens[<int64_t>page * t.page_size + k])
+                pages.append(page)
+                page = t.page_next[page]
+        node = node_ptr(&t, i)
+        out.add((node.rn_namespace, tuple(tokens), tuple(pages), node.rn_lock_count))
+    return out

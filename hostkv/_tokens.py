@@ -1,0 +1,65 @@
+"""Validation of token ids and namespaces at the API boundary, before any shared state is touched."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+TOKEN_LIMIT = 2**31
+NAMESPACE_LIMIT = 2**64
+
+
+def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
+    """Returns token ids as a contiguous 1-D np.int32 array (no copy when it already is one).
+
+    Accepts lists or tuples of Python or numpy integers, numpy integer arrays and CPU torch
+    integer tensors.
+
+    Raises:
+        ValueError: not 1-D, not integers (floats, bools), or an id outside [0, 2**31).
+    """
+    if type(tokens).__module__.startswith("torch"):
+        if getattr(tokens, "device", None) is not None and tokens.device.type != "cpu":
+            raise ValueError(f"{what} must be on the CPU, got a tensor on {tokens.device}")
+        tokens = tokens.detach().numpy()
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+            raise ValueError(f"{what} must be a sequence of integer ids, got {type(tokens).__name__}")
+        if len(tokens) == 0:
+            return np.empty(0, dtype=np.int32)
+        try:
+            arr = np.asarray(tokens)
+        except (OverflowError, ValueError) as exc:
+            raise ValueError(f"{what} must be integer ids in [0, 2**31): {exc}") from None
+        if arr.dtype == object:
+            raise ValueError(f"{what} must be integer ids in [0, 2**31), got values beyond int64")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integer ids, got dtype {arr.dtype}")
+    if arr.dtype == np.int32:
+        if arr.size and int(arr.min()) < 0:
+            _raise_out_of_range(arr, what)
+        return np.ascontiguousarray(arr)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= TOKEN_LIMIT):
+        _raise_out_of_range(arr, what)
+    return arr.astype(np.int32)
+
+
+def _raise_out_of_range(arr: np.ndarray, what: str) -> None:
+    bad = np.nonzero((arr < 0) | (arr >= TOKEN_LIMIT))[0][0]
+    raise ValueError(f"{what}[{bad}] = {int(arr[bad])} is outside [0, 2**31)")
+
+
+def as_namespace(namespace: Any) -> int:
+    """Returns the namespace as an int in [0, 2**64), or raises ValueError."""
+    if isinstance(namespace, (bool, np.bool_)) or not isinstance(namespace, numbers.Integral):
+        raise ValueError(f"namespace must be an integer in [0, 2**64), got {namespace!r}")
+    value = int(namespace)
+    if not 0 <= value < NAMESPACE_LIMIT:
+        raise ValueError(f"namespace must be in [0, 2**64), got {value}")
+    return value

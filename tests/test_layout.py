@@ -1,0 +1,185 @@
+"""Pins the memory layout of a hostkv segment (hostkv/_layout.pxd).
+
+Every process that maps a segment reads the same bytes through these offsets, whatever
+hostkv build it runs. A layout change that keeps HKV_LAYOUT_VERSION would let an old and a
+new build attach to each other's segments and misread every field, so the values below are
+written out literally: a change to the layout must fail this test, and whoever changes the
+layout must bump HKV_LAYOUT_VERSION in _layout.pxd and update the literal values here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import hostkv
+from hostkv import _segment
+
+from conftest import small_config
+
+# A layout change must bump HKV_LAYOUT_VERSION (hostkv/_layout.pxd), then update these.
+EXPECTED_LAYOUT = {
+    "layout_version": 2,
+    "magic": 0x3130564B54534F48,  # "HOSTKV01" read as a little-endian u64
+    "sizes": {
+        "HkvHeader": 512,
+        "HkvLease": 64,
+        "HkvUndoEntry": 16,
+        "HkvSlab": 16,
+        "HkvRadixNode": 64,
+        "pthread_mutex_t": 40,
+    },
+    "header": {
+        "hdr_magic": 0,
+        "hdr_format": 8,
+        "fmt_layout_version": 8,
+        "fmt_mutex_size": 20,
+        "fmt_slab_size": 36,
+        "hdr_config": 48,
+        "cfg_num_pages": 48,
+        "cfg_page_bytes": 56,
+        "cfg_page_size": 64,
+        "cfg_max_processes": 92,
+        "cfg_undo_log_capacity": 96,
+        "cfg_kv_dtype_code": 112,
+        "hdr_regions": 120,
+        "reg_leases": 120,
+        "reg_undo": 128,
+        "reg_page_refcounts": 136,
+        "reg_page_free_stack": 144,
+        "reg_page_tokens": 152,
+        "reg_page_next": 160,
+        "reg_radix_nodes": 168,
+        "reg_radix_table": 176,
+        "reg_radix_heap": 184,
+        "reg_pool": 192,
+        "reg_total_size": 200,
+        "hdr_state": 208,
+        "hdr_creator_pid": 212,
+        "hdr_generation": 216,
+        "hdr_last_sweep_ns": 224,
+        "hdr_free_pages": 232,
+        "hdr_active_leases": 240,
+        "hdr_undo_count": 248,
+        "hdr_stats": 256,
+        "st_recoveries": 272,
+        "st_evicted_pages": 320,
+        "hdr_radix": 352,
+        "rt_tick": 352,
+        "rt_table_capacity": 360,
+        "rt_heap_size": 364,
+        "rt_cached_pages": 368,
+        "rt_protected_pages": 376,
+        "rt_evictable_leaf_pages": 384,
+        "hdr_mutex": 448,
+    },
+    "lease": {
+        "ls_mutex": 0,
+        "ls_state": 40,
+        "ls_pid": 44,
+        "ls_generation": 48,
+        "ls_registered_ns": 56,
+    },
+    "undo": {
+        "ue_where": 0,
+        "ue_old": 8,
+    },
+    "slab": {
+        "sl_capacity": 0,
+        "sl_record_size": 4,
+        "sl_free_head": 8,
+        "sl_used": 12,
+    },
+    "radix_node": {
+        "rn_slab": 0,
+        "rn_parent": 8,
+        "rn_num_pages": 12,
+        "rn_first_page": 16,
+        "rn_num_children": 20,
+        "rn_lock_count": 24,
+        "rn_heap_pos": 28,
+        "rn_namespace": 32,
+        "rn_key_hash": 40,
+        "rn_last_access": 48,
+    },
+}
+
+CACHE_LINE = 64
+PAGE = 4096
+
+
+def test_layout_is_pinned():
+    # A layout change must bump HKV_LAYOUT_VERSION; then update EXPECTED_LAYOUT above.
+    assert _segment.layout_info() == EXPECTED_LAYOUT
+
+
+def test_layout_sections_one_by_one():
+    # The same comparison section by section, so a failure names the struct that moved.
+    info = _segment.layout_info()
+    assert set(info) == set(EXPECTED_LAYOUT)
+    for section in ("sizes", "header", "lease", "undo", "slab", "radix_node"):
+        assert info[section] == EXPECTED_LAYOUT[section], section
+    assert info["layout_version"] == EXPECTED_LAYOUT["layout_version"]
+    assert info["magic"] == EXPECTED_LAYOUT["magic"]
+
+
+def test_struct_invariants():
+    info = _segment.layout_info()
+    sizes, header = info["sizes"], info["header"]
+    # Per-process lease slots fill whole cache lines; the mutex has its own line.
+    assert sizes["HkvLease"] % CACHE_LINE == 0
+    assert sizes["HkvHeader"] % CACHE_LINE == 0
+    assert header["hdr_mutex"] % CACHE_LINE == 0
+    assert header["hdr_mutex"] + sizes["pthread_mutex_t"] <= sizes["HkvHeader"]
+    # 8-byte fields are 8-byte aligned (undo entries store them in one go).
+    for field in ("hdr_magic", "cfg_num_pages", "cfg_page_bytes", "reg_leases", "reg_pool",
+                  "reg_total_size", "hdr_generation", "hdr_last_sweep_ns", "hdr_free_pages",
+                  "hdr_undo_count", "hdr_stats", "st_recoveries"):
+        assert header[field] % 8 == 0, field
+    assert info["magic"].to_bytes(8, "little") == b"HOSTKV01"
+
+
+def test_the_format_word_matches_layout_info(cache):
+    info = _segment.layout_info()
+    fmt = cache._segment.header_info()["format"]
+    assert fmt["fmt_layout_version"] == info["layout_version"]
+    assert fmt["fmt_header_size"] == info["sizes"]["HkvHeader"]
+    assert fmt["fmt_lease_size"] == info["sizes"]["HkvLease"]
+    assert fmt["fmt_undo_entry_size"] == info["sizes"]["HkvUndoEntry"]
+    assert fmt["fmt_slab_size"] == info["sizes"]["HkvSlab"]
+    assert fmt["fmt_mutex_size"] == info["sizes"]["pthread_mutex_t"]
+    assert fmt["fmt_pointer_size"] == 8
+
+
+def _check_regions(c: hostkv.HostKVCache) -> None:
+    info = _segment.layout_info()
+    cfg = c.config
+    regions = c._segment.header_info()["regions"]
+    for key in ("reg_leases", "reg_undo", "reg_page_refcounts", "reg_page_free_stack",
+                "reg_page_tokens", "reg_pool"):
+        assert regions[key] % CACHE_LINE == 0, (key, regions[key])
+    assert regions["reg_pool"] % PAGE == 0, regions["reg_pool"]
+    # In order, each region large enough for its contents, nothing overlapping.
+    assert regions["reg_leases"] >= info["sizes"]["HkvHeader"]
+    assert regions["reg_undo"] >= regions["reg_leases"] + cfg.max_processes * info["sizes"]["HkvLease"]
+    assert (regions["reg_page_refcounts"]
+            >= regions["reg_undo"] + cfg.undo_log_capacity * info["sizes"]["HkvUndoEntry"])
+    assert regions["reg_page_free_stack"] >= regions["reg_page_refcounts"] + 4 * cfg.num_pages
+    assert regions["reg_page_tokens"] >= regions["reg_page_free_stack"] + 4 * cfg.num_pages
+    assert regions["reg_pool"] >= regions["reg_page_tokens"] + 4 * cfg.num_pages * cfg.page_size
+    assert regions["reg_total_size"] == regions["reg_pool"] + cfg.num_pages * cfg.page_bytes
+    assert os.stat("/dev/shm/" + c.name).st_size == regions["reg_total_size"]
+    # The page pool view starts at reg_pool: 4096-aligned in this process's address space too.
+    assert c._segment.pool_address() % PAGE == 0
+
+
+def test_region_offsets_are_aligned(cache):
+    _check_regions(cache)
+
+
+def test_region_offsets_are_aligned_for_odd_sizes(new_name):
+    # Sizes chosen so that no region ends on a cache line by accident.
+    cfg = small_config(num_pages=37, page_size=2, page_bytes=72, max_processes=3,
+                       undo_log_capacity=259, radix_node_capacity=3,
+                       sequence_page_node_capacity=7, max_sequences=3)
+    with hostkv.HostKVCache.create(new_name(), cfg) as c:
+        _check_regions(c)
