@@ -20,7 +20,7 @@ extensions = [
         include_dirs=[numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
         + ([("CYTHON_TRACE_NOGIL", "1")] if DEBUG else [("NDEBUG", None)]),
-        extra_compile_args=["-O0", "-g"] if DEBUG else ["-O2"],
+        extra_compile_args=["-O0", "-g"] if DEBUG else ["-O3"],
         libraries=["pthread", "rt"],
     )
     for module in MODULES

@@ -138,14 +138,29 @@ def free_pages(Segment seg, pages):
 
 
 def _page_array(Segment seg, pages):
+    """pages as a contiguous np.int32 array, each index checked against the pool."""
+    cdef cnp.ndarray arr
+    cdef const int32_t* data
+    cdef int64_t i, n, num_pages
     check_open(seg)
-    arr = np.asarray(pages)
-    if arr.ndim != 1 or not (arr.dtype.kind in "iu" or arr.size == 0):
-        raise ValueError(f"pages must be a 1-D sequence of integers, got {arr.dtype} shape {arr.shape}")
     num_pages = seg.hdr.hdr_config.cfg_num_pages
-    if arr.size and (arr.min() < 0 or arr.max() >= num_pages):
-        raise ValueError(f"page indexes must be in [0, {num_pages}), got {arr.min()}..{arr.max()}")
-    return np.ascontiguousarray(arr, dtype=np.int32)
+    if type(pages) is np.ndarray and pages.dtype == np.int32 and pages.ndim == 1:
+        arr = np.ascontiguousarray(pages)
+    else:
+        given = np.asarray(pages)
+        if given.ndim != 1 or not (given.dtype.kind in "iu" or given.size == 0):
+            raise ValueError(
+                f"pages must be a 1-D sequence of integers, got {given.dtype} shape {given.shape}")
+        if given.size and (given.min() < 0 or given.max() >= num_pages):
+            raise ValueError(
+                f"page indexes must be in [0, {num_pages}), got {given.min()}..{given.max()}")
+        arr = np.ascontiguousarray(given, dtype=np.int32)
+    data = <const int32_t*>cnp.PyArray_DATA(arr)
+    n = arr.shape[0]
+    for i in range(n):
+        if data[i] < 0 or data[i] >= num_pages:
+            raise ValueError(f"page index {data[i]} is outside [0, {num_pages})")
+    return arr
 
 
 def refcounts(Segment seg):

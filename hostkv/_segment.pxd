@@ -52,6 +52,7 @@ cdef class Segment:
     cdef Py_ssize_t _pool_strides[2]
 
     cdef _map(self, name, int fd, int64_t size)
+    cdef _populate_metadata(self)
     cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions)
     cdef _bind_regions(self)
     cdef _validate(self)

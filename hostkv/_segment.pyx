@@ -483,9 +483,24 @@ cdef class Segment:
         self.base = <char*>addr
         self.hdr = <HkvHeader*>addr
         self.size = <size_t>size
+        self._populate_metadata()
         self.name = name
         self.closed = False
         self.fork_epoch = _fork_epoch
+
+    cdef _populate_metadata(self):
+        """Maps an attached segment's metadata (everything before the page pool) in now, so
+        the first operations do not take a page fault per 4 KiB they touch. Best effort: a
+        kernel without MADV_POPULATE_WRITE faults lazily; a segment not ready yet is skipped
+        (the creator populates it in _initialise)."""
+        cdef size_t length
+        if self.size < sizeof(HkvHeader) or self.hdr.hdr_state != HKV_STATE_READY:
+            return
+        if not 0 < self.hdr.hdr_regions.reg_pool <= <int64_t>self.size:
+            return                               # _validate reports this
+        length = <size_t>self.hdr.hdr_regions.reg_pool
+        with nogil:
+            madvise(self.base, length, MADV_POPULATE_WRITE)
 
     cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions):
         """Writes a fresh header and tables. Nobody else reads them before state is READY."""
@@ -495,6 +510,8 @@ cdef class Segment:
         cdef int32_t* page_next
         cdef int64_t i, n = ccfg.cfg_num_pages
         hdr.hdr_state = HKV_STATE_INITIALISING
+        with nogil:
+            madvise(self.base, <size_t>regions.reg_pool, MADV_POPULATE_WRITE)
         hdr.hdr_format = expected_format()
         hdr.hdr_config = ccfg[0]
         hdr.hdr_regions = regions[0]
@@ -952,6 +969,12 @@ cdef class Segment:
                 out.append((slot, lease.ls_state, lease.ls_pid, lease.ls_generation,
                             lease.ls_registered_ns))
         return out
+
+    @property
+    def free_pages(self):
+        """Free pages now (a single read, no lock: a hint that may be stale at once)."""
+        self._check_open()
+        return self.hdr.hdr_free_pages
 
     @property
     def lease_slot_index(self):

@@ -64,6 +64,17 @@ cdef extern from "<sys/mman.h>" nogil:
     void* MAP_FAILED
     void* mmap(void*, size_t, int, int, int, off_t)
     int munmap(void*, size_t)
+    int madvise(void*, size_t, int)
+
+
+cdef extern from *:
+    """
+    #include <sys/mman.h>
+    #ifndef MADV_POPULATE_WRITE
+    #define MADV_POPULATE_WRITE 23   /* Linux 5.14; older kernels answer EINVAL */
+    #endif
+    """
+    int MADV_POPULATE_WRITE
 
 
 cdef extern from "<sys/stat.h>" nogil:
