@@ -38,6 +38,7 @@ cdef class Segment:
     cdef readonly str name
     cdef readonly bint closed
     cdef bint locked                    # this object holds hdr_mutex now
+    cdef bint observer                  # attached without a lease: never sweeps
     cdef int64_t lock_timeout_ns
     cdef int reaped_by_begin            # dead leases the sweep inside the last begin() freed
     cdef int64_t crash_countdown        # > 0: die (or raise) at that many more steps

@@ -420,8 +420,11 @@ cdef class Segment:
 
     @staticmethod
     def attach(name, lock_timeout=DEFAULT_LOCK_TIMEOUT, ready_timeout=DEFAULT_READY_TIMEOUT,
-               bint trust_other_users=False):
+               bint trust_other_users=False, bint lease=True):
         """Attaches to an existing segment and takes a lease on it.
+
+        With lease=False the handle only observes (inspection tools): it takes no lease
+        slot and never sweeps, so attaching it changes nothing in the segment.
 
         Raises:
             ValueError: a bad name or timeout.
@@ -461,13 +464,16 @@ cdef class Segment:
         try:
             seg._wait_ready(ready_seconds)
             seg._validate()
-            seg._register_lease()
-            seg.begin()
-            try:
-                seg.sweep_leases()
-                seg.commit()
-            finally:
-                seg.end()
+            seg._populate_metadata()
+            seg.observer = not lease
+            if lease:
+                seg._register_lease()
+                seg.begin()
+                try:
+                    seg.sweep_leases()
+                    seg.commit()
+                finally:
+                    seg.end()
         except BaseException:
             seg.close()
             raise
@@ -483,7 +489,6 @@ cdef class Segment:
         self.base = <char*>addr
         self.hdr = <HkvHeader*>addr
         self.size = <size_t>size
-        self._populate_metadata()
         self.name = name
         self.closed = False
         self.fork_epoch = _fork_epoch
@@ -641,7 +646,8 @@ cdef class Segment:
             if self.hdr.hdr_undo_count != 0:
                 self._recover(True)
             self.reaped_by_begin = 0
-            if now_ns(CLOCK_MONOTONIC) - self.hdr.hdr_last_sweep_ns > SWEEP_INTERVAL_NS:
+            if (not self.observer
+                    and now_ns(CLOCK_MONOTONIC) - self.hdr.hdr_last_sweep_ns > SWEEP_INTERVAL_NS):
                 self.reaped_by_begin = self.sweep_leases()
                 self.commit()
         except BaseException:
@@ -957,6 +963,28 @@ cdef class Segment:
             "stats": {k: v for k, v in dict(hdr["hdr_stats"]).items() if k != "st_reserved"},
             "radix": {k: v for k, v in dict(hdr["hdr_radix"]).items() if k != "rt_reserved"},
         }
+
+    def lease_alive(self, int32_t slot):
+        """Whether the process holding lease slot is alive (its lease mutex is held).
+
+        Probing an owner-dead mutex takes it for an instant, marks it consistent and lets
+        go; the sweep treats such a slot as dead either way, so nothing else changes."""
+        cdef HkvLease* lease
+        cdef int rc
+        self._check_open()
+        lease = self.lease_at(slot)
+        if lease.ls_state != HKV_LEASE_ACTIVE:
+            return False
+        if slot == self.lease_slot and self.fork_epoch == _fork_epoch:
+            return True
+        rc = pthread_mutex_trylock(&lease.ls_mutex)
+        if rc == EBUSY:
+            return True
+        if rc == EOWNERDEAD:
+            pthread_mutex_consistent(&lease.ls_mutex)
+        if rc == 0 or rc == EOWNERDEAD:
+            pthread_mutex_unlock(&lease.ls_mutex)
+        return False
 
     def leases(self):
         """The lease table: (slot, state, pid, generation, registered_ns) of every used slot."""

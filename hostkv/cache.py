@@ -129,6 +129,7 @@ class HostKVCache:
         lock_timeout: float = 10.0,
         ready_timeout: float = 5.0,
         trust_other_users: bool = False,
+        lease: bool = True,
     ) -> "HostKVCache":
         """Attaches to an existing segment, reading its config from the header.
 
@@ -139,6 +140,8 @@ class HostKVCache:
             ready_timeout: Seconds to wait for a segment still being created.
             trust_other_users: Attach even if another user owns the segment or other users
                 may write it.
+            lease: False attaches as an observer (for inspection tools): no lease slot is
+                taken and no dead process is reaped, so attaching changes nothing.
 
         Raises:
             SegmentNotFoundError: No segment of that name.
@@ -148,7 +151,7 @@ class HostKVCache:
         """
         segment = _segment.Segment.attach(
             name, lock_timeout=lock_timeout, ready_timeout=ready_timeout,
-            trust_other_users=trust_other_users)
+            trust_other_users=trust_other_users, lease=lease)
         try:
             cache = cls(segment)
             if expected_config is not None:
