@@ -3,7 +3,7 @@
 See README.md for a tour; the names below are the whole public API.
 """
 
-from hostkv.cache import CacheStats, HostKVCache
+from hostkv.cache import CacheStats, HostKVCache, PrefixMatch
 from hostkv.config import HostKVConfig, KVLayout
 from hostkv.errors import (
     CapacityError,
@@ -21,6 +21,14 @@ from hostkv.errors import (
     SequenceError,
 )
 
+from hostkv.worker_view import (
+    PrefixSequenceState,
+    SequenceAllocation,
+    SequenceRequest,
+    WorkerView,
+    WorkerViewStats,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -36,9 +44,15 @@ __all__ = [
     "KVLayout",
     "LockTimeoutError",
     "OutOfPagesError",
+    "PrefixMatch",
+    "PrefixSequenceState",
     "SegmentError",
     "SegmentExistsError",
     "SegmentNotFoundError",
     "SegmentPermissionError",
+    "SequenceAllocation",
     "SequenceError",
+    "SequenceRequest",
+    "WorkerView",
+    "WorkerViewStats",
 ]

@@ -18,6 +18,8 @@
 #   reg_radix_table     int32[rt_table_capacity]  child hash table: (parent, first-page hash)
 #                                            -> node, open addressing, -1 = empty
 #   reg_radix_heap      int32[radix_node_capacity]  min-heap of evictable leaves by last access
+#   reg_sequences       HkvSlab + HkvSequence[max_sequences]  live sequences of every process
+#   reg_sequence_pages  HkvSlab + HkvSeqPage[sequence_page_node_capacity]  their page lists
 #   reg_pool            uint8[num_pages * page_bytes]  the KV bytes; the only region engines write
 #
 # Field prefixes say which struct a name belongs to (as LMDB's mdb.c does). Per-process slots
@@ -37,7 +39,7 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 2u
+    #define HKV_LAYOUT_VERSION 3u
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
 
@@ -53,7 +55,7 @@ cdef extern from *:
         uint32_t fmt_undo_entry_size;  /* sizeof(HkvUndoEntry) */
         uint32_t fmt_slab_size;        /* sizeof(HkvSlab) */
         uint32_t fmt_radix_node_size;  /* sizeof(HkvRadixNode) */
-        uint32_t fmt_reserved;
+        uint32_t fmt_sequence_size;    /* sizeof(HkvSequence) */
     } HkvFormat;
 
     /* The resolved HostKVConfig, so that attach needs no config of its own. */
@@ -87,6 +89,8 @@ cdef extern from *:
         int64_t reg_radix_nodes;
         int64_t reg_radix_table;
         int64_t reg_radix_heap;
+        int64_t reg_sequences;
+        int64_t reg_sequence_pages;
         int64_t reg_pool;
         int64_t reg_total_size;                  /* the whole segment; attach compares fstat */
     } HkvRegions;
@@ -195,6 +199,29 @@ cdef extern from *:
         int64_t rn_reserved;
     } HkvRadixNode;
 
+    /* A live sequence: owned by one lease, holding one reference to each page of its list
+       (borrowed prefix pages and its own), and at most one lock on a radix node. */
+    typedef struct {
+        HkvSlabRecord sq_slab;
+        int32_t sq_lease_slot;                   /* the owning process's lease */
+        int32_t sq_num_pages;                    /* pages in its list */
+        uint64_t sq_lease_generation;            /* the owner lease's ls_generation */
+        int64_t sq_seq_id;                       /* the owner's id for it (inspect only) */
+        uint64_t sq_namespace;
+        int32_t sq_first_page;                   /* first HkvSeqPage, -1 when none */
+        int32_t sq_last_page;                    /* last HkvSeqPage, for O(1) appends */
+        int32_t sq_lock_node;                    /* the radix node it has locked, -1 none */
+        int32_t sq_reserved0;
+        int64_t sq_reserved1;
+    } HkvSequence;
+
+    /* One page of a sequence's page list, in order. */
+    typedef struct {
+        HkvSlabRecord sp_slab;
+        int32_t sp_page;
+        int32_t sp_next;                         /* next HkvSeqPage, -1 ends the list */
+    } HkvSeqPage;
+
     #define HKV_UNDO_WIDTH_SHIFT 56
     #define HKV_UNDO_OFFSET_MASK ((1ULL << HKV_UNDO_WIDTH_SHIFT) - 1)
 
@@ -203,6 +230,8 @@ cdef extern from *:
     _Static_assert(sizeof(HkvUndoEntry) == 16, "undo entries are two words");
     _Static_assert(sizeof(HkvRadixNode) == 64, "a radix node is one cache line");
     _Static_assert(offsetof(HkvRadixNode, rn_slab) == 0, "slab records start with HkvSlabRecord");
+    _Static_assert(sizeof(HkvSequence) == 64, "a sequence is one cache line");
+    _Static_assert(sizeof(HkvSeqPage) == 16, "a page-list entry is four words");
     """
     uint64_t HKV_MAGIC
     uint32_t HKV_LAYOUT_VERSION
@@ -228,7 +257,7 @@ cdef extern from *:
         uint32_t fmt_undo_entry_size
         uint32_t fmt_slab_size
         uint32_t fmt_radix_node_size
-        uint32_t fmt_reserved
+        uint32_t fmt_sequence_size
 
     ctypedef struct HkvConfig:
         int64_t cfg_num_pages
@@ -258,6 +287,8 @@ cdef extern from *:
         int64_t reg_radix_nodes
         int64_t reg_radix_table
         int64_t reg_radix_heap
+        int64_t reg_sequences
+        int64_t reg_sequence_pages
         int64_t reg_pool
         int64_t reg_total_size
 
@@ -320,6 +351,24 @@ cdef extern from *:
     ctypedef struct HkvSlabRecord:
         int32_t sr_next_free
         int32_t sr_in_use
+
+    ctypedef struct HkvSequence:
+        HkvSlabRecord sq_slab
+        int32_t sq_lease_slot
+        int32_t sq_num_pages
+        uint64_t sq_lease_generation
+        int64_t sq_seq_id
+        uint64_t sq_namespace
+        int32_t sq_first_page
+        int32_t sq_last_page
+        int32_t sq_lock_node
+        int32_t sq_reserved0
+        int64_t sq_reserved1
+
+    ctypedef struct HkvSeqPage:
+        HkvSlabRecord sp_slab
+        int32_t sp_page
+        int32_t sp_next
 
     ctypedef struct HkvRadixNode:
         HkvSlabRecord rn_slab

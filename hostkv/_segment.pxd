@@ -62,6 +62,7 @@ cdef class Segment:
     cdef void end(self) noexcept
     cdef int crash_point(self) except -1
     cdef int undo_full(self) except -1
+    cdef int rollback_to(self, int64_t mark) except -1
     cdef int corrupt(self, str what) except -1
     cdef int sweep_leases(self) except -1
     cdef HkvLease* lease_at(self, int32_t slot) except NULL

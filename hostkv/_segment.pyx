@@ -279,7 +279,13 @@ cdef int compute_regions(const HkvConfig* cfg, HkvRegions* out) except -1:
     out.reg_radix_table = at
     at = align_up(at + radix_table_capacity(cfg.cfg_radix_node_capacity) * 4, HKV_CACHE_LINE)
     out.reg_radix_heap = at
-    at = align_up(at + <int64_t>cfg.cfg_radix_node_capacity * 4, 4096)
+    at = align_up(at + <int64_t>cfg.cfg_radix_node_capacity * 4, HKV_CACHE_LINE)
+    out.reg_sequences = at
+    at = align_up(at + sizeof(HkvSlab) + <int64_t>cfg.cfg_max_sequences * sizeof(HkvSequence),
+                  HKV_CACHE_LINE)
+    out.reg_sequence_pages = at
+    at = align_up(at + sizeof(HkvSlab)
+                  + <int64_t>cfg.cfg_sequence_page_node_capacity * sizeof(HkvSeqPage), 4096)
     out.reg_pool = at
     out.reg_total_size = at + cfg.cfg_num_pages * cfg.cfg_page_bytes
     return 0
@@ -297,12 +303,13 @@ cdef HkvFormat expected_format() noexcept:
     fmt.fmt_undo_entry_size = sizeof(HkvUndoEntry)
     fmt.fmt_slab_size = sizeof(HkvSlab)
     fmt.fmt_radix_node_size = sizeof(HkvRadixNode)
+    fmt.fmt_sequence_size = sizeof(HkvSequence)
     return fmt
 
 
 _FORMAT_FIELDS = ("fmt_layout_version", "fmt_byte_order", "fmt_pointer_size", "fmt_mutex_size",
                   "fmt_header_size", "fmt_lease_size", "fmt_undo_entry_size", "fmt_slab_size",
-                  "fmt_radix_node_size")
+                  "fmt_radix_node_size", "fmt_sequence_size")
 
 # HostKVConfig field -> HkvConfig field. The KVLayout is stored as four fields.
 _CONFIG_FIELDS = (
@@ -540,6 +547,12 @@ cdef class Segment:
         slab = <HkvSlab*>(self.base + regions.reg_radix_nodes)
         slab.sl_capacity = ccfg.cfg_radix_node_capacity
         slab.sl_record_size = sizeof(HkvRadixNode)
+        slab = <HkvSlab*>(self.base + regions.reg_sequences)
+        slab.sl_capacity = ccfg.cfg_max_sequences
+        slab.sl_record_size = sizeof(HkvSequence)
+        slab = <HkvSlab*>(self.base + regions.reg_sequence_pages)
+        slab.sl_capacity = ccfg.cfg_sequence_page_node_capacity
+        slab.sl_record_size = sizeof(HkvSeqPage)
         self._bind_regions()
         for i in range(_num_rederive_hooks):
             _rederive_hooks[i](self)
@@ -720,6 +733,27 @@ cdef class Segment:
             self.hdr.hdr_stats.st_recoveries += 1
         elif n:
             self.hdr.hdr_stats.st_rollbacks += 1
+
+    cdef int rollback_to(self, int64_t mark) except -1:
+        """Undoes the open mutation's stores made since savepoint `mark` (a log position),
+        keeping the earlier ones: an all-or-nothing step inside a larger mutation."""
+        cdef int64_t i = self.hdr.hdr_undo_count - 1
+        cdef HkvUndoEntry* entry
+        cdef uint64_t where, width
+        if mark < 0 or mark > self.hdr.hdr_undo_count:
+            self.corrupt(f"savepoint {mark} outside the undo log [0, {self.hdr.hdr_undo_count}]")
+        while i >= mark:
+            entry = self.undo + i
+            where = entry.ue_where & HKV_UNDO_OFFSET_MASK
+            width = entry.ue_where >> HKV_UNDO_WIDTH_SHIFT
+            if width == 4:
+                (<uint32_t*>(self.base + where))[0] = <uint32_t>entry.ue_old
+            else:
+                (<uint64_t*>(self.base + where))[0] = entry.ue_old
+            hkv_compiler_barrier()
+            self.hdr.hdr_undo_count = i     # each undone entry leaves the log at once
+            i -= 1
+        return 0
 
     cdef int corrupt(self, str what) except -1:
         raise CorruptionError(f"segment {self.name!r}: {what}")
@@ -959,6 +993,8 @@ cdef class Segment:
             "free_pages": hdr["hdr_free_pages"],
             "active_leases": hdr["hdr_active_leases"],
             "tree_nodes": (<HkvSlab*>(self.base + self.hdr.hdr_regions.reg_radix_nodes)).sl_used,
+            "active_sequences": (<HkvSlab*>(self.base + self.hdr.hdr_regions.reg_sequences)).sl_used,
+            "sequence_pages": (<HkvSlab*>(self.base + self.hdr.hdr_regions.reg_sequence_pages)).sl_used,
             "undo_count": hdr["hdr_undo_count"],
             "stats": {k: v for k, v in dict(hdr["hdr_stats"]).items() if k != "st_reserved"},
             "radix": {k: v for k, v in dict(hdr["hdr_radix"]).items() if k != "rt_reserved"},
@@ -1105,6 +1141,8 @@ def layout_info():
     cdef HkvUndoEntry u
     cdef HkvSlab s
     cdef HkvRadixNode n
+    cdef HkvSequence q
+    cdef HkvSeqPage sp
     cdef const char* hb = <const char*>&h
     header = _offsets(hb, [
         ("hdr_magic", <size_t>&h.hdr_magic),
@@ -1129,6 +1167,8 @@ def layout_info():
         ("reg_radix_nodes", <size_t>&h.hdr_regions.reg_radix_nodes),
         ("reg_radix_table", <size_t>&h.hdr_regions.reg_radix_table),
         ("reg_radix_heap", <size_t>&h.hdr_regions.reg_radix_heap),
+        ("reg_sequences", <size_t>&h.hdr_regions.reg_sequences),
+        ("reg_sequence_pages", <size_t>&h.hdr_regions.reg_sequence_pages),
         ("reg_pool", <size_t>&h.hdr_regions.reg_pool),
         ("reg_total_size", <size_t>&h.hdr_regions.reg_total_size),
         ("hdr_state", <size_t>&h.hdr_state),
@@ -1167,11 +1207,23 @@ def layout_info():
         ("rn_num_children", <size_t>&n.rn_num_children), ("rn_lock_count", <size_t>&n.rn_lock_count),
         ("rn_heap_pos", <size_t>&n.rn_heap_pos), ("rn_namespace", <size_t>&n.rn_namespace),
         ("rn_key_hash", <size_t>&n.rn_key_hash), ("rn_last_access", <size_t>&n.rn_last_access)])
+    sequence = _offsets(<const char*>&q, [
+        ("sq_slab", <size_t>&q.sq_slab), ("sq_lease_slot", <size_t>&q.sq_lease_slot),
+        ("sq_num_pages", <size_t>&q.sq_num_pages),
+        ("sq_lease_generation", <size_t>&q.sq_lease_generation),
+        ("sq_seq_id", <size_t>&q.sq_seq_id), ("sq_namespace", <size_t>&q.sq_namespace),
+        ("sq_first_page", <size_t>&q.sq_first_page), ("sq_last_page", <size_t>&q.sq_last_page),
+        ("sq_lock_node", <size_t>&q.sq_lock_node)])
+    sequence_page = _offsets(<const char*>&sp, [
+        ("sp_slab", <size_t>&sp.sp_slab), ("sp_page", <size_t>&sp.sp_page),
+        ("sp_next", <size_t>&sp.sp_next)])
     return {
         "layout_version": HKV_LAYOUT_VERSION,
         "magic": HKV_MAGIC,
         "sizes": {"HkvHeader": sizeof(HkvHeader), "HkvLease": sizeof(HkvLease),
                   "HkvUndoEntry": sizeof(HkvUndoEntry), "HkvSlab": sizeof(HkvSlab),
-                  "HkvRadixNode": sizeof(HkvRadixNode), "pthread_mutex_t": sizeof(pthread_mutex_t)},
+                  "HkvRadixNode": sizeof(HkvRadixNode), "HkvSequence": sizeof(HkvSequence),
+                  "HkvSeqPage": sizeof(HkvSeqPage), "pthread_mutex_t": sizeof(pthread_mutex_t)},
         "header": header, "lease": lease, "undo": undo, "slab": slab, "radix_node": node,
+        "sequence": sequence, "sequence_page": sequence_page,
     }

@@ -12,7 +12,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import posix_ipc
 
-from hostkv import _pages, _radix, _segment
+from hostkv import _pages, _radix, _segment, _sequences
 from hostkv._tokens import as_namespace, as_tokens
 from hostkv.config import HostKVConfig, KVLayout, dtype_from_code
 from hostkv.errors import ConfigError, IncompatibleSegmentError, translate_posix_ipc
@@ -213,7 +213,7 @@ class HostKVCache:
             free_pages=info["free_pages"],
             cached_pages=radix["rt_cached_pages"],
             borrowed_pages=radix["rt_protected_pages"],
-            active_sequences=0,
+            active_sequences=info["active_sequences"],
             active_processes=info["active_leases"],
             lookups=st["st_lookups"],
             lookup_tokens=st["st_lookup_tokens"],
@@ -230,18 +230,25 @@ class HostKVCache:
             generation=info["generation"],
         )
 
-    def check(self) -> None:
+    def check(self, exact_references: bool = True) -> None:
         """Walks every invariant of the segment under the lock.
+
+        Args:
+            exact_references: Require each page's refcount to be exactly its tree reference
+                plus one per sequence holding it, and each node's lock count exactly the
+                sequence locks through it. Tests that hold raw references through the
+                internal page API pass False (then these are lower bounds).
 
         Raises:
             CorruptionError: The first broken invariant, named.
         """
-        self._segment.run_locked(self._check_locked)
+        self._segment.run_locked(self._check_locked, exact_references)
 
-    def _check_locked(self) -> None:
+    def _check_locked(self, exact_references: bool) -> None:
         self._segment.check_header()
         _pages.check_pages(self._segment)
         _radix.check_tree(self._segment)
+        _sequences.check_references(self._segment, exact_references)
 
     def match_prefix(self, tokens: Any, namespace: int = 0) -> PrefixMatch:
         """The longest cached page-aligned prefix of tokens in namespace: a pure lookup.

@@ -25,6 +25,7 @@ def test_inspect_stats_check_unlink(segment_name):
         tokens = np.arange(12, dtype=np.int32)
         pages = _pages.alloc_pages(cache._segment, 3)
         _radix.insert(cache._segment, tokens, pages, 0)
+        _pages.free_pages(cache._segment, pages)   # the tree keeps its own references
         generation = cache.stats().generation
 
         inspect = run_cli("inspect", segment_name, "--json")

@@ -18,7 +18,7 @@ from conftest import small_config
 
 # A layout change must bump HKV_LAYOUT_VERSION (hostkv/_layout.pxd), then update these.
 EXPECTED_LAYOUT = {
-    "layout_version": 2,
+    "layout_version": 3,
     "magic": 0x3130564B54534F48,  # "HOSTKV01" read as a little-endian u64
     "sizes": {
         "HkvHeader": 512,
@@ -26,6 +26,8 @@ EXPECTED_LAYOUT = {
         "HkvUndoEntry": 16,
         "HkvSlab": 16,
         "HkvRadixNode": 64,
+        "HkvSequence": 64,
+        "HkvSeqPage": 16,
         "pthread_mutex_t": 40,
     },
     "header": {
@@ -51,25 +53,27 @@ EXPECTED_LAYOUT = {
         "reg_radix_nodes": 168,
         "reg_radix_table": 176,
         "reg_radix_heap": 184,
-        "reg_pool": 192,
-        "reg_total_size": 200,
-        "hdr_state": 208,
-        "hdr_creator_pid": 212,
-        "hdr_generation": 216,
-        "hdr_last_sweep_ns": 224,
-        "hdr_free_pages": 232,
-        "hdr_active_leases": 240,
-        "hdr_undo_count": 248,
-        "hdr_stats": 256,
-        "st_recoveries": 272,
-        "st_evicted_pages": 320,
-        "hdr_radix": 352,
-        "rt_tick": 352,
-        "rt_table_capacity": 360,
-        "rt_heap_size": 364,
-        "rt_cached_pages": 368,
-        "rt_protected_pages": 376,
-        "rt_evictable_leaf_pages": 384,
+        "reg_sequences": 192,
+        "reg_sequence_pages": 200,
+        "reg_pool": 208,
+        "reg_total_size": 216,
+        "hdr_state": 224,
+        "hdr_creator_pid": 228,
+        "hdr_generation": 232,
+        "hdr_last_sweep_ns": 240,
+        "hdr_free_pages": 248,
+        "hdr_active_leases": 256,
+        "hdr_undo_count": 264,
+        "hdr_stats": 272,
+        "st_recoveries": 288,
+        "st_evicted_pages": 336,
+        "hdr_radix": 368,
+        "rt_tick": 368,
+        "rt_table_capacity": 376,
+        "rt_heap_size": 380,
+        "rt_cached_pages": 384,
+        "rt_protected_pages": 392,
+        "rt_evictable_leaf_pages": 400,
         "hdr_mutex": 448,
     },
     "lease": {
@@ -101,6 +105,22 @@ EXPECTED_LAYOUT = {
         "rn_key_hash": 40,
         "rn_last_access": 48,
     },
+    "sequence": {
+        "sq_slab": 0,
+        "sq_lease_slot": 8,
+        "sq_num_pages": 12,
+        "sq_lease_generation": 16,
+        "sq_seq_id": 24,
+        "sq_namespace": 32,
+        "sq_first_page": 40,
+        "sq_last_page": 44,
+        "sq_lock_node": 48,
+    },
+    "sequence_page": {
+        "sp_slab": 0,
+        "sp_page": 8,
+        "sp_next": 12,
+    },
 }
 
 CACHE_LINE = 64
@@ -116,7 +136,8 @@ def test_layout_sections_one_by_one():
     # The same comparison section by section, so a failure names the struct that moved.
     info = _segment.layout_info()
     assert set(info) == set(EXPECTED_LAYOUT)
-    for section in ("sizes", "header", "lease", "undo", "slab", "radix_node"):
+    for section in ("sizes", "header", "lease", "undo", "slab", "radix_node", "sequence",
+                    "sequence_page"):
         assert info[section] == EXPECTED_LAYOUT[section], section
     assert info["layout_version"] == EXPECTED_LAYOUT["layout_version"]
     assert info["magic"] == EXPECTED_LAYOUT["magic"]

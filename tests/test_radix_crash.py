@@ -133,4 +133,4 @@ def test_exceptions_mid_tree_mutation_roll_back(tree_cache, mode):
     pages = _pages.alloc_pages(tree_cache._segment, 4)
     assert raise_every_step(tree_cache, insert_op, (toks, pages), mode) > 20
     assert raise_every_step(tree_cache, evict_op, 3, mode) > 5
-    tree_cache.check()
+    tree_cache.check(exact_references=False)

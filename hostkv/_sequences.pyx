@@ -1,0 +1,457 @@
+# cython: language_level=3, embedsignature=True
+"""Sequence records and the batch entry points: allocate, append, commit, release.
+
+A sequence belongs to one lease (process) and holds one reference to every page in its page
+list: the prefix it borrowed from the tree, then its own pages. It also holds at most one
+lock on the tree (the node its borrowed or committed prefix ends at), so those pages cannot be
+evicted under it. Each entry point is one lock and one mutation for a whole batch; the
+policy (what to reuse, what to commit) is WorkerView's, in Python.
+"""
+
+import numpy as np
+cimport numpy as cnp
+
+from libc.stdint cimport int32_t, int64_t, uint64_t
+
+from hostkv._layout cimport (
+    HkvHeader, HkvLease, HkvRadixNode, HkvSeqPage, HkvSequence, HkvSlab, HKV_LEASE_ACTIVE)
+from hostkv._segment cimport (
+    Segment, add_dead_lease_hook, add_rederive_hook, check_open, log_store_i32, log_store_i64)
+from hostkv._slab cimport slab_alloc, slab_check, slab_check_index, slab_free, slab_record, slab_rederive
+from hostkv._pages cimport check_page_index, page_decref, page_incref, page_refcounts, pages_alloc
+from hostkv._radix cimport (
+    Tree, tree_borrow, tree_evict_pages, tree_insert, tree_lock, tree_of, tree_unlock)
+
+from hostkv.errors import CapacityError, CorruptionError, OutOfPagesError, SequenceError
+
+cnp.import_array()
+
+
+cdef inline HkvSlab* sequence_slab(Segment seg) noexcept nogil:
+    return <HkvSlab*>(seg.base + seg.hdr.hdr_regions.reg_sequences)
+
+
+cdef inline HkvSlab* page_list_slab(Segment seg) noexcept nogil:
+    return <HkvSlab*>(seg.base + seg.hdr.hdr_regions.reg_sequence_pages)
+
+
+cdef HkvSequence* sequence_at(Segment seg, int64_t index) except NULL:
+    cdef HkvSlab* slab = sequence_slab(seg)
+    cdef HkvSequence* seq
+    slab_check_index(seg, slab, index, "sequence")
+    seq = <HkvSequence*>slab_record(slab, <int32_t>index)
+    if seq.sq_slab.sr_in_use != 1:
+        seg.corrupt(f"sequence record {index} is referenced but free")
+    return seq
+
+
+cdef HkvSeqPage* page_entry_at(Segment seg, int64_t index) except NULL:
+    cdef HkvSlab* slab = page_list_slab(seg)
+    slab_check_index(seg, slab, index, "sequence page")
+    return <HkvSeqPage*>slab_record(slab, <int32_t>index)
+
+
+cdef inline int32_t* i32(cnp.ndarray arr) noexcept:
+    return <int32_t*>cnp.PyArray_DATA(arr)
+
+
+# -- building blocks (inside an open mutation) ---------------------------------------------------
+
+cdef int ensure_free_pages(Segment seg, Tree* t, int64_t needed) except -1:
+    """Makes `needed` pages free: sweeps dead processes, then evicts LRU tree pages.
+
+    Returns 1 when it succeeded, 0 when even that cannot free enough (the caller raises).
+    """
+    cdef int64_t short
+    if seg.hdr.hdr_free_pages >= needed:
+        return 1
+    seg.sweep_leases()
+    while seg.hdr.hdr_free_pages < needed and t.state.rt_heap_size > 0:
+        short = needed - seg.hdr.hdr_free_pages
+        if tree_evict_pages(seg, t, short) == 0:
+            break
+    return 1 if seg.hdr.hdr_free_pages >= needed else 0
+
+
+cdef int append_page(Segment seg, HkvSequence* seq, int32_t page) except -1:
+    """Adds page (already referenced for this sequence) to the end of its page list."""
+    cdef HkvSlab* slab = page_list_slab(seg)
+    cdef int32_t entry_index = slab_alloc(seg, slab)
+    cdef HkvSeqPage* entry
+    if entry_index < 0:
+        raise CapacityError(
+            f"segment {seg.name!r}: every sequence page-list record is in use (capacity "
+            f"{slab.sl_capacity}); raise sequence_page_node_capacity",
+            resource="sequence page nodes", needed=1, available=0)
+    entry = page_entry_at(seg, entry_index)
+    log_store_i32(seg, &entry.sp_page, page)
+    log_store_i32(seg, &entry.sp_next, -1)
+    if seq.sq_last_page == -1:
+        log_store_i32(seg, &seq.sq_first_page, entry_index)
+    else:
+        log_store_i32(seg, &page_entry_at(seg, seq.sq_last_page).sp_next, entry_index)
+    log_store_i32(seg, &seq.sq_last_page, entry_index)
+    log_store_i32(seg, &seq.sq_num_pages, seq.sq_num_pages + 1)
+    return 0
+
+
+cdef int set_lock(Segment seg, Tree* t, HkvSequence* seq, int32_t node) except -1:
+    """Moves the sequence's one tree lock to node (lock first, so nothing is briefly free)."""
+    cdef int32_t old = seq.sq_lock_node
+    if node == old:
+        return 0
+    if node != -1:
+        tree_lock(seg, t, node)
+    log_store_i32(seg, &seq.sq_lock_node, node)
+    if old != -1:
+        tree_unlock(seg, t, old)
+    return 0
+
+
+cdef int release_sequence(Segment seg, Tree* t, int32_t index) except -1:
+    """Drops everything a sequence holds: its lock, its page references, its records."""
+    cdef HkvSequence* seq = sequence_at(seg, index)
+    cdef HkvSlab* list_slab = page_list_slab(seg)
+    cdef int32_t entry_index = seq.sq_first_page, next_index
+    cdef int32_t count = 0
+    cdef HkvSeqPage* entry
+    set_lock(seg, t, seq, -1)
+    while entry_index != -1:
+        entry = page_entry_at(seg, entry_index)
+        next_index = entry.sp_next
+        page_decref(seg, entry.sp_page)
+        slab_free(seg, list_slab, entry_index)
+        entry_index = next_index
+        count += 1
+        if count > seq.sq_num_pages:
+            seg.corrupt(f"sequence {index}'s page list is longer than its {seq.sq_num_pages} pages")
+    if count != seq.sq_num_pages:
+        seg.corrupt(f"sequence {index} lists {count} pages, counts {seq.sq_num_pages}")
+    slab_free(seg, sequence_slab(seg), index)
+    return 0
+
+
+cdef int release_dead_lease(Segment seg, int32_t slot) except -1:
+    """The dead-lease hook: releases every sequence of the lease, without committing."""
+    cdef HkvSlab* slab = sequence_slab(seg)
+    cdef HkvSequence* seq
+    cdef int32_t i
+    cdef Tree t = tree_of(seg)
+    for i in range(slab.sl_capacity):
+        seq = <HkvSequence*>slab_record(slab, i)
+        if seq.sq_slab.sr_in_use == 1 and seq.sq_lease_slot == slot:
+            release_sequence(seg, &t, i)
+    return 0
+
+
+cdef int rederive_sequences(Segment seg) except -1:
+    slab_rederive(seg, sequence_slab(seg))
+    slab_rederive(seg, page_list_slab(seg))
+    return 0
+
+
+add_dead_lease_hook(release_dead_lease)
+add_rederive_hook(rederive_sequences)
+
+
+# -- the batch entry points --------------------------------------------------------------------------
+
+cdef int check_owner(Segment seg, HkvSequence* seq, int32_t index) except -1:
+    if seq.sq_lease_slot != seg.lease_slot or seq.sq_lease_generation != seg.lease_generation:
+        raise SequenceError(
+            f"sequence record {index} belongs to lease slot {seq.sq_lease_slot}, not to this "
+            "process's lease (released already, or a view from another process)")
+    return 0
+
+
+def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespaces,
+             cnp.ndarray reuse_pages, int32_t min_reuse_pages):
+    """Allocates a batch of sequences under one lock, all or nothing.
+
+    For request i: borrows up to reuse_pages[i] cached pages (kept only if at least
+    min_reuse_pages match), allocates the rest of ceil(len(tokens) / page_size) pages
+    (evicting as needed), and records the sequence. Returns a list of (record index,
+    reused pages, page table).
+
+    Raises:
+        OutOfPagesError, CapacityError: nothing changed.
+    """
+    cdef Tree t
+    cdef int32_t page_size, node, record
+    cdef int64_t i, j, n = len(token_arrays), total, matched, fresh, mark, free_before
+    cdef int64_t planned = 0
+    cdef cnp.ndarray tokens, table
+    cdef HkvSequence* seq
+    cdef HkvHeader* hdr
+    cdef int64_t* ids = <int64_t*>cnp.PyArray_DATA(seq_ids)
+    cdef int64_t* reuse = <int64_t*>cnp.PyArray_DATA(reuse_pages)
+    check_open(seg)
+    if seg.lease_slot < 0:
+        raise SequenceError("this handle has no lease (attached with lease=False)")
+    results = []
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        hdr = seg.hdr
+        page_size = hdr.hdr_config.cfg_page_size
+        free_before = hdr.hdr_free_pages
+        for i in range(n):
+            tokens = token_arrays[i]
+            total = (tokens.shape[0] + page_size - 1) // page_size
+            planned += total
+            table = np.empty(total, dtype=np.int32)
+            matched = 0
+            node = -1
+            if reuse[i] > 0:
+                mark = hdr.hdr_undo_count
+                matched = tree_borrow(seg, &t, i32(tokens), reuse[i], namespaces[i], i32(table), &node)
+                if matched < min_reuse_pages:
+                    # Too short to be worth it: undo the borrow whole (its split, lock, touch).
+                    seg.rollback_to(mark)
+                    matched = 0
+                    node = -1
+            log_store_i64(seg, &hdr.hdr_stats.st_lookups, hdr.hdr_stats.st_lookups + 1)
+            log_store_i64(seg, &hdr.hdr_stats.st_lookup_tokens,
+                          hdr.hdr_stats.st_lookup_tokens + tokens.shape[0])
+            log_store_i64(seg, &hdr.hdr_stats.st_hit_tokens,
+                          hdr.hdr_stats.st_hit_tokens + matched * page_size)
+            fresh = total - matched
+            if not ensure_free_pages(seg, &t, fresh):
+                raise OutOfPagesError(
+                    f"segment {seg.name!r}: the batch needs at least {planned - (total - fresh)} "
+                    f"new pages (request {i} of {n} alone needs {fresh}); only "
+                    f"{hdr.hdr_free_pages} can be freed, every other page is held by live "
+                    "sequences", needed=planned, available=free_before + t.state.rt_cached_pages
+                    - t.state.rt_protected_pages)
+            record = slab_alloc(seg, sequence_slab(seg))
+            if record < 0:
+                raise CapacityError(
+                    f"segment {seg.name!r}: all {sequence_slab(seg).sl_capacity} sequence records "
+                    f"are in use; raise max_sequences (batch of {n})",
+                    resource="sequences", needed=n - i, available=0)
+            seq = sequence_at(seg, record)
+            log_store_i32(seg, &seq.sq_lease_slot, seg.lease_slot)
+            log_store_i32(seg, &seq.sq_num_pages, 0)
+            log_store_i64(seg, <int64_t*>&seq.sq_lease_generation, <int64_t>seg.lease_generation)
+            log_store_i64(seg, &seq.sq_seq_id, ids[i])
+            log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t>namespaces[i])
+            log_store_i32(seg, &seq.sq_first_page, -1)
+            log_store_i32(seg, &seq.sq_last_page, -1)
+            log_store_i32(seg, &seq.sq_lock_node, -1)
+            if node != -1:
+                # The borrow locked the node for this sequence: record it as the sequence's.
+                log_store_i32(seg, &seq.sq_lock_node, node)
+            for j in range(matched):
+                page_incref(seg, i32(table)[j])
+            pages_alloc(seg, fresh, i32(table) + matched)
+            for j in range(total):
+                append_page(seg, seq, i32(table)[j])
+            results.append((record, matched, table))
+        seg.commit()
+    finally:
+        seg.end()
+    return results
+
+
+def append_pages(Segment seg, cnp.ndarray records):
+    """Gives each listed sequence one more page (a decode step filled its last one).
+
+    All or nothing; evicts when short. Returns the new pages (np.int32, one per record).
+    """
+    cdef Tree t
+    cdef int64_t i, n = records.shape[0]
+    cdef int32_t* recs = i32(records)
+    cdef cnp.ndarray pages = np.empty(n, dtype=np.int32)
+    cdef HkvSequence* seq
+    check_open(seg)
+    if n == 0:
+        return pages
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        for i in range(n):
+            check_owner(seg, sequence_at(seg, recs[i]), recs[i])
+        if not ensure_free_pages(seg, &t, n):
+            raise OutOfPagesError(
+                f"segment {seg.name!r}: this decode step needs {n} new pages, only "
+                f"{seg.hdr.hdr_free_pages} can be freed", needed=n,
+                available=seg.hdr.hdr_free_pages)
+        pages_alloc(seg, n, i32(pages))
+        for i in range(n):
+            append_page(seg, sequence_at(seg, recs[i]), i32(pages)[i])
+        seg.commit()
+    finally:
+        seg.end()
+    return pages
+
+
+cdef int64_t commit_one(Segment seg, Tree* t, int32_t record, cnp.ndarray tokens,
+                        cnp.ndarray table, int64_t num_pages, uint64_t namespace) except -1:
+    """Caches a sequence's first num_pages pages; best effort. Returns the pages the tree
+    now holds for it (0 when node records ran out: that insert is undone, nothing else)."""
+    cdef HkvSequence* seq = sequence_at(seg, record)
+    cdef cnp.ndarray tree_pages = np.empty(num_pages, dtype=np.int32)
+    cdef int32_t node = -1
+    cdef int64_t mark = seg.hdr.hdr_undo_count
+    check_owner(seg, seq, record)
+    try:
+        tree_insert(seg, t, i32(tokens), i32(table), num_pages, namespace, i32(tree_pages), &node)
+        set_lock(seg, t, sequence_at(seg, record), node)
+    except CapacityError:
+        seg.rollback_to(mark)
+        return 0
+    return num_pages
+
+
+def commit(Segment seg, cnp.ndarray records, list token_arrays, list tables,
+           cnp.ndarray num_pages, list namespaces):
+    """Caches the first num_pages[i] pages of each sequence; one lock for the batch.
+
+    Best effort per sequence: returns the pages cached for each (0 where node records ran
+    out even after eviction)."""
+    cdef Tree t
+    cdef int64_t i, n = records.shape[0]
+    cdef int64_t* counts = <int64_t*>cnp.PyArray_DATA(num_pages)
+    cdef cnp.ndarray cached = np.zeros(n, dtype=np.int64)
+    check_open(seg)
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        for i in range(n):
+            if counts[i] > 0:
+                (<int64_t*>cnp.PyArray_DATA(cached))[i] = commit_one(
+                    seg, &t, i32(records)[i], token_arrays[i], tables[i], counts[i], namespaces[i])
+        seg.commit()
+    finally:
+        seg.end()
+    return cached
+
+
+def release(Segment seg, cnp.ndarray records, list token_arrays, list tables,
+            cnp.ndarray num_pages, list namespaces):
+    """Commits (where num_pages[i] > 0, best effort) then releases each sequence; one lock.
+
+    Returns the pages cached for each."""
+    cdef Tree t
+    cdef int64_t i, n = records.shape[0]
+    cdef int64_t* counts = <int64_t*>cnp.PyArray_DATA(num_pages)
+    cdef cnp.ndarray cached = np.zeros(n, dtype=np.int64)
+    check_open(seg)
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        for i in range(n):
+            check_owner(seg, sequence_at(seg, i32(records)[i]), i32(records)[i])
+        for i in range(n):
+            if counts[i] > 0:
+                (<int64_t*>cnp.PyArray_DATA(cached))[i] = commit_one(
+                    seg, &t, i32(records)[i], token_arrays[i], tables[i], counts[i], namespaces[i])
+            release_sequence(seg, &t, i32(records)[i])
+        seg.commit()
+    finally:
+        seg.end()
+    return cached
+
+
+# -- checking ------------------------------------------------------------------------------------------
+
+def check_references(Segment seg, bint exact):
+    """Checks the sequences and the reference accounting across layers (lock held).
+
+    Each page's refcount must be its tree reference plus one per sequence listing it, and
+    each node's lock count the number of sequence locks on paths through it. With
+    exact=False (tests holding raw references) both are lower bounds instead.
+    """
+    cdef HkvSlab* slab
+    cdef HkvSlab* list_slab
+    cdef HkvSequence* seq
+    cdef HkvSeqPage* entry
+    cdef HkvLease* lease
+    cdef int32_t i, entry_index, count, node, steps
+    cdef Tree t
+    cdef int32_t* refcounts
+    check_open(seg)
+    slab = sequence_slab(seg)
+    list_slab = page_list_slab(seg)
+    t = tree_of(seg)
+    refcounts = page_refcounts(seg)
+    slab_check(seg, slab, "sequence")
+    slab_check(seg, list_slab, "sequence page")
+    expected_refs = np.zeros(t.num_pages, dtype=np.int64)
+    expected_locks = np.zeros(t.node_capacity, dtype=np.int64)
+    listed = np.zeros(list_slab.sl_capacity, dtype=np.uint8)
+    for i in range(slab.sl_capacity):
+        seq = <HkvSequence*>slab_record(slab, i)
+        if seq.sq_slab.sr_in_use != 1:
+            continue
+        lease = seg.lease_at(seq.sq_lease_slot)
+        if lease.ls_state != HKV_LEASE_ACTIVE or lease.ls_generation != seq.sq_lease_generation:
+            seg.corrupt(f"sequence {i} belongs to lease slot {seq.sq_lease_slot}, which is gone")
+        entry_index = seq.sq_first_page
+        count = 0
+        while entry_index != -1:
+            entry = page_entry_at(seg, entry_index)
+            if entry.sp_slab.sr_in_use != 1 or listed[entry_index]:
+                seg.corrupt(f"sequence {i}'s page list reuses entry {entry_index}")
+            listed[entry_index] = 1
+            check_page_index(seg, entry.sp_page)
+            expected_refs[entry.sp_page] += 1
+            count += 1
+            if count > seq.sq_num_pages:
+                seg.corrupt(f"sequence {i}'s page list is longer than its {seq.sq_num_pages} pages")
+            if entry.sp_next == -1 and entry_index != seq.sq_last_page:
+                seg.corrupt(f"sequence {i}'s last page entry is not its list's end")
+            entry_index = entry.sp_next
+        if count != seq.sq_num_pages:
+            seg.corrupt(f"sequence {i} lists {count} pages, counts {seq.sq_num_pages}")
+        node = seq.sq_lock_node
+        steps = 0
+        while node != -1:
+            if node < 0 or node >= t.node_capacity:
+                seg.corrupt(f"sequence {i} locks radix node {node}, out of range")
+            expected_locks[node] += 1
+            node = (<HkvRadixNode*>slab_record(t.slab, node)).rn_parent
+            steps += 1
+            if steps > t.node_capacity:
+                seg.corrupt("a cycle in the radix tree's parent links")
+    if int(listed.sum()) != list_slab.sl_used:
+        seg.corrupt(f"{list_slab.sl_used} page-list entries in use, {int(listed.sum())} listed")
+    tree_pages = np.frombuffer(
+        (<char*>t.page_next)[:t.num_pages * 4], dtype=np.int32) != -2
+    expected_refs += tree_pages
+    actual = np.frombuffer((<char*>refcounts)[:t.num_pages * 4], dtype=np.int32)
+    bad = np.nonzero(actual != expected_refs if exact else actual < expected_refs)[0]
+    if bad.size:
+        p = int(bad[0])
+        seg.corrupt(f"page {p} has refcount {actual[p]}, but the tree and the sequences "
+                    f"hold {expected_refs[p]} references")
+    for i in range(t.node_capacity):
+        if (<HkvRadixNode*>slab_record(t.slab, i)).rn_slab.sr_in_use != 1:
+            continue
+        count = (<HkvRadixNode*>slab_record(t.slab, i)).rn_lock_count
+        if (count != expected_locks[i]) if exact else (count < expected_locks[i]):
+            seg.corrupt(f"radix node {i} has lock count {count}, sequences hold "
+                        f"{expected_locks[i]} locks through it")
+
+
+def live_sequences(Segment seg):
+    """(record, lease slot, seq id, namespace, pages) of every live sequence (lock held)."""
+    cdef HkvSlab* slab
+    cdef HkvSequence* seq
+    cdef HkvSeqPage* entry
+    cdef int32_t i, entry_index
+    check_open(seg)
+    slab = sequence_slab(seg)
+    out = []
+    for i in range(slab.sl_capacity):
+        seq = <HkvSequence*>slab_record(slab, i)
+        if seq.sq_slab.sr_in_use != 1:
+            continue
+        pages = []
+        entry_index = seq.sq_first_page
+        while entry_index != -1 and len(pages) <= seq.sq_num_pages:
+            entry = page_entry_at(seg, entry_index)
+            pages.append(entry.sp_page)
+            entry_index = entry.sp_next
+        out.append((i, seq.sq_lease_slot, seq.sq_seq_id, seq.sq_namespace, tuple(pages)))
+    return out

@@ -1,0 +1,479 @@
+"""WorkerView: one engine worker's sequences over a shared HostKVCache.
+
+The engine's loop, and what each step promises:
+
+1. ``allocate_pages_for_sequences_with_prefix(requests)`` - one lock for the whole batch:
+   each request borrows the longest cached prefix of its prompt (always leaving at least
+   one token to compute), gets fresh pages for the rest, and is recorded in the segment.
+   All or nothing: on any shortage nothing changes and the error says what ran out.
+2. The engine writes the KV of every token from ``allocation.reused_tokens`` on into its own
+   pages; the first ``num_shared_pages`` pages are shared with other sequences and read-only.
+3. ``append_tokens(seq_ids, token_ids)`` - one decode step; a page is allocated only when a
+   token does not fit. ``None`` marks a token whose id is unknown: that sequence stops being
+   cacheable from there on, the others are unaffected.
+4. ``commit(seq_ids)`` - publishes full pages to every process. Two-phase publish: write the
+   KV first, then commit; a committed page is read by other processes at once. Pass
+   ``num_tokens`` when only a leading part of a sequence's KV is written yet.
+5. ``release(seq_ids, commit=True)`` - commits, then drops every reference the sequence holds.
+
+This module is pure Python: it keeps per-sequence state (tokens, page table) and policy
+(what to reuse and commit); every change to shared state is one call into _sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+
+from hostkv import _sequences
+from hostkv._tokens import TOKEN_LIMIT, as_namespace, as_tokens
+from hostkv.cache import HostKVCache
+from hostkv.errors import SequenceError
+
+__all__ = [
+    "PrefixSequenceState",
+    "SequenceAllocation",
+    "SequenceRequest",
+    "WorkerView",
+    "WorkerViewStats",
+]
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceRequest:
+    """A sequence to allocate: its id (unique within the view), prompt tokens, namespace.
+
+    Attributes:
+        seq_id: An int64 id, unique among the view's live sequences.
+        tokens: The prompt's token ids (list, numpy or CPU torch integers), non-empty.
+        namespace: Prefixes never match across namespaces (tenant, model, LoRA, cache salt).
+    """
+
+    seq_id: int
+    tokens: Any
+    namespace: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceAllocation:
+    """What the engine needs to run a newly allocated sequence.
+
+    Attributes:
+        seq_id: The request's id.
+        reused_tokens: Leading prompt tokens whose KV is already in the pages (a multiple of
+            page_size, always less than the prompt's length).
+        page_table: np.int32 pages for the prompt's tokens, in order (a copy).
+        page_size: Tokens per page.
+    """
+
+    seq_id: int
+    reused_tokens: int
+    page_table: np.ndarray
+    page_size: int
+
+    @property
+    def num_shared_pages(self) -> int:
+        """Leading pages borrowed from the cache: shared with other sequences, read-only."""
+        return self.reused_tokens // self.page_size
+
+    @property
+    def write_from_token(self) -> int:
+        """The first token whose KV the engine must compute and write (== reused_tokens)."""
+        return self.reused_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixSequenceState:
+    """A snapshot of one live sequence.
+
+    Attributes:
+        seq_id: Its id.
+        namespace: Its namespace.
+        num_tokens: Tokens so far (prompt plus decoded).
+        tokens: Their ids (np.int32; 0 where a token was appended as None).
+        reused_tokens: Prompt tokens borrowed from the cache at allocation.
+        committed_tokens: Leading tokens whose pages the cache holds for it.
+        cacheable_tokens: Leading tokens with known ids (commit never goes past this).
+        pages: Its page table (np.int32), ceil(num_tokens / page_size) pages.
+    """
+
+    seq_id: int
+    namespace: int
+    num_tokens: int
+    tokens: np.ndarray
+    reused_tokens: int
+    committed_tokens: int
+    cacheable_tokens: int
+    pages: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerViewStats:
+    """Counters of one WorkerView (the segment-wide ones are in HostKVCache.stats()).
+
+    Attributes:
+        requests: Sequences allocated.
+        prompt_tokens: Their prompt tokens.
+        reused_tokens: Prompt tokens served from the cache.
+        committed_pages: Pages this view's commits put in (or found in) the cache.
+        live_sequences: Sequences allocated and not yet released.
+    """
+
+    requests: int
+    prompt_tokens: int
+    reused_tokens: int
+    committed_pages: int
+    live_sequences: int
+
+
+class _Sequence:
+    """The view's own bookkeeping of one live sequence (process-private)."""
+
+    __slots__ = ("seq_id", "record", "namespace", "tokens", "num_tokens", "cacheable_tokens",
+                 "reused_tokens", "committed_pages", "pages", "num_pages")
+
+    def __init__(self, seq_id: int, record: int, namespace: int, tokens: np.ndarray,
+                 reused_pages: int, pages: np.ndarray, page_size: int) -> None:
+        self.seq_id = seq_id
+        self.record = record
+        self.namespace = namespace
+        self.tokens = np.empty(max(2 * len(tokens), 16), dtype=np.int32)
+        self.tokens[:len(tokens)] = tokens
+        self.num_tokens = len(tokens)
+        self.cacheable_tokens = len(tokens)
+        self.reused_tokens = reused_pages * page_size
+        self.committed_pages = reused_pages
+        self.pages = np.empty(max(2 * len(pages), 4), dtype=np.int32)
+        self.pages[:len(pages)] = pages
+        self.num_pages = len(pages)
+
+    def append_token(self, token: Optional[int]) -> None:
+        if self.num_tokens == len(self.tokens):
+            self.tokens = np.concatenate([self.tokens, np.empty_like(self.tokens)])
+        if token is None:
+            self.tokens[self.num_tokens] = 0
+            self.cacheable_tokens = min(self.cacheable_tokens, self.num_tokens)
+        else:
+            self.tokens[self.num_tokens] = token
+            if self.cacheable_tokens == self.num_tokens:
+                self.cacheable_tokens += 1
+        self.num_tokens += 1
+
+    def append_page(self, page: int) -> None:
+        if self.num_pages == len(self.pages):
+            self.pages = np.concatenate([self.pages, np.empty_like(self.pages)])
+        self.pages[self.num_pages] = page
+        self.num_pages += 1
+
+
+_fork_epoch = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_epoch
+    _fork_epoch += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class WorkerView:
+    """One worker's sequences on a shared cache: batch allocation with prefix reuse,
+    decode-token accumulation, commit and release (see the module docstring for the loop).
+
+    Not thread-safe: one view per worker thread (several views may share one cache).
+    Usable as a context manager; close() releases live sequences without committing.
+    """
+
+    def __init__(self, cache: HostKVCache) -> None:
+        """Creates a view on an open cache that holds a lease."""
+        if not isinstance(cache, HostKVCache):
+            raise TypeError(f"WorkerView needs a HostKVCache, got {type(cache).__name__}")
+        if cache.closed:
+            raise ValueError("the cache is closed")
+        self._cache = cache
+        self._segment = cache._segment
+        self._config = cache.config
+        self._page_size = cache.config.page_size
+        self._sequences: Dict[int, _Sequence] = {}
+        self._fork_epoch = _fork_epoch
+        self._closed = False
+        self._requests = 0
+        self._prompt_tokens = 0
+        self._reused_tokens = 0
+        self._committed_pages = 0
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ValueError("the WorkerView is closed")
+        if self._fork_epoch != _fork_epoch:
+            raise SequenceError(
+                "this WorkerView belongs to the process that created it; a forked child "
+                "must create its own WorkerView (its sequences are the parent's)")
+
+    @staticmethod
+    def _check_seq_id(seq_id: Any) -> int:
+        if isinstance(seq_id, (bool, np.bool_)) or not isinstance(seq_id, numbers.Integral):
+            raise SequenceError(f"sequence ids must be integers, got {seq_id!r}")
+        value = int(seq_id)
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise SequenceError(f"sequence ids must fit int64, got {value}")
+        return value
+
+    def _live(self, seq_ids: Iterable[Any], what: str) -> List[_Sequence]:
+        """The live sequences of seq_ids, each once; SequenceError names the first bad id."""
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable):
+            raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}")
+        out = []
+        seen = set()
+        for raw in seq_ids:
+            seq_id = self._check_seq_id(raw)
+            if seq_id in seen:
+                raise SequenceError(f"{what}: sequence {seq_id} is listed twice")
+            seen.add(seq_id)
+            seq = self._sequences.get(seq_id)
+            if seq is None:
+                raise SequenceError(f"{what}: sequence {seq_id} is not live in this view "
+                                    "(never allocated, or released already)")
+            out.append(seq)
+        return out
+
+    # -- the engine's loop -------------------------------------------------------------------------
+
+    def allocate_pages_for_sequences_with_prefix(
+            self, requests: Sequence[SequenceRequest]) -> List[SequenceAllocation]:
+        """Allocates pages for a batch of new sequences, reusing cached prefixes.
+
+        Args:
+            requests: SequenceRequests; ids must be new to this view and distinct.
+
+        Returns:
+            One SequenceAllocation per request, in order.
+
+        Raises:
+            SequenceError: a bad, duplicate or live id, or an empty prompt.
+            ValueError: bad token ids or namespace.
+            OutOfPagesError: not enough pages even after evicting every unlocked cached page.
+            CapacityError: sequence or page-list records ran out.
+            Nothing changes when any of these is raised.
+        """
+        self._check_usable()
+        if isinstance(requests, SequenceRequest) or not isinstance(requests, Sequence):
+            raise SequenceError("allocate needs a list of SequenceRequest")
+        seq_ids = []
+        token_arrays = []
+        namespaces = []
+        seen = set()
+        for index, request in enumerate(requests):
+            if not isinstance(request, SequenceRequest):
+                raise SequenceError(f"requests[{index}] is a {type(request).__name__}, "
+                                    "not a SequenceRequest")
+            seq_id = self._check_seq_id(request.seq_id)
+            if seq_id in seen:
+                raise SequenceError(f"sequence {seq_id} appears twice in the batch")
+            if seq_id in self._sequences:
+                raise SequenceError(f"sequence {seq_id} is already live in this view")
+            seen.add(seq_id)
+            tokens = as_tokens(request.tokens, f"requests[{index}].tokens")
+            if len(tokens) == 0:
+                raise SequenceError(f"sequence {seq_id} has an empty prompt")
+            seq_ids.append(seq_id)
+            token_arrays.append(tokens)
+            namespaces.append(as_namespace(request.namespace))
+        if not requests:
+            return []
+        page_size = self._page_size
+        if self._config.enable_prefix_reuse:
+            # (n - 1) // page_size full pages at most: the last token is always computed,
+            # so the engine has logits to sample from.
+            reuse = np.array([(len(t) - 1) // page_size for t in token_arrays], dtype=np.int64)
+        else:
+            reuse = np.zeros(len(token_arrays), dtype=np.int64)
+        results = _sequences.allocate(
+            self._segment, token_arrays, np.array(seq_ids, dtype=np.int64), namespaces, reuse,
+            self._config.prefix_min_reuse_pages)
+        allocations = []
+        for seq_id, tokens, namespace, (record, reused_pages, table) in zip(
+                seq_ids, token_arrays, namespaces, results):
+            self._sequences[seq_id] = _Sequence(seq_id, record, namespace, tokens, reused_pages,
+                                                table, page_size)
+            allocations.append(SequenceAllocation(seq_id, reused_pages * page_size, table,
+                                                  page_size))
+            self._requests += 1
+            self._prompt_tokens += len(tokens)
+            self._reused_tokens += reused_pages * page_size
+        return allocations
+
+    def append_tokens(self, seq_ids: Sequence[Any], token_ids: Sequence[Optional[int]]) -> None:
+        """Records one decode step: one token id (or None, if unknown) per sequence.
+
+        A sequence gets a new page only when its token does not fit its last page; the step
+        is all or nothing (OutOfPagesError leaves every sequence as it was).
+
+        Raises:
+            SequenceError: unknown or repeated ids, or the two lists differ in length.
+            ValueError: a token id outside [0, 2**31) or not an integer.
+        """
+        self._check_usable()
+        sequences = self._live(seq_ids, "append_tokens")
+        tokens = list(token_ids)
+        if len(tokens) != len(sequences):
+            raise SequenceError(
+                f"append_tokens got {len(sequences)} sequence ids but {len(tokens)} tokens")
+        for seq, token in zip(sequences, tokens):
+            if token is None:
+                continue
+            if isinstance(token, (bool, np.bool_)) or not isinstance(token, numbers.Integral):
+                raise ValueError(f"sequence {seq.seq_id}: token ids must be integers or None, "
+                                 f"got {token!r}")
+            if not 0 <= int(token) < TOKEN_LIMIT:
+                raise ValueError(f"sequence {seq.seq_id}: token id {int(token)} is outside "
+                                 "[0, 2**31)")
+        page_size = self._page_size
+        needing = [seq for seq in sequences if seq.num_tokens == seq.num_pages * page_size]
+        if needing:
+            pages = _sequences.append_pages(
+                self._segment, np.array([seq.record for seq in needing], dtype=np.int32))
+            for seq, page in zip(needing, pages):
+                seq.append_page(int(page))
+        for seq, token in zip(sequences, tokens):
+            seq.append_token(None if token is None else int(token))
+
+    def _commit_plan(self, sequences: List[_Sequence], num_tokens: Any):
+        """What commit would cache: per sequence, its full known pages beyond those cached."""
+        if num_tokens is None:
+            limits = [None] * len(sequences)
+        elif isinstance(num_tokens, numbers.Integral) and not isinstance(num_tokens, bool):
+            limits = [int(num_tokens)] * len(sequences)
+        else:
+            limits = [int(n) for n in num_tokens]
+            if len(limits) != len(sequences):
+                raise SequenceError(f"{len(sequences)} sequence ids but {len(limits)} num_tokens")
+        counts = np.zeros(len(sequences), dtype=np.int64)
+        if not self._config.enable_prefix_reuse:
+            return counts
+        for i, (seq, limit) in enumerate(zip(sequences, limits)):
+            known = seq.cacheable_tokens if limit is None else min(seq.cacheable_tokens, limit)
+            if limit is not None and limit < 0:
+                raise SequenceError(f"sequence {seq.seq_id}: num_tokens must be >= 0, got {limit}")
+            full = known // self._page_size
+            if full >= self._config.prefix_min_store_pages and full > seq.committed_pages:
+                counts[i] = full
+        return counts
+
+    def commit(self, seq_ids: Sequence[Any], num_tokens: Union[None, int, Sequence[int]] = None
+               ) -> List[int]:
+        """Makes the sequences' full pages reusable by every process now. Idempotent.
+
+        Call it only after the KV of those tokens is written (two-phase publish).
+
+        Args:
+            seq_ids: Live sequences.
+            num_tokens: How many leading tokens have their KV written (one int for all, or
+                one per sequence); default: all known tokens.
+
+        Returns:
+            Per sequence, how many of its leading pages the cache now holds (best effort:
+            when node records run out even after eviction, a sequence's new pages stay
+            uncached, and the call still succeeds).
+        """
+        self._check_usable()
+        sequences = self._live(seq_ids, "commit")
+        counts = self._commit_plan(sequences, num_tokens)
+        todo = np.nonzero(counts)[0]
+        if len(todo):
+            cached = _sequences.commit(
+                self._segment,
+                np.array([sequences[i].record for i in todo], dtype=np.int32),
+                [sequences[i].tokens[:counts[i] * self._page_size] for i in todo],
+                [sequences[i].pages[:counts[i]] for i in todo],
+                counts[todo],
+                [sequences[i].namespace for i in todo])
+            for i, pages in zip(todo, cached):
+                if pages:
+                    self._committed_pages += int(pages) - sequences[i].committed_pages
+                    sequences[i].committed_pages = int(pages)
+        return [seq.committed_pages for seq in sequences]
+
+    def release(self, seq_ids: Sequence[Any], commit: bool = True) -> List[int]:
+        """Ends sequences: commits their full known pages (unless commit=False), then drops
+        every reference they hold. Their ids become free for reuse.
+
+        Returns:
+            Per sequence, how many of its leading pages the cache held for it at the end.
+        """
+        self._check_usable()
+        sequences = self._live(seq_ids, "release")
+        counts = self._commit_plan(sequences, None) if commit else np.zeros(len(sequences), np.int64)
+        cached = _sequences.release(
+            self._segment,
+            np.array([seq.record for seq in sequences], dtype=np.int32),
+            [seq.tokens[:counts[i] * self._page_size] for i, seq in enumerate(sequences)],
+            [seq.pages[:counts[i]] for i, seq in enumerate(sequences)],
+            counts,
+            [seq.namespace for seq in sequences])
+        out = []
+        for seq, pages in zip(sequences, cached):
+            if pages:
+                self._committed_pages += int(pages) - seq.committed_pages
+                seq.committed_pages = int(pages)
+            out.append(seq.committed_pages)
+            del self._sequences[seq.seq_id]
+        return out
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def page_table(self, seq_id: int) -> np.ndarray:
+        """The sequence's pages in token order (a read-only view, valid until its next step)."""
+        self._check_usable()
+        seq = self._live([seq_id], "page_table")[0]
+        view = seq.pages[:seq.num_pages]
+        view.flags.writeable = False
+        return view
+
+    def state(self, seq_id: int) -> PrefixSequenceState:
+        """A snapshot of the sequence's prefix state."""
+        self._check_usable()
+        seq = self._live([seq_id], "state")[0]
+        return PrefixSequenceState(
+            seq_id=seq.seq_id, namespace=seq.namespace, num_tokens=seq.num_tokens,
+            tokens=seq.tokens[:seq.num_tokens].copy(), reused_tokens=seq.reused_tokens,
+            committed_tokens=seq.committed_pages * self._page_size,
+            cacheable_tokens=seq.cacheable_tokens, pages=seq.pages[:seq.num_pages].copy())
+
+    @property
+    def live_sequences(self) -> List[int]:
+        """Ids of the view's live sequences."""
+        return list(self._sequences)
+
+    def stats(self) -> WorkerViewStats:
+        """This view's counters."""
+        return WorkerViewStats(requests=self._requests, prompt_tokens=self._prompt_tokens,
+                               reused_tokens=self._reused_tokens,
+                               committed_pages=self._committed_pages,
+                               live_sequences=len(self._sequences))
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Releases every live sequence without committing (their pages may be partial)."""
+        if self._closed:
+            return
+        if self._sequences and self._fork_epoch == _fork_epoch and not self._cache.closed:
+            self.release(list(self._sequences), commit=False)
+        self._sequences.clear()
+        self._closed = True
+
+    def __enter__(self) -> "WorkerView":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
