@@ -130,7 +130,7 @@ def _dtype_name(dtype: Any) -> str:
                 name = numpy.dtype(dtype).name
     if name is not None and name.startswith("torch."):
         name = name[len("torch."):]
-    if name not in DTYPE_CODES:
+    if name is None or name not in DTYPE_CODES:
         raise ConfigError(
             f"KVLayout.dtype must be one of {', '.join(DTYPE_CODES)}, got {dtype!r}"
         )

@@ -347,8 +347,9 @@ class WorkerView:
         for seq, token in zip(sequences, tokens):
             seq.append_token(None if token is None else int(token))
 
-    def _commit_plan(self, sequences: List[_Sequence], num_tokens: Any):
+    def _commit_plan(self, sequences: List[_Sequence], num_tokens: Any) -> np.ndarray:
         """What commit would cache: per sequence, its full known pages beyond those cached."""
+        limits: List[Optional[int]]
         if num_tokens is None:
             limits = [None] * len(sequences)
         elif isinstance(num_tokens, numbers.Integral) and not isinstance(num_tokens, bool):

@@ -1,0 +1,22 @@
+"""Type stubs for hostkv._sequences (sequence records and the batch entry points)."""
+
+from typing import List, Tuple
+
+import numpy as np
+import numpy.typing as npt
+
+from hostkv._segment import Segment
+
+def allocate(seg: Segment, token_arrays: List[npt.NDArray[np.int32]],
+             seq_ids: npt.NDArray[np.int64], namespaces: List[int],
+             reuse_pages: npt.NDArray[np.int64],
+             min_reuse_pages: int) -> List[Tuple[int, int, npt.NDArray[np.int32]]]: ...
+def append_pages(seg: Segment, records: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]: ...
+def commit(seg: Segment, records: npt.NDArray[np.int32], token_arrays: List[npt.NDArray[np.int32]],
+           tables: List[npt.NDArray[np.int32]], num_pages: npt.NDArray[np.int64],
+           namespaces: List[int]) -> npt.NDArray[np.int64]: ...
+def release(seg: Segment, records: npt.NDArray[np.int32], token_arrays: List[npt.NDArray[np.int32]],
+            tables: List[npt.NDArray[np.int32]], num_pages: npt.NDArray[np.int64],
+            namespaces: List[int]) -> npt.NDArray[np.int64]: ...
+def check_references(seg: Segment, exact: bool) -> None: ...
+def live_sequences(seg: Segment) -> List[Tuple[int, int, int, int, Tuple[int, ...]]]: ...

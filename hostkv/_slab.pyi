@@ -1,0 +1,1 @@
+"""Type stubs for hostkv._slab: it has no Python-level names (its functions are cdef)."""
