@@ -568,7 +568,7 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
     """
     cdef Walk walk
     cdef int64_t existing, i
-    cdef int32_t parent, needed, new_index, page, prev = -1
+    cdef int32_t parent, needed, new_index, page, node_index, prev = -1
     cdef HkvRadixNode* node
     cdef bint partial
     cdef int32_t* refcounts = page_refcounts(seg)
@@ -579,9 +579,17 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
     existing = walk.matched
     partial = walk.node != -1 and walk.node_matched < node_at(seg, t, walk.node).rn_num_pages
     if existing == num_pages:
-        if walk.node != -1:
-            touch(seg, t, walk.node)
-        out_node[0] = walk.node
+        node_index = walk.node
+        if partial:
+            # Everything is cached already, ending inside a node: split it there (as a
+            # borrow does) so that a caller locking out_node locks only these pages; with
+            # no record to be had, out_node is the whole node (it locks a little more).
+            if t.slab.sl_used >= t.slab.sl_capacity:
+                evict_records(seg, t, 1, node_index)
+            if t.slab.sl_used < t.slab.sl_capacity:
+                node_index = split(seg, t, node_index, walk.node_matched)
+        touch(seg, t, node_index)
+        out_node[0] = node_index
         return existing
     for i in range(existing, num_pages):
         page = pages[i]
@@ -806,12 +814,21 @@ cdef inline int32_t* i32_data(cnp.ndarray arr) noexcept:
     return <int32_t*>cnp.PyArray_DATA(arr)
 
 
+cdef int check_i32(cnp.ndarray arr, str what) except -1:
+    """The compiled entry points read arrays raw: they must be 1-D, int32 and contiguous."""
+    if arr.ndim != 1 or cnp.PyArray_TYPE(arr) != cnp.NPY_INT32 or not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+        raise ValueError(f"{what} must be a contiguous 1-D np.int32 array, got {arr.dtype} "
+                         f"with shape {(<object>arr).shape}")
+    return 0
+
+
 def match(Segment seg, cnp.ndarray tokens, uint64_t namespace):
     """The longest cached page-aligned prefix of tokens: (num_pages, pages). A pure lookup."""
     cdef Tree t
     cdef Walk walk
     cdef int64_t num_pages
     cdef cnp.ndarray pages
+    check_i32(tokens, "tokens")
     check_open(seg)
     num_pages = tokens.shape[0] // seg.hdr.hdr_config.cfg_page_size
     pages = np.empty(num_pages, dtype=np.int32)
@@ -833,6 +850,7 @@ def borrow(Segment seg, cnp.ndarray tokens, uint64_t namespace):
     cdef int64_t num_pages
     cdef cnp.ndarray pages
     cdef HkvHeader* hdr
+    check_i32(tokens, "tokens")
     check_open(seg)
     page_size = seg.hdr.hdr_config.cfg_page_size
     num_pages = tokens.shape[0] // page_size
@@ -877,6 +895,8 @@ def insert(Segment seg, cnp.ndarray tokens, cnp.ndarray pages, uint64_t namespac
     cdef int64_t existing
     cdef int64_t num_pages
     cdef cnp.ndarray tree_pages
+    check_i32(tokens, "tokens")
+    check_i32(pages, "pages")
     check_open(seg)
     num_pages = tokens.shape[0] // seg.hdr.hdr_config.cfg_page_size
     tree_pages = np.empty(num_pages, dtype=np.int32)

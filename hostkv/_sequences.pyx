@@ -178,8 +178,8 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
     """
     cdef Tree t
     cdef int32_t page_size, node, record
-    cdef int64_t i, j, n = len(token_arrays), total, matched, fresh, mark, free_before
-    cdef int64_t planned = 0
+    cdef int64_t i, j, n = len(token_arrays), total, matched, fresh, mark
+    cdef int64_t taken = 0              # fresh pages this batch has allocated so far
     cdef cnp.ndarray tokens, table
     cdef HkvSequence* seq
     cdef HkvHeader* hdr
@@ -194,11 +194,9 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
         t = tree_of(seg)
         hdr = seg.hdr
         page_size = hdr.hdr_config.cfg_page_size
-        free_before = hdr.hdr_free_pages
         for i in range(n):
             tokens = token_arrays[i]
             total = (tokens.shape[0] + page_size - 1) // page_size
-            planned += total
             table = np.empty(total, dtype=np.int32)
             matched = 0
             node = -1
@@ -218,11 +216,10 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
             fresh = total - matched
             if not ensure_free_pages(seg, &t, fresh):
                 raise OutOfPagesError(
-                    f"segment {seg.name!r}: the batch needs at least {planned - (total - fresh)} "
-                    f"new pages (request {i} of {n} alone needs {fresh}); only "
-                    f"{hdr.hdr_free_pages} can be freed, every other page is held by live "
-                    "sequences", needed=planned, available=free_before + t.state.rt_cached_pages
-                    - t.state.rt_protected_pages)
+                    f"segment {seg.name!r}: the batch needs at least {taken + fresh} new pages "
+                    f"(request {i} of {n} alone needs {fresh}), but only {hdr.hdr_free_pages + taken} "
+                    "were free or evictable: every other page is held by live sequences",
+                    needed=taken + fresh, available=hdr.hdr_free_pages + taken)
             record = slab_alloc(seg, sequence_slab(seg))
             if record < 0:
                 raise CapacityError(
@@ -244,6 +241,7 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
             for j in range(matched):
                 page_incref(seg, i32(table)[j])
             pages_alloc(seg, fresh, i32(table) + matched)
+            taken += fresh
             for j in range(total):
                 append_page(seg, seq, i32(table)[j])
             results.append((record, matched, table))
