@@ -64,6 +64,7 @@ cdef class Segment:
     cdef int undo_full(self) except -1
     cdef int rollback_to(self, int64_t mark) except -1
     cdef int corrupt(self, str what) except -1
+    cdef int dead_leases(self) except -1
     cdef int sweep_leases(self) except -1
     cdef HkvLease* lease_at(self, int32_t slot) except NULL
 

@@ -879,13 +879,29 @@ cdef class Segment:
         with nogil:
             lease_call(<LeaseHolder*>self.lease_holder, LEASE_DROP, NULL)
 
-    cdef int sweep_leases(self) except -1:
-        """Within an open mutation: frees the lease of every process that has died.
+    cdef int dead_leases(self) except -1:
+        """How many lease slots are held by dead processes (probes only, changes nothing
+        the sweep would not)."""
+        cdef int32_t slot
+        cdef int dead = 0
+        for slot in range(self.hdr.hdr_config.cfg_max_processes):
+            if slot != self.lease_slot and self.lease_at(slot).ls_state == HKV_LEASE_ACTIVE:
+                if not self.lease_alive(slot):
+                    dead += 1
+        return dead
 
-        Returns how many it freed."""
+    cdef int sweep_leases(self) except -1:
+        """Frees the lease of every process that has died, and what it held. Returns how
+        many it freed.
+
+        Runs with the lock held and nothing uncommitted: the dead-lease hooks commit as
+        they go (one released sequence at a time), so that reclaiming a process never needs
+        more than one sequence's worth of undo log."""
         cdef HkvLease* lease
         cdef int32_t slot
         cdef int rc, reaped = 0
+        if self.hdr.hdr_undo_count != 0:
+            raise RuntimeError("sweep_leases inside an open mutation")
         for slot in range(self.hdr.hdr_config.cfg_max_processes):
             if slot == self.lease_slot:
                 continue

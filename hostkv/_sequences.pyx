@@ -57,15 +57,26 @@ cdef inline int32_t* i32(cnp.ndarray arr) noexcept:
 
 # -- building blocks (inside an open mutation) ---------------------------------------------------
 
-cdef int ensure_free_pages(Segment seg, Tree* t, int64_t needed) except -1:
-    """Makes `needed` pages free: sweeps dead processes, then evicts LRU tree pages.
+class SweepNeeded(Exception):
+    """Raised inside a batch that is short of pages while a dead process still holds some.
 
-    Returns 1 when it succeeded, 0 when even that cannot free enough (the caller raises).
+    Reaping commits one dead sequence at a time, which cannot happen inside the batch's own
+    mutation (a later failure must undo the batch whole), so the batch is rolled back, the
+    caller reaps and tries once more.
+    """
+
+
+cdef int ensure_free_pages(Segment seg, Tree* t, int64_t needed) except -1:
+    """Makes `needed` pages free by evicting LRU tree pages; first, if a dead process holds
+    pages, raises SweepNeeded (reclaim the dead before evicting the cache).
+
+    Returns 1 when it succeeded, 0 when even eviction cannot free enough (the caller raises).
     """
     cdef int64_t short
     if seg.hdr.hdr_free_pages >= needed:
         return 1
-    seg.sweep_leases()
+    if seg.dead_leases() > 0:
+        raise SweepNeeded()
     while seg.hdr.hdr_free_pages < needed and t.state.rt_heap_size > 0:
         short = needed - seg.hdr.hdr_free_pages
         if tree_evict_pages(seg, t, short) == 0:
@@ -132,7 +143,12 @@ cdef int release_sequence(Segment seg, Tree* t, int32_t index) except -1:
 
 
 cdef int release_dead_lease(Segment seg, int32_t slot) except -1:
-    """The dead-lease hook: releases every sequence of the lease, without committing."""
+    """The dead-lease hook: releases every sequence of the lease, without committing them.
+
+    Each release is committed on its own (the sweep runs with no other change open), so a
+    process holding more than one undo log's worth is still reclaimed; a death midway
+    leaves the rest for the next sweep.
+    """
     cdef HkvSlab* slab = sequence_slab(seg)
     cdef HkvSequence* seq
     cdef int32_t i
@@ -141,6 +157,7 @@ cdef int release_dead_lease(Segment seg, int32_t slot) except -1:
         seq = <HkvSequence*>slab_record(slab, i)
         if seq.sq_slab.sr_in_use == 1 and seq.sq_lease_slot == slot:
             release_sequence(seg, &t, i)
+            seg.commit()
     return 0
 
 
@@ -231,7 +248,7 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
             log_store_i32(seg, &seq.sq_num_pages, 0)
             log_store_i64(seg, <int64_t*>&seq.sq_lease_generation, <int64_t>seg.lease_generation)
             log_store_i64(seg, &seq.sq_seq_id, ids[i])
-            log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t>namespaces[i])
+            log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t><uint64_t>namespaces[i])
             log_store_i32(seg, &seq.sq_first_page, -1)
             log_store_i32(seg, &seq.sq_last_page, -1)
             log_store_i32(seg, &seq.sq_lock_node, -1)

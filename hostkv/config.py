@@ -271,7 +271,8 @@ class HostKVConfig:
             ``min(num_pages, 4096)``.
         max_processes: Lease slots, i.e. processes attached at once, at most 4096. 0
             derives 64.
-        undo_log_capacity: Undo-log entries. 0 derives ``8 * num_pages + 65536``.
+        undo_log_capacity: Undo-log entries. 0 derives
+            ``16 * num_pages + 64 * max_sequences + 65536``.
 
     Raises:
         ConfigError: A field has the wrong type or is out of range, ``page_bytes`` and
@@ -399,10 +400,11 @@ class HostKVConfig:
         - ``sequence_page_node_capacity``: ``4 * num_pages``.
         - ``max_sequences``: ``min(num_pages, 4096)``; a live sequence holds at least one page.
         - ``max_processes``: 64.
-        - ``undo_log_capacity``: ``8 * num_pages + 65536``; every store to shared state
-          during a mutation is logged before it is made, and a batch that touches every
-          page writes a few entries per page (refcount, token ids, list links), plus a
-          fixed allowance for the tree and sequence records.
+        - ``undo_log_capacity``: ``16 * num_pages + 64 * max_sequences + 65536`` (with
+          max_sequences resolved first): every store to shared state during a mutation is
+          logged before it is made. Measured: a batch allocation logs about 9 entries per
+          page and 16 per sequence, a release with commit about 13 per page and 41 per
+          sequence, so a batch of every page and every sequence fits.
 
         ``HOSTKV_ENABLE_PREFIX_REUSE``, when set to ``0``, ``1``, ``false`` or ``true``
         (any case), overrides ``enable_prefix_reuse``; empty counts as unset.
@@ -421,8 +423,9 @@ class HostKVConfig:
             "sequence_page_node_capacity": 4 * self.num_pages,
             "max_sequences": min(self.num_pages, 4096),
             "max_processes": 64,
-            "undo_log_capacity": 8 * self.num_pages + 65536,
         }
+        max_sequences = self.max_sequences or derived["max_sequences"]
+        derived["undo_log_capacity"] = 16 * self.num_pages + 64 * max_sequences + 65536
         changes: dict = {}
         for field, value in derived.items():
             if getattr(self, field) != 0:

@@ -246,6 +246,20 @@ class WorkerView:
             out.append(seq)
         return out
 
+    def _reaping_if_short(self, operation: Any, *args: Any) -> Any:
+        """Runs a batch operation; if it was short of pages while a dead process still held
+        some (it then changed nothing), reaps the dead and runs it once more."""
+        try:
+            return operation(*args)
+        except _sequences.SweepNeeded:
+            self._cache.reap()
+        try:
+            return operation(*args)
+        except _sequences.SweepNeeded:
+            # A process died in between: reap again, but do not loop on it.
+            self._cache.reap()
+            return operation(*args)
+
     # -- the engine's loop -------------------------------------------------------------------------
 
     def allocate_pages_for_sequences_with_prefix(
@@ -297,9 +311,9 @@ class WorkerView:
             reuse = np.array([(len(t) - 1) // page_size for t in token_arrays], dtype=np.int64)
         else:
             reuse = np.zeros(len(token_arrays), dtype=np.int64)
-        results = _sequences.allocate(
-            self._segment, token_arrays, np.array(seq_ids, dtype=np.int64), namespaces, reuse,
-            self._config.prefix_min_reuse_pages)
+        results = self._reaping_if_short(
+            _sequences.allocate, self._segment, token_arrays, np.array(seq_ids, dtype=np.int64),
+            namespaces, reuse, self._config.prefix_min_reuse_pages)
         allocations = []
         for seq_id, tokens, namespace, (record, reused_pages, table) in zip(
                 seq_ids, token_arrays, namespaces, results):
@@ -340,8 +354,9 @@ class WorkerView:
         page_size = self._page_size
         needing = [seq for seq in sequences if seq.num_tokens == seq.num_pages * page_size]
         if needing:
-            pages = _sequences.append_pages(
-                self._segment, np.array([seq.record for seq in needing], dtype=np.int32))
+            pages = self._reaping_if_short(
+                _sequences.append_pages, self._segment,
+                np.array([seq.record for seq in needing], dtype=np.int32))
             for seq, page in zip(needing, pages):
                 seq.append_page(int(page))
         for seq, token in zip(sequences, tokens):
@@ -358,13 +373,14 @@ class WorkerView:
             limits = [int(n) for n in num_tokens]
             if len(limits) != len(sequences):
                 raise SequenceError(f"{len(sequences)} sequence ids but {len(limits)} num_tokens")
+        for seq, limit in zip(sequences, limits):
+            if limit is not None and limit < 0:
+                raise SequenceError(f"sequence {seq.seq_id}: num_tokens must be >= 0, got {limit}")
         counts = np.zeros(len(sequences), dtype=np.int64)
         if not self._config.enable_prefix_reuse:
             return counts
         for i, (seq, limit) in enumerate(zip(sequences, limits)):
             known = seq.cacheable_tokens if limit is None else min(seq.cacheable_tokens, limit)
-            if limit is not None and limit < 0:
-                raise SequenceError(f"sequence {seq.seq_id}: num_tokens must be >= 0, got {limit}")
             full = known // self._page_size
             if full >= self._config.prefix_min_store_pages and full > seq.committed_pages:
                 counts[i] = full
@@ -469,7 +485,9 @@ class WorkerView:
         if self._closed:
             return
         if self._sequences and self._fork_epoch == _fork_epoch and not self._cache.closed:
-            self.release(list(self._sequences), commit=False)
+            # One at a time: a batch of everything might need more undo log than there is.
+            for seq_id in list(self._sequences):
+                self.release([seq_id], commit=False)
         self._sequences.clear()
         self._closed = True
 

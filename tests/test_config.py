@@ -218,7 +218,7 @@ def test_defaults_small_pool():
     assert cfg.sequence_page_node_capacity == 400
     assert cfg.max_sequences == 100
     assert cfg.max_processes == 64
-    assert cfg.undo_log_capacity == 8 * 100 + 65536
+    assert cfg.undo_log_capacity == 16 * 100 + 64 * 100 + 65536
     assert cfg.enable_prefix_reuse is True
     assert (cfg.num_pages, cfg.page_size, cfg.page_bytes) == (100, 16, 64)
 
@@ -230,7 +230,7 @@ def test_defaults_large_pool():
     assert cfg.sequence_page_node_capacity == 4 * n
     assert cfg.max_sequences == 4096
     assert cfg.max_processes == 64
-    assert cfg.undo_log_capacity == 8 * n + 65536
+    assert cfg.undo_log_capacity == 16 * n + 64 * 4096 + 65536
 
 
 def test_explicit_values_kept():
