@@ -3,7 +3,7 @@
 See README.md for a tour; the names below are the whole public API.
 """
 
-from hostkv.cache import CacheStats, HostKVCache, PrefixMatch
+from hostkv.cache import CacheMetrics, CacheStats, HostKVCache, PrefixMatch
 from hostkv.config import HostKVConfig, KVLayout
 from hostkv.errors import (
     CapacityError,
@@ -32,6 +32,7 @@ from hostkv.worker_view import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheMetrics",
     "CacheStats",
     "CapacityError",
     "ConfigError",

@@ -8,6 +8,7 @@
 #   offset 0            HkvHeader            magic, format, config, region offsets, state,
 #                                            the robust mutex, counters, stats
 #   reg_leases          HkvLease[max_processes]      one slot per attached process
+#   reg_metrics         HkvMetrics           lock histograms, miss reasons, per-namespace hits
 #   reg_undo            HkvUndoEntry[undo_log_capacity]  the undo log of the open mutation
 #   reg_page_refcounts  int32[num_pages]     references to each page (tree + sequences); 0 = free
 #   reg_page_free_stack int32[num_pages]     free page indexes; entries [0, hdr_free_pages) valid
@@ -39,7 +40,7 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 3u
+    #define HKV_LAYOUT_VERSION 4u
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
 
@@ -56,6 +57,8 @@ cdef extern from *:
         uint32_t fmt_slab_size;        /* sizeof(HkvSlab) */
         uint32_t fmt_radix_node_size;  /* sizeof(HkvRadixNode) */
         uint32_t fmt_sequence_size;    /* sizeof(HkvSequence) */
+        uint32_t fmt_metrics_size;     /* sizeof(HkvMetrics) */
+        uint32_t fmt_reserved;
     } HkvFormat;
 
     /* The resolved HostKVConfig, so that attach needs no config of its own. */
@@ -81,6 +84,7 @@ cdef extern from *:
     /* Byte offsets of the regions from the start of the segment. */
     typedef struct {
         int64_t reg_leases;
+        int64_t reg_metrics;
         int64_t reg_undo;
         int64_t reg_page_refcounts;
         int64_t reg_page_free_stack;
@@ -222,6 +226,38 @@ cdef extern from *:
         int32_t sp_next;                         /* next HkvSeqPage, -1 ends the list */
     } HkvSeqPage;
 
+    #define HKV_HISTOGRAM_BUCKETS 40      /* bucket b counts durations in [2^(b-1), 2^b) ns */
+    #define HKV_HINT_SLOTS 4096           /* direct-mapped hint tables, power of two */
+    #define HKV_NAMESPACE_SLOTS 64        /* per-namespace counters; the last one is "other" */
+
+    typedef struct {
+        uint64_t ns_namespace;
+        int64_t ns_used;                         /* 1 once the slot names a namespace */
+        int64_t ns_lookup_tokens;
+        int64_t ns_hit_tokens;
+    } HkvNamespaceStats;
+
+    /* Metrics cheap enough to stay on. Lock times are written by the lock holder without
+       logging (a rolled-back mutation still waited and held); miss reasons and namespace
+       counters are logged with the allocation they describe, so a failed batch counts
+       nothing. The hint tables are best effort: a slot may be overwritten by another hash. */
+    typedef struct {
+        int64_t mt_lock_acquisitions;
+        int64_t mt_lock_wait_ns;                 /* sums, for means */
+        int64_t mt_lock_hold_ns;
+        int64_t mt_lock_wait_histogram[HKV_HISTOGRAM_BUCKETS];
+        int64_t mt_lock_hold_histogram[HKV_HISTOGRAM_BUCKETS];
+        int64_t mt_full_hits;                    /* requests that reused all they could */
+        int64_t mt_miss_no_prefix;               /* the next page was never cached (or diverged) */
+        int64_t mt_miss_namespace;               /* cached, but under another namespace */
+        int64_t mt_miss_below_minimum;           /* matched fewer than prefix_min_reuse_pages */
+        int64_t mt_miss_evicted;                 /* the next page was cached and then evicted */
+        uint64_t mt_evicted_hashes[HKV_HINT_SLOTS];   /* first-page hashes of evicted runs */
+        uint64_t mt_top_hashes[HKV_HINT_SLOTS];       /* first-page hashes of top-level nodes */
+        uint64_t mt_top_namespaces[HKV_HINT_SLOTS];   /* ... and their namespaces */
+        HkvNamespaceStats mt_namespaces[HKV_NAMESPACE_SLOTS];
+    } HkvMetrics;
+
     #define HKV_UNDO_WIDTH_SHIFT 56
     #define HKV_UNDO_OFFSET_MASK ((1ULL << HKV_UNDO_WIDTH_SHIFT) - 1)
 
@@ -258,6 +294,8 @@ cdef extern from *:
         uint32_t fmt_slab_size
         uint32_t fmt_radix_node_size
         uint32_t fmt_sequence_size
+        uint32_t fmt_metrics_size
+        uint32_t fmt_reserved
 
     ctypedef struct HkvConfig:
         int64_t cfg_num_pages
@@ -279,6 +317,7 @@ cdef extern from *:
 
     ctypedef struct HkvRegions:
         int64_t reg_leases
+        int64_t reg_metrics
         int64_t reg_undo
         int64_t reg_page_refcounts
         int64_t reg_page_free_stack
@@ -351,6 +390,33 @@ cdef extern from *:
     ctypedef struct HkvSlabRecord:
         int32_t sr_next_free
         int32_t sr_in_use
+
+    enum:
+        HKV_HISTOGRAM_BUCKETS
+        HKV_HINT_SLOTS
+        HKV_NAMESPACE_SLOTS
+
+    ctypedef struct HkvNamespaceStats:
+        uint64_t ns_namespace
+        int64_t ns_used
+        int64_t ns_lookup_tokens
+        int64_t ns_hit_tokens
+
+    ctypedef struct HkvMetrics:
+        int64_t mt_lock_acquisitions
+        int64_t mt_lock_wait_ns
+        int64_t mt_lock_hold_ns
+        int64_t mt_lock_wait_histogram[HKV_HISTOGRAM_BUCKETS]
+        int64_t mt_lock_hold_histogram[HKV_HISTOGRAM_BUCKETS]
+        int64_t mt_full_hits
+        int64_t mt_miss_no_prefix
+        int64_t mt_miss_namespace
+        int64_t mt_miss_below_minimum
+        int64_t mt_miss_evicted
+        uint64_t mt_evicted_hashes[HKV_HINT_SLOTS]
+        uint64_t mt_top_hashes[HKV_HINT_SLOTS]
+        uint64_t mt_top_namespaces[HKV_HINT_SLOTS]
+        HkvNamespaceStats mt_namespaces[HKV_NAMESPACE_SLOTS]
 
     ctypedef struct HkvSequence:
         HkvSlabRecord sq_slab

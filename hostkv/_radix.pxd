@@ -46,3 +46,4 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
                          int32_t* out_node) except -1
 cdef int64_t tree_evict_pages(Segment seg, Tree* t, int64_t want) except -1
 cdef int tree_check(Segment seg) except -1
+cdef uint64_t tree_page_hash(Tree* t, const int32_t* tokens) noexcept nogil

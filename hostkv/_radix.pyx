@@ -12,7 +12,8 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp
 
-from hostkv._layout cimport HkvHeader, HkvRadixNode, HkvRadixState, HkvSlab, HkvSlabRecord
+from hostkv._layout cimport (
+    HkvHeader, HkvMetrics, HkvRadixNode, HkvRadixState, HkvSlab, HkvSlabRecord, HKV_HINT_SLOTS)
 from hostkv._segment cimport (
     Segment, add_rederive_hook, check_open, log_store_i32, log_store_i64)
 from hostkv._slab cimport (
@@ -86,6 +87,15 @@ cdef inline uint64_t page_hash(Tree* t, const int32_t* tokens) noexcept nogil:
         h = (h ^ <uint32_t>tokens[i]) * 0x100000001B3ULL
         h ^= h >> 29
     return mix64(h) & t.hash_mask
+
+
+cdef uint64_t tree_page_hash(Tree* t, const int32_t* tokens) noexcept nogil:
+    return page_hash(t, tokens)
+
+
+cdef inline void hint_evicted(Segment seg, uint64_t key_hash) noexcept nogil:
+    # Metrics only (not logged): lets a later miss on this page be told apart as "evicted".
+    seg.metrics.mt_evicted_hashes[key_hash & (HKV_HINT_SLOTS - 1)] = key_hash
 
 
 cdef inline int64_t home_slot(Tree* t, int32_t parent, uint64_t namespace, uint64_t key_hash) noexcept nogil:
@@ -446,6 +456,7 @@ cdef int remove_leaf(Segment seg, Tree* t, int32_t index) except -1:
     cdef int32_t parent = node.rn_parent
     cdef int32_t count = node.rn_num_pages
     heap_remove(seg, t, index)
+    hint_evicted(seg, node.rn_key_hash)
     log_store_i64(seg, &t.state.rt_evictable_leaf_pages, t.state.rt_evictable_leaf_pages - count)
     log_store_i64(seg, &t.state.rt_cached_pages, t.state.rt_cached_pages - count)
     release_pages(seg, t, node.rn_first_page, count)
@@ -466,6 +477,8 @@ cdef int trim_leaf(Segment seg, Tree* t, int32_t index, int32_t drop) except -1:
     if drop <= 0 or keep <= 0:
         seg.corrupt(f"trim of {drop} pages from a {node.rn_num_pages}-page leaf")
     last_kept = page_at(seg, t, node, keep - 1)
+    check_page_index(seg, t.page_next[last_kept])
+    hint_evicted(seg, page_hash(t, tokens_of(t, t.page_next[last_kept])))
     release_pages(seg, t, t.page_next[last_kept], drop)
     log_store_i32(seg, &t.page_next[last_kept], END_OF_NODE)
     log_store_i32(seg, &node.rn_num_pages, keep)
@@ -639,6 +652,11 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
         node = node_at(seg, t, parent)
         log_store_i32(seg, &node.rn_num_children, node.rn_num_children + 1)
         update_evictable(seg, t, parent)
+    else:
+        # Metrics only: lets a miss in another namespace be told apart as "namespace".
+        node = node_at(seg, t, new_index)
+        seg.metrics.mt_top_hashes[node.rn_key_hash & (HKV_HINT_SLOTS - 1)] = node.rn_key_hash
+        seg.metrics.mt_top_namespaces[node.rn_key_hash & (HKV_HINT_SLOTS - 1)] = namespace
     log_store_i64(seg, &t.state.rt_cached_pages, t.state.rt_cached_pages + num_pages - existing)
     log_store_i64(seg, &seg.hdr.hdr_stats.st_inserted_pages,
                   seg.hdr.hdr_stats.st_inserted_pages + num_pages - existing)

@@ -14,7 +14,7 @@
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from hostkv._layout cimport (
-    HkvConfig, HkvHeader, HkvLease, HkvRegions, HkvUndoEntry, HKV_UNDO_WIDTH_SHIFT)
+    HkvConfig, HkvHeader, HkvLease, HkvMetrics, HkvRegions, HkvUndoEntry, HKV_UNDO_WIDTH_SHIFT)
 from hostkv.includes.system cimport hkv_compiler_barrier
 
 ctypedef int (*rederive_hook)(Segment seg) except -1
@@ -33,6 +33,8 @@ cdef class Segment:
     cdef char* base
     cdef HkvHeader* hdr
     cdef HkvUndoEntry* undo
+    cdef HkvMetrics* metrics
+    cdef int64_t locked_at_ns           # CLOCK_MONOTONIC when this object took the lock
     cdef int64_t undo_capacity
     cdef size_t size
     cdef readonly str name

@@ -131,6 +131,19 @@ cdef inline int64_t now_ns(int clock) noexcept nogil:
     return <int64_t>ts.tv_sec * 1_000_000_000 + ts.tv_nsec
 
 
+cdef inline void record_duration(int64_t* histogram, int64_t* total, int64_t ns) noexcept nogil:
+    """Counts a duration in its log2 bucket: bucket b holds [2^(b-1), 2^b) ns, 0 holds 0."""
+    cdef int bucket = 0
+    if ns > 0:
+        bucket = 64 - count_leading_zeros(<uint64_t>ns)
+        if bucket >= HKV_HISTOGRAM_BUCKETS:
+            bucket = HKV_HISTOGRAM_BUCKETS - 1
+    else:
+        ns = 0
+    histogram[bucket] += 1
+    total[0] += ns
+
+
 cdef int init_robust_mutex(pthread_mutex_t* mutex) except -1:
     """Initialises a robust, process-shared, normal-type mutex without priority inheritance."""
     cdef pthread_mutexattr_t attr
@@ -263,6 +276,8 @@ cdef int compute_regions(const HkvConfig* cfg, HkvRegions* out) except -1:
     memset(out, 0, sizeof(HkvRegions))
     out.reg_leases = at
     at = align_up(at + <int64_t>cfg.cfg_max_processes * sizeof(HkvLease), HKV_CACHE_LINE)
+    out.reg_metrics = at
+    at = align_up(at + sizeof(HkvMetrics), HKV_CACHE_LINE)
     out.reg_undo = at
     at = align_up(at + <int64_t>cfg.cfg_undo_log_capacity * sizeof(HkvUndoEntry), HKV_CACHE_LINE)
     out.reg_page_refcounts = at
@@ -304,12 +319,13 @@ cdef HkvFormat expected_format() noexcept:
     fmt.fmt_slab_size = sizeof(HkvSlab)
     fmt.fmt_radix_node_size = sizeof(HkvRadixNode)
     fmt.fmt_sequence_size = sizeof(HkvSequence)
+    fmt.fmt_metrics_size = sizeof(HkvMetrics)
     return fmt
 
 
 _FORMAT_FIELDS = ("fmt_layout_version", "fmt_byte_order", "fmt_pointer_size", "fmt_mutex_size",
                   "fmt_header_size", "fmt_lease_size", "fmt_undo_entry_size", "fmt_slab_size",
-                  "fmt_radix_node_size", "fmt_sequence_size")
+                  "fmt_radix_node_size", "fmt_sequence_size", "fmt_metrics_size")
 
 # HostKVConfig field -> HkvConfig field. The KVLayout is stored as four fields.
 _CONFIG_FIELDS = (
@@ -560,6 +576,7 @@ cdef class Segment:
         __atomic_store_release_u32(&hdr.hdr_state, HKV_STATE_READY)
 
     cdef _bind_regions(self):
+        self.metrics = <HkvMetrics*>(self.base + self.hdr.hdr_regions.reg_metrics)
         self.undo = <HkvUndoEntry*>(self.base + self.hdr.hdr_regions.reg_undo)
         self.undo_capacity = self.hdr.hdr_config.cfg_undo_log_capacity
 
@@ -614,13 +631,14 @@ cdef class Segment:
         """Takes the lock and opens a mutation; recovers first if the last holder died."""
         cdef int rc
         cdef timespec deadline
-        cdef int64_t deadline_ns
+        cdef int64_t deadline_ns, wait_start
         if self.closed:
             raise ValueError("the segment is closed")
         if self.fork_epoch != _fork_epoch:
             self._after_fork()
         if self.locked:
             raise RuntimeError("hostkv segment lock is not re-entrant")
+        wait_start = now_ns(CLOCK_MONOTONIC)
         rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
         if rc == EBUSY:
             deadline_ns = now_ns(CLOCK_REALTIME) + self.lock_timeout_ns
@@ -641,6 +659,10 @@ cdef class Segment:
         if rc != 0 and rc != EOWNERDEAD:
             raise os_error(rc, "lock segment", self.name)
         self.locked = True
+        self.locked_at_ns = now_ns(CLOCK_MONOTONIC)
+        record_duration(self.metrics.mt_lock_wait_histogram, &self.metrics.mt_lock_wait_ns,
+                        self.locked_at_ns - wait_start)
+        self.metrics.mt_lock_acquisitions += 1
         if rc == EOWNERDEAD:
             # The holder died mid-mutation. Roll it back, re-derive, and only then say the
             # state is consistent; if that fails, unlock without marking it consistent, so
@@ -660,7 +682,7 @@ cdef class Segment:
                 self._recover(True)
             self.reaped_by_begin = 0
             if (not self.observer
-                    and now_ns(CLOCK_MONOTONIC) - self.hdr.hdr_last_sweep_ns > SWEEP_INTERVAL_NS):
+                    and self.locked_at_ns - self.hdr.hdr_last_sweep_ns > SWEEP_INTERVAL_NS):
                 self.reaped_by_begin = self.sweep_leases()
                 self.commit()
         except BaseException:
@@ -688,6 +710,8 @@ cdef class Segment:
                 # Rollback itself found the segment unusable: mark it, so that nobody works
                 # on it again. The exception that brought us here is the one the caller sees.
                 self.hdr.hdr_state = HKV_STATE_CORRUPT
+        record_duration(self.metrics.mt_lock_hold_histogram, &self.metrics.mt_lock_hold_ns,
+                        now_ns(CLOCK_MONOTONIC) - self.locked_at_ns)
         self.locked = False
         pthread_mutex_unlock(&self.hdr.hdr_mutex)
 
@@ -1038,6 +1062,29 @@ cdef class Segment:
             pthread_mutex_unlock(&lease.ls_mutex)
         return False
 
+    def metrics_info(self):
+        """The metrics region as plain Python values (call with the lock held)."""
+        cdef HkvMetrics* m
+        cdef int i
+        self._check_open()
+        m = self.metrics
+        namespaces = {}
+        for i in range(HKV_NAMESPACE_SLOTS):
+            if m.mt_namespaces[i].ns_used:
+                key = "other" if i == HKV_NAMESPACE_SLOTS - 1 else m.mt_namespaces[i].ns_namespace
+                namespaces[key] = (m.mt_namespaces[i].ns_lookup_tokens, m.mt_namespaces[i].ns_hit_tokens)
+        return {
+            "lock_acquisitions": m.mt_lock_acquisitions,
+            "lock_wait_ns": m.mt_lock_wait_ns,
+            "lock_hold_ns": m.mt_lock_hold_ns,
+            "lock_wait_histogram": [m.mt_lock_wait_histogram[i] for i in range(HKV_HISTOGRAM_BUCKETS)],
+            "lock_hold_histogram": [m.mt_lock_hold_histogram[i] for i in range(HKV_HISTOGRAM_BUCKETS)],
+            "full_hits": m.mt_full_hits,
+            "misses": {"no_prefix": m.mt_miss_no_prefix, "namespace": m.mt_miss_namespace,
+                       "below_minimum": m.mt_miss_below_minimum, "evicted": m.mt_miss_evicted},
+            "namespaces": namespaces,
+        }
+
     def leases(self):
         """The lease table: (slot, state, pid, generation, registered_ns) of every used slot."""
         cdef HkvLease* lease
@@ -1131,6 +1178,13 @@ cdef class Segment:
 
 cdef extern from *:
     """
+    static inline int count_leading_zeros(uint64_t x) { return __builtin_clzll(x); }
+    """
+    int count_leading_zeros(uint64_t x) noexcept nogil
+
+
+cdef extern from *:
+    """
     static inline void __atomic_store_release_u32(uint32_t* p, uint32_t v) {
         __atomic_store_n(p, v, __ATOMIC_RELEASE);
     }
@@ -1175,6 +1229,7 @@ def layout_info():
         ("cfg_kv_dtype_code", <size_t>&h.hdr_config.cfg_kv_dtype_code),
         ("hdr_regions", <size_t>&h.hdr_regions),
         ("reg_leases", <size_t>&h.hdr_regions.reg_leases),
+        ("reg_metrics", <size_t>&h.hdr_regions.reg_metrics),
         ("reg_undo", <size_t>&h.hdr_regions.reg_undo),
         ("reg_page_refcounts", <size_t>&h.hdr_regions.reg_page_refcounts),
         ("reg_page_free_stack", <size_t>&h.hdr_regions.reg_page_free_stack),
@@ -1239,7 +1294,8 @@ def layout_info():
         "sizes": {"HkvHeader": sizeof(HkvHeader), "HkvLease": sizeof(HkvLease),
                   "HkvUndoEntry": sizeof(HkvUndoEntry), "HkvSlab": sizeof(HkvSlab),
                   "HkvRadixNode": sizeof(HkvRadixNode), "HkvSequence": sizeof(HkvSequence),
-                  "HkvSeqPage": sizeof(HkvSeqPage), "pthread_mutex_t": sizeof(pthread_mutex_t)},
+                  "HkvSeqPage": sizeof(HkvSeqPage), "HkvMetrics": sizeof(HkvMetrics),
+                  "pthread_mutex_t": sizeof(pthread_mutex_t)},
         "header": header, "lease": lease, "undo": undo, "slab": slab, "radix_node": node,
         "sequence": sequence, "sequence_page": sequence_page,
     }

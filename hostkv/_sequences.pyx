@@ -14,13 +14,15 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint64_t
 
 from hostkv._layout cimport (
-    HkvHeader, HkvLease, HkvRadixNode, HkvSeqPage, HkvSequence, HkvSlab, HKV_LEASE_ACTIVE)
+    HkvHeader, HkvLease, HkvMetrics, HkvNamespaceStats, HkvRadixNode, HkvSeqPage, HkvSequence,
+    HkvSlab, HKV_HINT_SLOTS, HKV_LEASE_ACTIVE, HKV_NAMESPACE_SLOTS)
 from hostkv._segment cimport (
     Segment, add_dead_lease_hook, add_rederive_hook, check_open, log_store_i32, log_store_i64)
 from hostkv._slab cimport slab_alloc, slab_check, slab_check_index, slab_free, slab_record, slab_rederive
 from hostkv._pages cimport check_page_index, page_decref, page_incref, page_refcounts, pages_alloc
 from hostkv._radix cimport (
-    Tree, tree_borrow, tree_evict_pages, tree_insert, tree_lock, tree_of, tree_unlock)
+    Tree, tree_borrow, tree_evict_pages, tree_insert, tree_lock, tree_of, tree_page_hash,
+    tree_unlock)
 
 from hostkv.errors import CapacityError, CorruptionError, OutOfPagesError, SequenceError
 
@@ -171,6 +173,65 @@ add_dead_lease_hook(release_dead_lease)
 add_rederive_hook(rederive_sequences)
 
 
+cdef int count_lookup(Segment seg, Tree* t, const int32_t* tokens, int64_t num_tokens,
+                      uint64_t namespace, int64_t reusable, int64_t found, int64_t kept,
+                      int32_t min_reuse_pages) except -1:
+    """Counts one allocation request in the shared stats and metrics (logged: a batch that
+    fails counts nothing). found: pages the borrow matched; kept: pages it kept."""
+    cdef HkvHeader* hdr = seg.hdr
+    cdef HkvMetrics* m = seg.metrics
+    cdef HkvNamespaceStats* slot = namespace_slot(seg, namespace)
+    cdef int64_t* reason
+    cdef uint64_t next_hash
+    cdef int32_t page_size = hdr.hdr_config.cfg_page_size
+    cdef int64_t at
+    log_store_i64(seg, &hdr.hdr_stats.st_lookups, hdr.hdr_stats.st_lookups + 1)
+    log_store_i64(seg, &hdr.hdr_stats.st_lookup_tokens, hdr.hdr_stats.st_lookup_tokens + num_tokens)
+    log_store_i64(seg, &hdr.hdr_stats.st_hit_tokens, hdr.hdr_stats.st_hit_tokens + kept * page_size)
+    log_store_i64(seg, &slot.ns_lookup_tokens, slot.ns_lookup_tokens + num_tokens)
+    log_store_i64(seg, &slot.ns_hit_tokens, slot.ns_hit_tokens + kept * page_size)
+    if reusable <= 0:
+        return 0
+    if kept == reusable:
+        reason = &m.mt_full_hits
+    elif 0 < found < min_reuse_pages:
+        reason = &m.mt_miss_below_minimum
+    else:
+        # Why did the match stop at page `found`? The hint tables remember recently evicted
+        # pages and top-level pages of every namespace (best effort, see HkvMetrics).
+        next_hash = tree_page_hash(t, tokens + found * page_size)
+        at = next_hash & (HKV_HINT_SLOTS - 1)
+        if m.mt_evicted_hashes[at] == next_hash:
+            reason = &m.mt_miss_evicted
+        elif found == 0 and m.mt_top_hashes[at] == next_hash and m.mt_top_namespaces[at] != namespace:
+            reason = &m.mt_miss_namespace
+        else:
+            reason = &m.mt_miss_no_prefix
+    log_store_i64(seg, reason, reason[0] + 1)
+    return 0
+
+
+cdef HkvNamespaceStats* namespace_slot(Segment seg, uint64_t namespace) except NULL:
+    """The counters of a namespace: claimed on first use; past the table, the last "other"."""
+    cdef HkvMetrics* m = seg.metrics
+    cdef int64_t start = <int64_t>((namespace * 0x9E3779B97F4A7C15ULL) >> 58)   # 0..63
+    cdef int64_t probe, i
+    cdef HkvNamespaceStats* slot
+    for probe in range(HKV_NAMESPACE_SLOTS - 1):
+        i = (start + probe) % (HKV_NAMESPACE_SLOTS - 1)
+        slot = &m.mt_namespaces[i]
+        if slot.ns_used and slot.ns_namespace == namespace:
+            return slot
+        if not slot.ns_used:
+            log_store_i64(seg, <int64_t*>&slot.ns_namespace, <int64_t>namespace)
+            log_store_i64(seg, &slot.ns_used, 1)
+            return slot
+    slot = &m.mt_namespaces[HKV_NAMESPACE_SLOTS - 1]
+    if not slot.ns_used:
+        log_store_i64(seg, &slot.ns_used, 1)
+    return slot
+
+
 # -- the batch entry points --------------------------------------------------------------------------
 
 cdef int check_owner(Segment seg, HkvSequence* seq, int32_t index) except -1:
@@ -195,7 +256,7 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
     """
     cdef Tree t
     cdef int32_t page_size, node, record
-    cdef int64_t i, j, n = len(token_arrays), total, matched, fresh, mark
+    cdef int64_t i, j, n = len(token_arrays), total, matched, found, fresh, mark
     cdef int64_t taken = 0              # fresh pages this batch has allocated so far
     cdef cnp.ndarray tokens, table
     cdef HkvSequence* seq
@@ -216,20 +277,19 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
             total = (tokens.shape[0] + page_size - 1) // page_size
             table = np.empty(total, dtype=np.int32)
             matched = 0
+            found = 0
             node = -1
             if reuse[i] > 0:
                 mark = hdr.hdr_undo_count
-                matched = tree_borrow(seg, &t, i32(tokens), reuse[i], namespaces[i], i32(table), &node)
+                matched = found = tree_borrow(seg, &t, i32(tokens), reuse[i], namespaces[i],
+                                              i32(table), &node)
                 if matched < min_reuse_pages:
                     # Too short to be worth it: undo the borrow whole (its split, lock, touch).
                     seg.rollback_to(mark)
                     matched = 0
                     node = -1
-            log_store_i64(seg, &hdr.hdr_stats.st_lookups, hdr.hdr_stats.st_lookups + 1)
-            log_store_i64(seg, &hdr.hdr_stats.st_lookup_tokens,
-                          hdr.hdr_stats.st_lookup_tokens + tokens.shape[0])
-            log_store_i64(seg, &hdr.hdr_stats.st_hit_tokens,
-                          hdr.hdr_stats.st_hit_tokens + matched * page_size)
+            count_lookup(seg, &t, i32(tokens), tokens.shape[0], namespaces[i], reuse[i], found,
+                         matched, min_reuse_pages)
             fresh = total - matched
             if not ensure_free_pages(seg, &t, fresh):
                 raise OutOfPagesError(

@@ -7,7 +7,7 @@ face over them: create or attach, stats, check, reap, zero-copy views of the pag
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import posix_ipc
@@ -17,7 +17,7 @@ from hostkv._tokens import as_namespace, as_tokens
 from hostkv.config import HostKVConfig, KVLayout, dtype_from_code
 from hostkv.errors import ConfigError, IncompatibleSegmentError, translate_posix_ipc
 
-__all__ = ["CacheStats", "HostKVCache", "PrefixMatch"]
+__all__ = ["CacheMetrics", "CacheStats", "HostKVCache", "PrefixMatch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,53 @@ class CacheStats:
     rollbacks: int
     leases_reaped: int
     generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheMetrics:
+    """The segment's always-on metrics, shared by every process.
+
+    Attributes:
+        lock_acquisitions: Times any process took the segment's lock.
+        lock_wait_ns, lock_hold_ns: Total nanoseconds spent waiting for it and holding it.
+        lock_wait_histogram, lock_hold_histogram: Counts per log2 bucket: entry b counts
+            durations in [2**(b-1), 2**b) ns (entry 0: zero).
+        full_hits: Allocation requests that reused every page they could.
+        misses: Requests that reused less, by the reason the match stopped: "no_prefix"
+            (never cached, or diverged), "namespace" (cached under another namespace),
+            "below_minimum" (matched fewer than prefix_min_reuse_pages), "evicted" (cached,
+            then evicted). The namespace and evicted reasons come from best-effort hint
+            tables and may be under-counted.
+        namespaces: Per namespace (up to 63, then "other"): (lookup tokens, hit tokens).
+    """
+
+    lock_acquisitions: int
+    lock_wait_ns: int
+    lock_hold_ns: int
+    lock_wait_histogram: Tuple[int, ...]
+    lock_hold_histogram: Tuple[int, ...]
+    full_hits: int
+    misses: Dict[str, int]
+    namespaces: Dict[Any, Tuple[int, int]]
+
+    @staticmethod
+    def bucket_upper_ns(bucket: int) -> int:
+        """The exclusive upper bound, in ns, of histogram entry `bucket`."""
+        return 1 << bucket
+
+    def percentile_ns(self, which: str, fraction: float) -> int:
+        """An upper bound of the given percentile (0 < fraction <= 1) of lock "wait" or
+        "hold" times, from the histogram: the top of the bucket it falls in."""
+        histogram = self.lock_wait_histogram if which == "wait" else self.lock_hold_histogram
+        total = sum(histogram)
+        if total == 0:
+            return 0
+        running = 0
+        for bucket, count in enumerate(histogram):
+            running += count
+            if running >= fraction * total:
+                return self.bucket_upper_ns(bucket)
+        return self.bucket_upper_ns(len(histogram) - 1)
 
 
 class HostKVCache:
@@ -229,6 +276,16 @@ class HostKVCache:
             leases_reaped=st["st_leases_reaped"],
             generation=info["generation"],
         )
+
+    def metrics(self) -> CacheMetrics:
+        """The lock histograms, miss reasons and per-namespace counters (under the lock)."""
+        info = self._segment.run_locked(self._segment.metrics_info)
+        return CacheMetrics(
+            lock_acquisitions=info["lock_acquisitions"], lock_wait_ns=info["lock_wait_ns"],
+            lock_hold_ns=info["lock_hold_ns"],
+            lock_wait_histogram=tuple(info["lock_wait_histogram"]),
+            lock_hold_histogram=tuple(info["lock_hold_histogram"]),
+            full_hits=info["full_hits"], misses=info["misses"], namespaces=info["namespaces"])
 
     def check(self, exact_references: bool = True) -> None:
         """Walks every invariant of the segment under the lock.
