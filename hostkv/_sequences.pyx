@@ -378,28 +378,41 @@ cdef int64_t commit_one(Segment seg, Tree* t, int32_t record, cnp.ndarray tokens
     return num_pages
 
 
+cdef object commit_batch(Segment seg, cnp.ndarray records, list token_arrays, list tables,
+                         cnp.ndarray num_pages, list namespaces, bint release):
+    """Commits each sequence's first num_pages[i] pages (best effort, where > 0), then, with
+    release, releases it; one lock and one mutation. Returns the pages cached for each."""
+    cdef Tree t
+    cdef int64_t i, n = records.shape[0]
+    cdef int32_t* recs = i32(records)
+    cdef int64_t* counts = <int64_t*>cnp.PyArray_DATA(num_pages)
+    cdef cnp.ndarray cached = np.zeros(n, dtype=np.int64)
+    cdef int64_t* cached_data = <int64_t*>cnp.PyArray_DATA(cached)
+    check_open(seg)
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        for i in range(n):
+            check_owner(seg, sequence_at(seg, recs[i]), recs[i])
+        for i in range(n):
+            if counts[i] > 0:
+                cached_data[i] = commit_one(seg, &t, recs[i], token_arrays[i], tables[i],
+                                            counts[i], namespaces[i])
+            if release:
+                release_sequence(seg, &t, recs[i])
+        seg.commit()
+    finally:
+        seg.end()
+    return cached
+
+
 def commit(Segment seg, cnp.ndarray records, list token_arrays, list tables,
            cnp.ndarray num_pages, list namespaces):
     """Caches the first num_pages[i] pages of each sequence; one lock for the batch.
 
     Best effort per sequence: returns the pages cached for each (0 where node records ran
     out even after eviction)."""
-    cdef Tree t
-    cdef int64_t i, n = records.shape[0]
-    cdef int64_t* counts = <int64_t*>cnp.PyArray_DATA(num_pages)
-    cdef cnp.ndarray cached = np.zeros(n, dtype=np.int64)
-    check_open(seg)
-    seg.begin()
-    try:
-        t = tree_of(seg)
-        for i in range(n):
-            if counts[i] > 0:
-                (<int64_t*>cnp.PyArray_DATA(cached))[i] = commit_one(
-                    seg, &t, i32(records)[i], token_arrays[i], tables[i], counts[i], namespaces[i])
-        seg.commit()
-    finally:
-        seg.end()
-    return cached
+    return commit_batch(seg, records, token_arrays, tables, num_pages, namespaces, False)
 
 
 def release(Segment seg, cnp.ndarray records, list token_arrays, list tables,
@@ -407,25 +420,7 @@ def release(Segment seg, cnp.ndarray records, list token_arrays, list tables,
     """Commits (where num_pages[i] > 0, best effort) then releases each sequence; one lock.
 
     Returns the pages cached for each."""
-    cdef Tree t
-    cdef int64_t i, n = records.shape[0]
-    cdef int64_t* counts = <int64_t*>cnp.PyArray_DATA(num_pages)
-    cdef cnp.ndarray cached = np.zeros(n, dtype=np.int64)
-    check_open(seg)
-    seg.begin()
-    try:
-        t = tree_of(seg)
-        for i in range(n):
-            check_owner(seg, sequence_at(seg, i32(records)[i]), i32(records)[i])
-        for i in range(n):
-            if counts[i] > 0:
-                (<int64_t*>cnp.PyArray_DATA(cached))[i] = commit_one(
-                    seg, &t, i32(records)[i], token_arrays[i], tables[i], counts[i], namespaces[i])
-            release_sequence(seg, &t, i32(records)[i])
-        seg.commit()
-    finally:
-        seg.end()
-    return cached
+    return commit_batch(seg, records, token_arrays, tables, num_pages, namespaces, True)
 
 
 # -- checking ------------------------------------------------------------------------------------------

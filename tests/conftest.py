@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
+import signal
 import uuid
 
 import posix_ipc
@@ -59,3 +62,27 @@ def cache(segment_name):
             c.close()
         except BufferError:
             pass
+
+
+CHILD_TIMEOUT = 60
+
+
+@pytest.fixture
+def procs():
+    """Starts spawn-context children; kills any still alive in teardown, failures included."""
+    ctx = multiprocessing.get_context("spawn")
+    started = []
+
+    def start(target, *args):
+        p = ctx.Process(target=target, args=args, daemon=True)
+        p.start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)     # a stopped child cannot die otherwise
+            p.kill()
+        p.join(CHILD_TIMEOUT)

@@ -7,7 +7,6 @@ that spawn can import them. No test asserts a duration: a lock timeout is only r
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import multiprocessing
 import os
@@ -32,24 +31,6 @@ HEADER = _segment.layout_info()["header"]
 ctx = multiprocessing.get_context("spawn")
 
 
-@pytest.fixture
-def procs():
-    """Starts spawn children; kills any still alive in teardown, failures included."""
-    started = []
-
-    def start(target, *args):
-        p = ctx.Process(target=target, args=args, daemon=True)
-        p.start()
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        if p.is_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        p.join(CHILD_TIMEOUT)
 
 
 def poke(name: str, offset: int, fmt: str, *values) -> None:

@@ -3,7 +3,6 @@ release, and the reaping of a dead process's sequences."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import hostkv
@@ -11,7 +10,7 @@ from hostkv import _radix, _sequences
 
 import crashlib
 from conftest import small_config
-from crashlib import crash_every_step, raise_every_step
+from crashlib import crash_every_step
 
 PAGE = 4
 SYSTEM = list(range(100, 112))          # three full pages shared by every request

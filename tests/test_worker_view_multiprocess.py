@@ -43,22 +43,6 @@ def kv_of_page(tokens, index: int) -> np.ndarray:
     return rng.integers(0, 256, PAGE_BYTES, dtype=np.uint8)
 
 
-@pytest.fixture
-def procs():
-    """Starts spawn children; kills any still alive in teardown, failures included."""
-    started = []
-
-    def start(target, *args):
-        p = ctx.Process(target=target, args=args, daemon=True)
-        p.start()
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        if p.is_alive():
-            p.kill()
-        p.join(CHILD_TIMEOUT)
 
 
 def finished(p, expected_exitcode: int) -> None:
