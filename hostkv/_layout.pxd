@@ -203,12 +203,12 @@ cdef extern from *:
         int64_t rn_reserved;
     } HkvRadixNode;
 
-    /* A live sequence: owned by one lease, holding one reference to each page of its list
-       (borrowed prefix pages and its own), and at most one lock on a radix node. */
+    /* A live sequence: owned by one lease, holding its borrowed prefix by one lock on a
+       radix node and one reference to each of its own pages, which its list records. */
     typedef struct {
         HkvSlabRecord sq_slab;
         int32_t sq_lease_slot;                   /* the owning process's lease */
-        int32_t sq_num_pages;                    /* pages in its list */
+        int32_t sq_num_pages;                    /* its own pages: those in its list */
         uint64_t sq_lease_generation;            /* the owner lease's ls_generation */
         int64_t sq_seq_id;                       /* the owner's id for it (inspect only) */
         uint64_t sq_namespace;

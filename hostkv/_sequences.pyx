@@ -1,10 +1,10 @@
 # cython: language_level=3, embedsignature=True
 """Sequence records and the batch entry points: allocate, append, commit, release.
 
-A sequence belongs to one lease (process) and holds one reference to every page in its page
-list: the prefix it borrowed from the tree, then its own pages. It also holds at most one
-lock on the tree (the node its borrowed or committed prefix ends at), so those pages cannot be
-evicted under it. Each entry point is one lock and one mutation for a whole batch; the
+A sequence belongs to one lease (process). It holds the prefix it borrowed from the tree by a
+lock on the node that prefix ends at (so none of it can be evicted under it), and one
+reference to each of its own pages, which its page list records. When it commits, the lock
+moves to the node its committed pages end at. Each entry point is one lock and one mutation for a whole batch; the
 policy (what to reuse, what to commit) is WorkerView's, in Python.
 """
 
@@ -315,11 +315,11 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
             if node != -1:
                 # The borrow locked the node for this sequence: record it as the sequence's.
                 log_store_i32(seg, &seq.sq_lock_node, node)
-            for j in range(matched):
-                page_incref(seg, i32(table)[j])
+            # The borrowed prefix is held by the lock on its node (it cannot be evicted while
+            # locked), not by page references: only the sequence's own pages are listed.
             pages_alloc(seg, fresh, i32(table) + matched)
             taken += fresh
-            for j in range(total):
+            for j in range(matched, total):
                 append_page(seg, seq, i32(table)[j])
             results.append((record, matched, table))
         seg.commit()

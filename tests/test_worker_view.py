@@ -365,10 +365,11 @@ def test_sequence_capacity_rolls_back(make):
 
 
 def test_sequence_page_list_capacity_rolls_back(make):
-    cache, view = make(sequence_page_node_capacity=12)
+    # Page lists record a sequence's own pages; a borrowed prefix is held by its node lock.
+    cache, view = make(sequence_page_node_capacity=7)
     cache_prefix(view, P)                       # page-list records are freed at release
-    view.allocate_pages_for_sequences_with_prefix([R(LIVE, P + [1])])    # 4 records
-    batch = [R(10, P[:8] + [9]), R(11, list(range(5000, 5000 + 6 * PS)))]    # 3 + 6
+    view.allocate_pages_for_sequences_with_prefix([R(LIVE, P + [1])])    # borrows 3: 1 record
+    batch = [R(10, P[:8] + [9]), R(11, list(range(5000, 5000 + 6 * PS)))]    # 1 + 6
     before = snapshot(cache, view, quiet=True)
     with pytest.raises(CapacityError) as info:
         view.allocate_pages_for_sequences_with_prefix(batch)
