@@ -202,25 +202,42 @@ cdef int heap_put(Segment seg, Tree* t, int32_t pos, int32_t index) except -1:
     return 0
 
 
+cdef int32_t heap_entry(Segment seg, Tree* t, int64_t pos) except -1:
+    """The heap's entry at pos: the position checked against the heap's size, the size
+    against the capacity and the entry against the node table (all read from the segment)."""
+    cdef int32_t size = t.state.rt_heap_size
+    cdef int32_t entry
+    if size < 0 or size > t.node_capacity or pos < 0 or pos >= size:
+        seg.corrupt(f"eviction heap position {pos} outside its size {size} "
+                    f"(capacity {t.node_capacity})")
+    entry = t.heap[pos]
+    if entry < 0 or entry >= t.node_capacity:
+        seg.corrupt(f"eviction heap entry {pos} is node {entry}, outside [0, {t.node_capacity})")
+    return entry
+
+
 cdef int heap_sift(Segment seg, Tree* t, int32_t pos) except -1:
     """Moves the entry at pos up or down until the heap order holds again."""
     cdef int32_t size = t.state.rt_heap_size
-    cdef int32_t entry = t.heap[pos], parent, child
+    cdef int32_t entry = heap_entry(seg, t, pos), parent, child, other
     while pos > 0:
         parent = (pos - 1) // 2
-        if not heap_before(t, entry, t.heap[parent]):
+        other = heap_entry(seg, t, parent)
+        if not heap_before(t, entry, other):
             break
-        heap_put(seg, t, pos, t.heap[parent])
+        heap_put(seg, t, pos, other)
         pos = parent
     while True:
         child = 2 * pos + 1
         if child >= size:
             break
-        if child + 1 < size and heap_before(t, t.heap[child + 1], t.heap[child]):
+        other = heap_entry(seg, t, child)
+        if child + 1 < size and heap_before(t, heap_entry(seg, t, child + 1), other):
             child += 1
-        if not heap_before(t, t.heap[child], entry):
+            other = t.heap[child]
+        if not heap_before(t, other, entry):
             break
-        heap_put(seg, t, pos, t.heap[child])
+        heap_put(seg, t, pos, other)
         pos = child
     heap_put(seg, t, pos, entry)
     return 0
@@ -240,12 +257,14 @@ cdef int heap_remove(Segment seg, Tree* t, int32_t index) except -1:
     cdef HkvRadixNode* node = node_at(seg, t, index)
     cdef int32_t pos = node.rn_heap_pos
     cdef int32_t last = t.state.rt_heap_size - 1
-    if pos < 0 or pos > last or t.heap[pos] != index:
+    cdef int32_t moved
+    if pos < 0 or pos > last or heap_entry(seg, t, pos) != index:
         seg.corrupt(f"radix node {index} has heap position {pos}, not in the heap")
+    moved = heap_entry(seg, t, last)
     log_store_i32(seg, &t.state.rt_heap_size, last)
     log_store_i32(seg, &node.rn_heap_pos, -1)
     if pos != last:
-        log_store_i32(seg, &t.heap[pos], t.heap[last])
+        log_store_i32(seg, &t.heap[pos], moved)
         heap_sift(seg, t, pos)
     return 0
 
@@ -455,6 +474,8 @@ cdef int remove_leaf(Segment seg, Tree* t, int32_t index) except -1:
     cdef HkvRadixNode* node = node_at(seg, t, index)
     cdef int32_t parent = node.rn_parent
     cdef int32_t count = node.rn_num_pages
+    if count < 1 or count > t.num_pages:
+        seg.corrupt(f"radix node {index} covers {count} pages")
     heap_remove(seg, t, index)
     hint_evicted(seg, node.rn_key_hash)
     log_store_i64(seg, &t.state.rt_evictable_leaf_pages, t.state.rt_evictable_leaf_pages - count)
@@ -744,6 +765,8 @@ cdef int tree_check(Segment seg) except -1:
     cdef HkvRadixNode* up
     cdef int32_t* refcounts = page_refcounts(seg)
     slab_check(seg, t.slab, "radix node")
+    if t.state.rt_heap_size < 0 or t.state.rt_heap_size > t.node_capacity:
+        seg.corrupt(f"eviction heap size {t.state.rt_heap_size} outside [0, {t.node_capacity}]")
     owner = np.full(t.num_pages, -1, dtype=np.int64)
     children = np.zeros(t.node_capacity, dtype=np.int64)
     child_locks = np.zeros(t.node_capacity, dtype=np.int64)
@@ -815,7 +838,7 @@ cdef int tree_check(Segment seg) except -1:
     if in_table != t.slab.sl_used:
         seg.corrupt(f"the child table holds {in_table} nodes, {t.slab.sl_used} are in use")
     for j in range(t.state.rt_heap_size):
-        if j > 0 and heap_before(&t, t.heap[j], t.heap[(j - 1) // 2]):
+        if j > 0 and heap_before(&t, heap_entry(seg, &t, j), heap_entry(seg, &t, (j - 1) // 2)):
             seg.corrupt(f"the eviction heap is out of order at {j}")
     if (cached != t.state.rt_cached_pages or protected != t.state.rt_protected_pages
             or evictable != t.state.rt_evictable_leaf_pages):
@@ -1006,3 +1029,22 @@ def _compare_ceiling(cnp.ndarray a, cnp.ndarray b, int64_t page_size, int64_t re
                 if memcmp(pa + i * page_size, pb + i * page_size, <size_t>page_size * 4) == 0:
                     equal += 1
     return equal
+
+
+def first_bad_token(cnp.ndarray tokens):
+    """The index of the first token id outside [0, 2**31) in a contiguous int32 array, or -1.
+
+    (For int32 only negative ids can be out of range.) A C loop: validating a prompt costs
+    a fraction of a microsecond, not a numpy reduction's call overhead."""
+    cdef const int32_t* data
+    cdef int64_t i, n
+    check_i32(tokens, "tokens")
+    data = <const int32_t*>cnp.PyArray_DATA(tokens)
+    n = tokens.shape[0]
+    with nogil:
+        for i in range(n):
+            if data[i] < 0:
+                break
+        else:
+            i = -1
+    return i

@@ -17,7 +17,7 @@ from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_ND, PyBUF_STRIDES, PyBUF_FORMA
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memset
+from libc.string cimport memcmp, memset
 
 from hostkv._layout cimport *
 from hostkv.includes.system cimport *
@@ -303,6 +303,42 @@ cdef int compute_regions(const HkvConfig* cfg, HkvRegions* out) except -1:
                   + <int64_t>cfg.cfg_sequence_page_node_capacity * sizeof(HkvSeqPage), 4096)
     out.reg_pool = at
     out.reg_total_size = at + cfg.cfg_num_pages * cfg.cfg_page_bytes
+    return 0
+
+
+cdef int check_shape(Segment seg) except -1:
+    """Checks the header fields that every bounds check rests on, before anything trusts
+    them: the config is sane, the region offsets are the ones it implies and end where the
+    mapping ends, and the tables' fixed sizes match it. None of these changes after create,
+    so a difference is corruption. Runs at every lock and in the unlocked readers (a few
+    dozen integer operations, no loop over the segment)."""
+    cdef HkvHeader* hdr = seg.hdr
+    cdef HkvConfig* c = &hdr.hdr_config
+    cdef HkvRegions regions
+    cdef HkvSlab* slab
+    if (c.cfg_num_pages <= 0 or c.cfg_num_pages >= 2**31 or c.cfg_page_size <= 0
+            or c.cfg_page_size > 2**20 or c.cfg_page_bytes <= 0 or c.cfg_page_bytes >= 2**46
+            or c.cfg_max_processes <= 0 or c.cfg_undo_log_capacity <= 0
+            or c.cfg_radix_node_capacity < 0 or c.cfg_sequence_page_node_capacity < 0
+            or c.cfg_max_sequences < 0 or c.cfg_num_pages * c.cfg_page_bytes >= 2**46
+            or c.cfg_undo_log_capacity != seg.undo_capacity):
+        seg.corrupt("the header's config is impossible or changed")
+    compute_regions(c, &regions)
+    if (memcmp(&regions, &hdr.hdr_regions, sizeof(HkvRegions)) != 0
+            or regions.reg_total_size != <int64_t>seg.size):
+        seg.corrupt("the header's region offsets disagree with its config or the mapping")
+    if hdr.hdr_radix.rt_table_capacity != radix_table_capacity(c.cfg_radix_node_capacity):
+        seg.corrupt(f"child table capacity {hdr.hdr_radix.rt_table_capacity} disagrees with the config")
+    slab = <HkvSlab*>(seg.base + regions.reg_radix_nodes)
+    if slab.sl_capacity != c.cfg_radix_node_capacity or slab.sl_record_size != sizeof(HkvRadixNode):
+        seg.corrupt("the radix node table's header disagrees with the config")
+    slab = <HkvSlab*>(seg.base + regions.reg_sequences)
+    if slab.sl_capacity != c.cfg_max_sequences or slab.sl_record_size != sizeof(HkvSequence):
+        seg.corrupt("the sequence table's header disagrees with the config")
+    slab = <HkvSlab*>(seg.base + regions.reg_sequence_pages)
+    if (slab.sl_capacity != c.cfg_sequence_page_node_capacity
+            or slab.sl_record_size != sizeof(HkvSeqPage)):
+        seg.corrupt("the page-list table's header disagrees with the config")
     return 0
 
 
@@ -665,17 +701,23 @@ cdef class Segment:
         self.metrics.mt_lock_acquisitions += 1
         if rc == EOWNERDEAD:
             # The holder died mid-mutation. Roll it back, re-derive, and only then say the
-            # state is consistent; if that fails, unlock without marking it consistent, so
-            # every later locker gets ENOTRECOVERABLE -> CorruptionError.
+            # state is consistent. If that fails, the segment is marked corrupt, so that every
+            # later locker gets CorruptionError from the state word. The mutex is not left
+            # ENOTRECOVERABLE: glibc's pthread_mutex_trylock (2.36) returns ENOTRECOVERABLE
+            # with the lock word still taken, so the locker after that one would wait for a
+            # lock nobody holds (LockTimeoutError) instead of hearing CorruptionError
+            # (found by tests/test_corruption.py).
             try:
                 self._recover(True)
             except BaseException:
                 self.hdr.hdr_state = HKV_STATE_CORRUPT
+                pthread_mutex_consistent(&self.hdr.hdr_mutex)
                 self.locked = False
                 pthread_mutex_unlock(&self.hdr.hdr_mutex)
                 raise
             pthread_mutex_consistent(&self.hdr.hdr_mutex)
         try:
+            check_shape(self)
             if self.hdr.hdr_state != HKV_STATE_READY:
                 raise CorruptionError(f"segment {self.name!r} is marked corrupt; unlink it")
             if self.hdr.hdr_undo_count != 0:
@@ -727,8 +769,10 @@ cdef class Segment:
         cdef int64_t i, n = self.hdr.hdr_undo_count
         cdef HkvUndoEntry* entry
         cdef uint64_t where, width
-        cdef int64_t limit = self.hdr.hdr_regions.reg_pool
+        cdef int64_t limit
         cdef uint64_t mutex_at = <uint64_t>(<char*>&self.hdr.hdr_mutex - self.base)
+        check_shape(self)
+        limit = self.hdr.hdr_regions.reg_pool
         if n < 0 or n > self.undo_capacity:
             self.corrupt(f"undo log count {n} is outside [0, {self.undo_capacity}]")
         i = n - 1
@@ -749,6 +793,7 @@ cdef class Segment:
             else:
                 (<uint64_t*>(self.base + where))[0] = entry.ue_old
             i -= 1
+        check_shape(self)           # a replayed entry may have hit the header's fixed part
         for i in range(_num_rederive_hooks):
             _rederive_hooks[i](self)
         hkv_compiler_barrier()
@@ -1023,6 +1068,7 @@ cdef class Segment:
     def header_info(self):
         """A snapshot of the header (format, regions, state, counters) as plain dicts."""
         self._check_open()
+        check_shape(self)
         cdef dict hdr = self.hdr[0]
         return {
             "format": dict(hdr["hdr_format"]),
@@ -1048,6 +1094,7 @@ cdef class Segment:
         cdef HkvLease* lease
         cdef int rc
         self._check_open()
+        check_shape(self)
         lease = self.lease_at(slot)
         if lease.ls_state != HKV_LEASE_ACTIVE:
             return False
@@ -1089,6 +1136,7 @@ cdef class Segment:
         """The lease table: (slot, state, pid, generation, registered_ns) of every used slot."""
         cdef HkvLease* lease
         self._check_open()
+        check_shape(self)
         out = []
         for slot in range(self.hdr.hdr_config.cfg_max_processes):
             lease = self.lease_at(slot)
@@ -1146,6 +1194,7 @@ cdef class Segment:
     def pool_address(self):
         """The address of the page pool in this process (for views; changes per process)."""
         self._check_open()
+        check_shape(self)
         return <size_t>(self.base + self.hdr.hdr_regions.reg_pool)
 
     def __getbuffer__(self, Py_buffer* view, int flags):
@@ -1153,6 +1202,7 @@ cdef class Segment:
         # views keep this object alive and counted, so close() can refuse to unmap under them.
         if self.closed:
             raise ValueError("the segment is closed")
+        check_shape(self)
         self.exports += 1
         view.buf = self.base + self.hdr.hdr_regions.reg_pool
         view.obj = self

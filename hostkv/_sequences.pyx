@@ -12,6 +12,7 @@ import numpy as np
 cimport numpy as cnp
 
 from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdlib cimport free, malloc
 
 from hostkv._layout cimport (
     HkvHeader, HkvLease, HkvMetrics, HkvNamespaceStats, HkvRadixNode, HkvSeqPage, HkvSequence,
@@ -360,54 +361,72 @@ def append_pages(Segment seg, cnp.ndarray records):
     return pages
 
 
-cdef int64_t commit_one(Segment seg, Tree* t, int32_t record, cnp.ndarray tokens,
-                        cnp.ndarray table, int64_t num_pages, uint64_t namespace) except -1:
+cdef int64_t commit_one(Segment seg, Tree* t, int32_t record, const int32_t* tokens,
+                        const int32_t* table, int64_t num_pages, uint64_t namespace) except -1:
     """Caches a sequence's first num_pages pages; best effort. Returns the pages the tree
     now holds for it (0 when node records ran out: that insert is undone, nothing else)."""
-    cdef HkvSequence* seq = sequence_at(seg, record)
-    cdef cnp.ndarray tree_pages = np.empty(num_pages, dtype=np.int32)
     cdef int32_t node = -1
     cdef int64_t mark = seg.hdr.hdr_undo_count
-    check_owner(seg, seq, record)
+    cdef int32_t* tree_pages = <int32_t*>malloc(num_pages * sizeof(int32_t))
+    if tree_pages == NULL:
+        raise MemoryError()
     try:
-        tree_insert(seg, t, i32(tokens), i32(table), num_pages, namespace, i32(tree_pages), &node)
+        tree_insert(seg, t, tokens, table, num_pages, namespace, tree_pages, &node)
         set_lock(seg, t, sequence_at(seg, record), node)
     except CapacityError:
         seg.rollback_to(mark)
         return 0
+    finally:
+        free(tree_pages)
     return num_pages
 
 
-cdef object commit_batch(Segment seg, cnp.ndarray records, list token_arrays, list tables,
-                         cnp.ndarray num_pages, list namespaces, bint release):
+cdef list commit_batch(Segment seg, list records, list token_arrays, list tables,
+                       list num_pages, list namespaces, bint release):
     """Commits each sequence's first num_pages[i] pages (best effort, where > 0), then, with
-    release, releases it; one lock and one mutation. Returns the pages cached for each."""
+    release, releases it; one lock and one mutation. Returns the pages cached for each.
+
+    token_arrays[i] and tables[i] are the sequence's whole token and page arrays (contiguous
+    int32); only their first num_pages[i] pages are read."""
     cdef Tree t
-    cdef int64_t i, n = records.shape[0]
-    cdef int32_t* recs = i32(records)
-    cdef int64_t* counts = <int64_t*>cnp.PyArray_DATA(num_pages)
-    cdef cnp.ndarray cached = np.zeros(n, dtype=np.int64)
-    cdef int64_t* cached_data = <int64_t*>cnp.PyArray_DATA(cached)
+    cdef Py_ssize_t i, n = len(records)
+    cdef int32_t record
+    cdef int64_t count
+    cdef int32_t page_size
+    cdef cnp.ndarray tokens, table
     check_open(seg)
+    page_size = seg.hdr.hdr_config.cfg_page_size
+    for i in range(n):
+        count = num_pages[i]
+        if count > 0:
+            tokens = token_arrays[i]
+            table = tables[i]
+            if count * page_size > tokens.shape[0] or count > table.shape[0]:
+                raise ValueError(f"commit of {count} pages: only {tokens.shape[0]} tokens and "
+                                 f"{table.shape[0]} pages given")
+    cached = [0] * n
     seg.begin()
     try:
         t = tree_of(seg)
         for i in range(n):
-            check_owner(seg, sequence_at(seg, recs[i]), recs[i])
+            record = records[i]
+            check_owner(seg, sequence_at(seg, record), record)
         for i in range(n):
-            if counts[i] > 0:
-                cached_data[i] = commit_one(seg, &t, recs[i], token_arrays[i], tables[i],
-                                            counts[i], namespaces[i])
+            record = records[i]
+            count = num_pages[i]
+            if count > 0:
+                cached[i] = commit_one(seg, &t, record, i32(token_arrays[i]), i32(tables[i]),
+                                       count, namespaces[i])
             if release:
-                release_sequence(seg, &t, recs[i])
+                release_sequence(seg, &t, record)
         seg.commit()
     finally:
         seg.end()
     return cached
 
 
-def commit(Segment seg, cnp.ndarray records, list token_arrays, list tables,
-           cnp.ndarray num_pages, list namespaces):
+def commit(Segment seg, list records, list token_arrays, list tables, list num_pages,
+           list namespaces):
     """Caches the first num_pages[i] pages of each sequence; one lock for the batch.
 
     Best effort per sequence: returns the pages cached for each (0 where node records ran
@@ -415,8 +434,8 @@ def commit(Segment seg, cnp.ndarray records, list token_arrays, list tables,
     return commit_batch(seg, records, token_arrays, tables, num_pages, namespaces, False)
 
 
-def release(Segment seg, cnp.ndarray records, list token_arrays, list tables,
-            cnp.ndarray num_pages, list namespaces):
+def release(Segment seg, list records, list token_arrays, list tables, list num_pages,
+            list namespaces):
     """Commits (where num_pages[i] > 0, best effort) then releases each sequence; one lock.
 
     Returns the pages cached for each."""

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from hostkv import _radix
+
 TOKEN_LIMIT = 2**31
 NAMESPACE_LIMIT = 2**64
 
@@ -20,6 +22,12 @@ def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
     Raises:
         ValueError: not 1-D, not integers (floats, bools), or an id outside [0, 2**31).
     """
+    if (type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1
+            and tokens.flags.c_contiguous):
+        # The common case, first and cheap: an engine's own int32 token array.
+        if _radix.first_bad_token(tokens) >= 0:
+            _raise_out_of_range(tokens, what)
+        return tokens
     if type(tokens).__module__.startswith("torch"):
         if getattr(tokens, "device", None) is not None and tokens.device.type != "cpu":
             raise ValueError(f"{what} must be on the CPU, got a tensor on {tokens.device}")
@@ -42,9 +50,10 @@ def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{what} must be integer ids, got dtype {arr.dtype}")
     if arr.dtype == np.int32:
-        if arr.size and int(arr.min()) < 0:
+        arr = np.ascontiguousarray(arr)
+        if _radix.first_bad_token(arr) >= 0:
             _raise_out_of_range(arr, what)
-        return np.ascontiguousarray(arr)
+        return arr
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= TOKEN_LIMIT):
         _raise_out_of_range(arr, what)
     return arr.astype(np.int32)
@@ -57,6 +66,8 @@ def _raise_out_of_range(arr: np.ndarray, what: str) -> None:
 
 def as_namespace(namespace: Any) -> int:
     """Returns the namespace as an int in [0, 2**64), or raises ValueError."""
+    if type(namespace) is int and 0 <= namespace < NAMESPACE_LIMIT:
+        return namespace
     if isinstance(namespace, (bool, np.bool_)) or not isinstance(namespace, numbers.Integral):
         raise ValueError(f"namespace must be an integer in [0, 2**64), got {namespace!r}")
     value = int(namespace)

@@ -336,10 +336,13 @@ class HostKVCache:
 
         Raises:
             ValueError: the cache is closed.
+            CorruptionError: the header's pool geometry is damaged.
         """
         if self._segment.closed:
             raise ValueError("the segment is closed")
-        return np.asarray(self._segment)
+        # Through memoryview: np.asarray swallows an exception from the buffer protocol and
+        # returns a 0-d object array instead (numpy 2.x), hiding a CorruptionError.
+        return np.asarray(memoryview(self._segment))
 
     def pages_tensor(self, dtype: Any = None, shape: Optional[Tuple[int, ...]] = None) -> Any:
         """The page pool as a torch tensor, without copying.

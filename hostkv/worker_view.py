@@ -68,7 +68,7 @@ class SequenceAllocation:
         seq_id: The request's id.
         reused_tokens: Leading prompt tokens whose KV is already in the pages (a multiple of
             page_size, always less than the prompt's length).
-        page_table: np.int32 pages for the prompt's tokens, in order (a copy).
+        page_table: np.int32 pages for the prompt's tokens, in order (read-only).
         page_size: Tokens per page.
     """
 
@@ -143,14 +143,14 @@ class _Sequence:
         self.seq_id = seq_id
         self.record = record
         self.namespace = namespace
-        self.tokens = np.empty(max(2 * len(tokens), 16), dtype=np.int32)
-        self.tokens[:len(tokens)] = tokens
+        # Exact-size arrays: the first decode step grows them (doubling), most sequences
+        # of a prefill-heavy load never pay for room they do not use.
+        self.tokens = np.array(tokens, dtype=np.int32)      # a copy: the caller's may change
         self.num_tokens = len(tokens)
         self.cacheable_tokens = len(tokens)
         self.reused_tokens = reused_pages * page_size
         self.committed_pages = reused_pages
-        self.pages = np.empty(max(2 * len(pages), 4), dtype=np.int32)
-        self.pages[:len(pages)] = pages
+        self.pages = pages                                   # read-only, shared with the result
         self.num_pages = len(pages)
 
     def append_token(self, token: Optional[int]) -> None:
@@ -167,7 +167,9 @@ class _Sequence:
 
     def append_page(self, page: int) -> None:
         if self.num_pages == len(self.pages):
-            self.pages = np.concatenate([self.pages, np.empty_like(self.pages)])
+            grown = np.empty(max(2 * len(self.pages), 4), dtype=np.int32)
+            grown[:self.num_pages] = self.pages[:self.num_pages]
+            self.pages = grown
         self.pages[self.num_pages] = page
         self.num_pages += 1
 
@@ -221,6 +223,8 @@ class WorkerView:
 
     @staticmethod
     def _check_seq_id(seq_id: Any) -> int:
+        if type(seq_id) is int and _INT64_MIN <= seq_id <= _INT64_MAX:
+            return seq_id
         if isinstance(seq_id, (bool, np.bool_)) or not isinstance(seq_id, numbers.Integral):
             raise SequenceError(f"sequence ids must be integers, got {seq_id!r}")
         value = int(seq_id)
@@ -230,7 +234,8 @@ class WorkerView:
 
     def _live(self, seq_ids: Iterable[Any], what: str) -> List[_Sequence]:
         """The live sequences of seq_ids, each once; SequenceError names the first bad id."""
-        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable):
+        if type(seq_ids) not in (list, tuple) and (
+                isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable)):
             raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}")
         out = []
         seen = set()
@@ -280,7 +285,8 @@ class WorkerView:
             Nothing changes when any of these is raised.
         """
         self._check_usable()
-        if isinstance(requests, SequenceRequest) or not isinstance(requests, Sequence):
+        if type(requests) not in (list, tuple) and (
+                isinstance(requests, SequenceRequest) or not isinstance(requests, Sequence)):
             raise SequenceError("allocate needs a list of SequenceRequest")
         seq_ids = []
         token_arrays = []
@@ -317,6 +323,7 @@ class WorkerView:
         allocations = []
         for seq_id, tokens, namespace, (record, reused_pages, table) in zip(
                 seq_ids, token_arrays, namespaces, results):
+            table.flags.writeable = False
             self._sequences[seq_id] = _Sequence(seq_id, record, namespace, tokens, reused_pages,
                                                 table, page_size)
             allocations.append(SequenceAllocation(seq_id, reused_pages * page_size, table,
@@ -362,8 +369,8 @@ class WorkerView:
         for seq, token in zip(sequences, tokens):
             seq.append_token(None if token is None else int(token))
 
-    def _commit_plan(self, sequences: List[_Sequence], num_tokens: Any) -> np.ndarray:
-        """What commit would cache: per sequence, its full known pages beyond those cached."""
+    def _commit_plan(self, sequences: List[_Sequence], num_tokens: Any) -> List[int]:
+        """What commit would cache: per sequence, its full known pages (0: nothing new)."""
         limits: List[Optional[int]]
         if num_tokens is None:
             limits = [None] * len(sequences)
@@ -376,15 +383,21 @@ class WorkerView:
         for seq, limit in zip(sequences, limits):
             if limit is not None and limit < 0:
                 raise SequenceError(f"sequence {seq.seq_id}: num_tokens must be >= 0, got {limit}")
-        counts = np.zeros(len(sequences), dtype=np.int64)
         if not self._config.enable_prefix_reuse:
-            return counts
-        for i, (seq, limit) in enumerate(zip(sequences, limits)):
+            return [0] * len(sequences)
+        page_size = self._page_size
+        min_store = self._config.prefix_min_store_pages
+        counts = []
+        for seq, limit in zip(sequences, limits):
             known = seq.cacheable_tokens if limit is None else min(seq.cacheable_tokens, limit)
-            full = known // self._page_size
-            if full >= self._config.prefix_min_store_pages and full > seq.committed_pages:
-                counts[i] = full
+            full = known // page_size
+            counts.append(full if full >= min_store and full > seq.committed_pages else 0)
         return counts
+
+    def _note_cached(self, seq: _Sequence, pages: int) -> None:
+        if pages:
+            self._committed_pages += pages - seq.committed_pages
+            seq.committed_pages = pages
 
     def commit(self, seq_ids: Sequence[Any], num_tokens: Union[None, int, Sequence[int]] = None
                ) -> List[int]:
@@ -405,19 +418,14 @@ class WorkerView:
         self._check_usable()
         sequences = self._live(seq_ids, "commit")
         counts = self._commit_plan(sequences, num_tokens)
-        todo = np.nonzero(counts)[0]
-        if len(todo):
+        todo = [(seq, count) for seq, count in zip(sequences, counts) if count]
+        if todo:
             cached = _sequences.commit(
-                self._segment,
-                np.array([sequences[i].record for i in todo], dtype=np.int32),
-                [sequences[i].tokens[:counts[i] * self._page_size] for i in todo],
-                [sequences[i].pages[:counts[i]] for i in todo],
-                counts[todo],
-                [sequences[i].namespace for i in todo])
-            for i, pages in zip(todo, cached):
-                if pages:
-                    self._committed_pages += int(pages) - sequences[i].committed_pages
-                    sequences[i].committed_pages = int(pages)
+                self._segment, [seq.record for seq, _ in todo], [seq.tokens for seq, _ in todo],
+                [seq.pages for seq, _ in todo], [count for _, count in todo],
+                [seq.namespace for seq, _ in todo])
+            for (seq, _), pages in zip(todo, cached):
+                self._note_cached(seq, pages)
         return [seq.committed_pages for seq in sequences]
 
     def release(self, seq_ids: Sequence[Any], commit: bool = True) -> List[int]:
@@ -429,19 +437,13 @@ class WorkerView:
         """
         self._check_usable()
         sequences = self._live(seq_ids, "release")
-        counts = self._commit_plan(sequences, None) if commit else np.zeros(len(sequences), np.int64)
+        counts = self._commit_plan(sequences, None) if commit else [0] * len(sequences)
         cached = _sequences.release(
-            self._segment,
-            np.array([seq.record for seq in sequences], dtype=np.int32),
-            [seq.tokens[:counts[i] * self._page_size] for i, seq in enumerate(sequences)],
-            [seq.pages[:counts[i]] for i, seq in enumerate(sequences)],
-            counts,
-            [seq.namespace for seq in sequences])
+            self._segment, [seq.record for seq in sequences], [seq.tokens for seq in sequences],
+            [seq.pages for seq in sequences], counts, [seq.namespace for seq in sequences])
         out = []
         for seq, pages in zip(sequences, cached):
-            if pages:
-                self._committed_pages += int(pages) - seq.committed_pages
-                seq.committed_pages = int(pages)
+            self._note_cached(seq, pages)
             out.append(seq.committed_pages)
             del self._sequences[seq.seq_id]
         return out
