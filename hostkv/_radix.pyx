@@ -863,6 +863,15 @@ cdef int check_i32(cnp.ndarray arr, str what) except -1:
     return 0
 
 
+cdef int64_t full_pages(Segment seg, cnp.ndarray tokens) except -1:
+    """How many full pages tokens fill. Read before taking the lock (whose begin() checks the
+    rest of the header), so the page size is checked here: 0 would divide by zero."""
+    cdef int32_t page_size = seg.hdr.hdr_config.cfg_page_size
+    if page_size <= 0:
+        seg.corrupt(f"page size {page_size} in the header")
+    return tokens.shape[0] // page_size
+
+
 def match(Segment seg, cnp.ndarray tokens, uint64_t namespace):
     """The longest cached page-aligned prefix of tokens: (num_pages, pages). A pure lookup."""
     cdef Tree t
@@ -871,7 +880,7 @@ def match(Segment seg, cnp.ndarray tokens, uint64_t namespace):
     cdef cnp.ndarray pages
     check_i32(tokens, "tokens")
     check_open(seg)
-    num_pages = tokens.shape[0] // seg.hdr.hdr_config.cfg_page_size
+    num_pages = full_pages(seg, tokens)
     pages = np.empty(num_pages, dtype=np.int32)
     seg.begin()
     try:
@@ -893,8 +902,8 @@ def borrow(Segment seg, cnp.ndarray tokens, uint64_t namespace):
     cdef HkvHeader* hdr
     check_i32(tokens, "tokens")
     check_open(seg)
+    num_pages = full_pages(seg, tokens)
     page_size = seg.hdr.hdr_config.cfg_page_size
-    num_pages = tokens.shape[0] // page_size
     pages = np.empty(num_pages, dtype=np.int32)
     seg.begin()
     try:
@@ -939,7 +948,7 @@ def insert(Segment seg, cnp.ndarray tokens, cnp.ndarray pages, uint64_t namespac
     check_i32(tokens, "tokens")
     check_i32(pages, "pages")
     check_open(seg)
-    num_pages = tokens.shape[0] // seg.hdr.hdr_config.cfg_page_size
+    num_pages = full_pages(seg, tokens)
     tree_pages = np.empty(num_pages, dtype=np.int32)
     if pages.shape[0] < num_pages:
         raise ValueError(f"{num_pages} full pages of tokens but only {pages.shape[0]} pages given")
@@ -1012,6 +1021,10 @@ def tree_contents(Segment seg):
                     tokens.append(t.page_tokens[<int64_t>page * t.page_size + k])
                 pages.append(page)
                 page = t.page_next[page]
+                if len(pages) > t.num_pages:
+                    # Each page is in one node at most: a longer path loops (a cycle of
+                    # page links, or a corrupt page count).
+                    seg.corrupt(f"radix node {i}'s path holds more pages than the pool")
         node = node_ptr(&t, i)
         out.add((node.rn_namespace, tuple(tokens), tuple(pages), node.rn_lock_count))
     return out

@@ -529,8 +529,10 @@ def live_sequences(Segment seg):
     cdef HkvSequence* seq
     cdef HkvSeqPage* entry
     cdef int32_t i, entry_index
+    cdef HkvSlab* list_slab
     check_open(seg)
     slab = sequence_slab(seg)
+    list_slab = page_list_slab(seg)
     out = []
     for i in range(slab.sl_capacity):
         seq = <HkvSequence*>slab_record(slab, i)
@@ -540,7 +542,10 @@ def live_sequences(Segment seg):
         entry_index = seq.sq_first_page
         while entry_index != -1 and len(pages) <= seq.sq_num_pages:
             entry = page_entry_at(seg, entry_index)
+            check_page_index(seg, entry.sp_page)
             pages.append(entry.sp_page)
             entry_index = entry.sp_next
+            if len(pages) > list_slab.sl_capacity:
+                seg.corrupt(f"sequence {i}'s page list has a cycle")
         out.append((i, seq.sq_lease_slot, seq.sq_seq_id, seq.sq_namespace, tuple(pages)))
     return out

@@ -196,6 +196,13 @@ class HostKVCache:
             IncompatibleSegmentError: Another format, a short segment, a config other than
                 expected_config, or a creator that never finished.
         """
+        if expected_config is not None and lease:
+            # Refuse a segment of another config before taking a lease in it (registering
+            # and giving back a lease would change the lease table): an observer's attach
+            # changes nothing. The config is compared again below, under the lease.
+            cls.attach(name, expected_config=expected_config, lock_timeout=lock_timeout,
+                       ready_timeout=ready_timeout, trust_other_users=trust_other_users,
+                       lease=False).close()
         segment = _segment.Segment.attach(
             name, lock_timeout=lock_timeout, ready_timeout=ready_timeout,
             trust_other_users=trust_other_users, lease=lease)

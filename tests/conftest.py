@@ -86,3 +86,22 @@ def procs():
                 os.kill(p.pid, signal.SIGCONT)     # a stopped child cannot die otherwise
             p.kill()
         p.join(CHILD_TIMEOUT)
+
+
+# -- counts of the stress tests (soak, corruption, bad input) ------------------------------
+
+STRESS_COUNTS: list = []
+
+
+def report_counts(line: str) -> None:
+    """Prints a stress test's counts (seen with -s) and repeats them in pytest's terminal
+    summary, so that a plain run shows them too."""
+    print("\n" + line)
+    STRESS_COUNTS.append(line)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if STRESS_COUNTS:
+        terminalreporter.section("hostkv stress counts")
+        for line in STRESS_COUNTS:
+            terminalreporter.write_line(line)
