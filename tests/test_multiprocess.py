@@ -7,7 +7,6 @@ that spawn can import them. No test asserts a duration: a lock timeout is only r
 
 from __future__ import annotations
 
-import mmap
 import multiprocessing
 import os
 import signal
@@ -16,13 +15,13 @@ import time
 import warnings
 
 import numpy as np
-import posix_ipc
 import pytest
 
 from hostkv import HostKVCache, LockTimeoutError
 from hostkv import _pages, _segment
 
 from conftest import small_config
+from rawseg import RawSegment
 
 CHILD_TIMEOUT = 60
 CRASH_STATUS = 77          # _segment's CRASH_EXIT_STATUS: a crash point's _exit code
@@ -34,15 +33,9 @@ ctx = multiprocessing.get_context("spawn")
 
 
 def poke(name: str, offset: int, fmt: str, *values) -> None:
-    shm = posix_ipc.SharedMemory("/" + name, 0, size=0)
-    try:
-        m = mmap.mmap(shm.fd, 0)
-    finally:
-        shm.close_fd()
-    try:
-        struct.pack_into(fmt, m, offset, *values)
-    finally:
-        m.close()
+    """Writes values into the segment's bytes at offset, behind hostkv's back."""
+    with RawSegment(name) as raw:
+        struct.pack_into(fmt, raw.map, offset, *values)
 
 
 def finished(p, expected_exitcode: int) -> None:

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import errno
 import math
-import mmap
 import multiprocessing
 import os
 import struct
@@ -36,6 +35,7 @@ from hostkv import (
 from hostkv import _pages, _segment
 
 from conftest import small_config
+from rawseg import RawSegment
 
 LAYOUT = _segment.layout_info()
 HEADER = LAYOUT["header"]
@@ -47,28 +47,19 @@ CHILD_TIMEOUT = 60
 # -- helpers -----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def mapped(name: str):
-    """Maps the segment `name` by hand (size=0: posix_ipc must not resize it)."""
-    shm = posix_ipc.SharedMemory("/" + name, 0, size=0)
-    try:
-        m = mmap.mmap(shm.fd, 0)
-    finally:
-        shm.close_fd()
-    try:
-        yield m
-    finally:
-        m.close()
+def mapped(name: str) -> RawSegment:
+    """Maps the segment `name` by hand, behind hostkv's back (use as a context manager)."""
+    return RawSegment(name)
 
 
 def poke(name: str, offset: int, fmt: str, *values) -> None:
-    with mapped(name) as m:
-        struct.pack_into(fmt, m, offset, *values)
+    with mapped(name) as raw:
+        struct.pack_into(fmt, raw.map, offset, *values)
 
 
 def peek(name: str, offset: int, fmt: str):
-    with mapped(name) as m:
-        return struct.unpack_from(fmt, m, offset)
+    with mapped(name) as raw:
+        return struct.unpack_from(fmt, raw.map, offset)
 
 
 def created_and_closed(name: str, config=None) -> hostkv.HostKVConfig:
