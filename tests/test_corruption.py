@@ -138,7 +138,9 @@ def test_a_failed_recovery_leaves_no_lock_held(segment_name):
     # or another, must hear CorruptionError at once: not wait out the lock timeout for a
     # lock left held (glibc's pthread_mutex_trylock answers ENOTRECOVERABLE with the lock
     # word still taken, so the segment's mutex must never be left unrecoverable).
-    cache = HostKVCache.create(segment_name, small_config(), lock_timeout=2.0)
+    # A long lock timeout, so that "at once" and "after the timeout" cannot be confused on
+    # a loaded machine (this is about not hanging, not about speed).
+    cache = HostKVCache.create(segment_name, small_config(), lock_timeout=30.0)
     info = cache._segment.header_info()
     p = ctx.Process(target=_die_inside_the_lock, args=(segment_name,))
     p.start()
@@ -152,11 +154,11 @@ def test_a_failed_recovery_leaves_no_lock_held(segment_name):
         started = time.monotonic()
         with pytest.raises(CorruptionError):
             cache.stats()
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 15.0
     started = time.monotonic()
     with pytest.raises(CorruptionError):
-        HostKVCache.attach(segment_name, lock_timeout=2.0)
-    assert time.monotonic() - started < 1.0
+        HostKVCache.attach(segment_name, lock_timeout=30.0)
+    assert time.monotonic() - started < 15.0
     # Closing cannot give the lease back through a corrupt segment; it still unmaps.
     with pytest.raises(CorruptionError):
         cache.close()
