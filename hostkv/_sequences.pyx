@@ -60,7 +60,7 @@ cdef inline int32_t* i32(cnp.ndarray arr) noexcept:
 
 # -- building blocks (inside an open mutation) ---------------------------------------------------
 
-class SweepNeeded(Exception):
+class SweepNeeded(OutOfPagesError):
     """Raised inside a batch that is short of pages while a dead process still holds some.
 
     Reaping commits one dead sequence at a time, which cannot happen inside the batch's own
@@ -79,7 +79,10 @@ cdef int ensure_free_pages(Segment seg, Tree* t, int64_t needed) except -1:
     if seg.hdr.hdr_free_pages >= needed:
         return 1
     if seg.dead_leases() > 0:
-        raise SweepNeeded()
+        raise SweepNeeded(
+            f"segment {seg.name!r}: {needed} pages needed, {seg.hdr.hdr_free_pages} free, and "
+            "dead processes hold pages: reap them (cache.reap()) and try again",
+            needed=needed, available=seg.hdr.hdr_free_pages)
     while seg.hdr.hdr_free_pages < needed and t.state.rt_heap_size > 0:
         short = needed - seg.hdr.hdr_free_pages
         if tree_evict_pages(seg, t, short) == 0:

@@ -253,17 +253,15 @@ class WorkerView:
 
     def _reaping_if_short(self, operation: Any, *args: Any) -> Any:
         """Runs a batch operation; if it was short of pages while a dead process still held
-        some (it then changed nothing), reaps the dead and runs it once more."""
-        try:
-            return operation(*args)
-        except _sequences.SweepNeeded:
-            self._cache.reap()
-        try:
-            return operation(*args)
-        except _sequences.SweepNeeded:
-            # A process died in between: reap again, but do not loop on it.
-            self._cache.reap()
-            return operation(*args)
+        some (it then changed nothing), reaps the dead and runs it again. Processes that
+        keep dying in between get it a few tries, then the shortage (an OutOfPagesError)."""
+        for attempt in range(3):
+            try:
+                return operation(*args)
+            except _sequences.SweepNeeded:
+                if attempt == 2:
+                    raise
+                self._cache.reap()
 
     # -- the engine's loop -------------------------------------------------------------------------
 
