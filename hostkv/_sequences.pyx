@@ -20,7 +20,7 @@ from hostkv._layout cimport (
 from hostkv._segment cimport (
     Segment, add_dead_lease_hook, add_rederive_hook, check_open, log_store_i32, log_store_i64)
 from hostkv._slab cimport slab_alloc, slab_check, slab_check_index, slab_free, slab_record, slab_rederive
-from hostkv._pages cimport check_page_index, page_decref, page_incref, page_refcounts, pages_alloc
+from hostkv._pages cimport check_page_index, page_decref, page_refcounts, pages_alloc
 from hostkv._radix cimport (
     Tree, tree_borrow, tree_evict_pages, tree_insert, tree_lock, tree_of, tree_page_hash,
     tree_unlock)

@@ -14,7 +14,8 @@ import pytest
 import hostkv
 
 
-def _unlink_quietly(name: str) -> None:
+def unlink_quietly(name: str) -> None:
+    """Unlinks the segment `name` if it exists."""
     try:
         posix_ipc.unlink_shared_memory("/" + name)
     except posix_ipc.ExistentialError:
@@ -35,7 +36,7 @@ def segment_name(request):
     request.node.extra_segment_name = make
     yield name
     for n in names:
-        _unlink_quietly(n)
+        unlink_quietly(n)
 
 
 @pytest.fixture
@@ -65,6 +66,16 @@ def cache(segment_name):
 
 
 CHILD_TIMEOUT = 60
+
+
+def fork_quietly() -> int:
+    """os.fork() in a process with threads (hostkv's lease thread), which Python 3.12+
+    warns about: the tests that fork know the child only uses async-signal-safe paths."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import os
 import signal
 import struct
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ import pytest
 from hostkv import HostKVCache, LockTimeoutError
 from hostkv import _pages, _segment
 
-from conftest import small_config
+from conftest import small_config, fork_quietly
 from rawseg import RawSegment
 
 CHILD_TIMEOUT = 60
@@ -214,10 +213,7 @@ def test_forked_child_takes_its_own_lease(cache):
     parent_slot = cache._segment.lease_slot_index
     assert parent_slot >= 0
     before = cache.stats()
-    with warnings.catch_warnings():
-        # Python 3.12+ warns when a process with threads (the lease thread) forks.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
+    pid = fork_quietly()
     if pid == 0:                             # the child: never return into pytest
         status = 3
         try:

@@ -21,13 +21,14 @@ import random
 import uuid
 
 import numpy as np
-import posix_ipc
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import hostkv
+
+from conftest import unlink_quietly
 from hostkv import _pages, _radix
 from reference_model import ModelCapacityError, RadixModel
 
@@ -88,10 +89,7 @@ class Twin:
         try:
             self.cache.close()
         finally:
-            try:
-                posix_ipc.unlink_shared_memory("/" + self.name)
-            except posix_ipc.ExistentialError:
-                pass
+            unlink_quietly(self.name)
 
     # -- operations --------------------------------------------------------------------------
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -33,6 +32,8 @@ from hostkv import (
     WorkerView,
 )
 from hostkv import _radix, _sequences
+
+from conftest import fork_quietly
 
 PS = 4                      # tokens per page in these tests
 POOL = 32                   # pages in the default pool
@@ -957,10 +958,7 @@ def test_worker_view_needs_an_open_cache(segment_name):
 def test_forked_child_cannot_use_the_parents_view(make):
     cache, view = make()
     view.allocate_pages_for_sequences_with_prefix([R(1, P + [1])])
-    with warnings.catch_warnings():
-        # Python 3.12+ warns when a process with threads (the lease thread) forks.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
+    pid = fork_quietly()
     if pid == 0:                            # the child: never return into pytest
         status = 3
         try:

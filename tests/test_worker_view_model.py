@@ -26,12 +26,13 @@ from __future__ import annotations
 import os
 import uuid
 
-import posix_ipc
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import hostkv
+
+from conftest import unlink_quietly
 from hostkv import SequenceRequest, WorkerView
 from hostkv import _radix
 
@@ -189,10 +190,7 @@ class ViewMachine(RuleBasedStateMachine):
             self.cache.check()
             self.cache.close()
         finally:
-            try:
-                posix_ipc.unlink_shared_memory("/" + self.name)
-            except posix_ipc.ExistentialError:
-                pass
+            unlink_quietly(self.name)
 
     def free_ids(self):
         return [i for i in IDS if i not in self.model.seqs]
