@@ -1,6 +1,6 @@
 """Type stubs for hostkv._radix (the radix tree in the segment)."""
 
-from typing import Set, Tuple
+from typing import List, Optional, Set, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -19,3 +19,5 @@ def tree_contents(seg: Segment) -> Set[Tuple[int, Tuple[int, ...], Tuple[int, ..
 def _compare_ceiling(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32], page_size: int,
                      repeats: int) -> int: ...
 def first_bad_token(tokens: npt.NDArray[np.int32]) -> int: ...
+def tokens_from_sequence(seq: Union[List[int], Tuple[int, ...]],
+                         what: str) -> Optional[npt.NDArray[np.int32]]: ...

@@ -11,6 +11,7 @@ cimport numpy as cnp
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp
+from cpython.object cimport PyObject
 
 from hostkv._layout cimport (
     HkvHeader, HkvMetrics, HkvRadixNode, HkvRadixState, HkvSlab, HkvSlabRecord, HKV_HINT_SLOTS)
@@ -1061,3 +1062,71 @@ def first_bad_token(cnp.ndarray tokens):
         else:
             i = -1
     return i
+
+
+cdef extern from "Python.h":
+    bint PyLong_CheckExact(PyObject* obj) noexcept
+    PyObject** PySequence_Fast_ITEMS(object seq) noexcept
+    Py_ssize_t PySequence_Fast_GET_SIZE(object seq) noexcept
+
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX < 0x030B0000
+    #include "longintrepr.h"
+    #endif
+    /* An exact int's value when it lies in [0, 2**31), else -1. Reads a small int's digits
+       directly, as Cython's own conversions do: a token costs a load, not a call. */
+    static inline long long hkv_token_value(PyObject* obj) {
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject*)obj)) {
+            Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject*)obj);
+            return (v >= 0 && v < 2147483648LL) ? (long long)v : -1;
+        }
+        return -1;
+    #else
+        /* ob_size is the digit count, negative for negative ints. */
+        Py_ssize_t size = Py_SIZE(obj), i;
+        const digit* d = ((PyLongObject*)obj)->ob_digit;
+        long long v = 0;
+        if (size < 0 || size > (31 + PyLong_SHIFT - 1) / PyLong_SHIFT) return -1;
+        for (i = size - 1; i >= 0; i--) v = (v << PyLong_SHIFT) | (long long)d[i];
+        return v < 2147483648LL ? v : -1;
+    #endif
+    }
+    """
+    long long hkv_token_value(PyObject* obj) noexcept
+
+
+def tokens_from_sequence(object seq, str what):
+    """Reads a list or tuple of Python ints as a new contiguous np.int32 array, or None.
+
+    The engines' own format (vLLM and SGLang hold prompts as Python lists) read in one C
+    loop, with no intermediate numpy conversion: a few ns per token. Returns None when an
+    item is not exactly an int (a bool, a numpy integer, anything else), so the caller's
+    general path decides; no Python code runs while the items are read, so the sequence
+    cannot change under the loop.
+
+    Raises:
+        ValueError: an id outside [0, 2**31), naming its index and value.
+    """
+    cdef Py_ssize_t i, n
+    cdef PyObject** items
+    cdef PyObject* item
+    cdef long long value
+    cdef cnp.ndarray out
+    cdef int32_t* dst
+    if type(seq) is not list and type(seq) is not tuple:
+        raise TypeError(f"tokens_from_sequence needs a list or tuple, got {type(seq).__name__}")
+    n = PySequence_Fast_GET_SIZE(seq)
+    out = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
+    dst = <int32_t*>cnp.PyArray_DATA(out)
+    items = PySequence_Fast_ITEMS(seq)
+    for i in range(n):
+        item = items[i]
+        if not PyLong_CheckExact(item):
+            return None
+        value = hkv_token_value(item)
+        if value < 0:
+            raise ValueError(f"{what}[{i}] = {<object>item} is outside [0, 2**31)")
+        dst[i] = <int32_t>value
+    return out

@@ -28,6 +28,11 @@ def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
         if _radix.first_bad_token(tokens) >= 0:
             _raise_out_of_range(tokens, what)
         return tokens
+    if type(tokens) is list or type(tokens) is tuple:
+        # The engines' own format, read in one C loop; None: not all plain ints.
+        arr = _radix.tokens_from_sequence(tokens, what)
+        if arr is not None:
+            return arr
     if type(tokens).__module__.startswith("torch"):
         if getattr(tokens, "device", None) is not None and tokens.device.type != "cpu":
             raise ValueError(f"{what} must be on the CPU, got a tensor on {tokens.device}")

@@ -91,6 +91,10 @@ def case(id: str, exc: type, call=None, prepare=None) -> None:
 BAD_TOKENS = {
     "negative": [1, 2, -1, 4],
     "2**31": [1, 2**31, 3, 4],
+    "tuple-negative": (1, 2, -1, 4),
+    "2**63": [1, 2, 3, 2**63],
+    "-2**63": [-2**63, 1, 2, 3],
+    "2**80": [1, 2**80, 3, 4],
     "2**64": [1, 2**64, 3, 4],
     "python-floats": [1.0, 2.0, 3.0, 4.0],
     "numpy-floats": np.array([1.5, 2.5, 3.5, 4.5]),
@@ -119,7 +123,7 @@ for key, tokens in BAD_TOKENS.items():
     case(f"match_prefix-tokens-{key}", ValueError,
          lambda env, t=tokens: env.cache.match_prefix(t))
 
-for key in ("negative", "2**31", "python-floats", "numpy-floats", "2-D-numpy", "str", "None"):
+for key in ("negative", "2**31", "tuple-negative", "2**80", "python-floats", "numpy-floats", "2-D-numpy", "str", "None"):
     case(f"allocate-tokens-{key}", ValueError,
          lambda env, t=BAD_TOKENS[key]: env.view.allocate_pages_for_sequences_with_prefix(
              [R(50, SYS + [1]), R(51, t)]))

@@ -1075,3 +1075,35 @@ def test_token_and_id_types_are_accepted(make):
     assert view.state(100).tokens.tolist() == tokens
     view.release([int(i) for i in ids] + [100])
     cache.check()
+
+
+def test_list_input_reads_exactly_like_numpy(make):
+    """Lists and tuples of ints are read in the compiled layer (the engines' own format):
+    the same ids, reuse and page tables as the same tokens in an int32 array, across the
+    digit boundaries of Python's int representation."""
+    from array import array
+    cache, view = make(num_pages=128)
+    edge = [0, 1, 2**15 - 1, 2**15, 2**30 - 1, 2**30, 2**31 - 2, 2**31 - 1]
+    prompt = P + edge * 4 + [5]
+    cache_prefix(view, prompt[:-1])
+    arr = np.array(prompt, dtype=np.int32)
+    want = view.allocate_pages_for_sequences_with_prefix([R(1, arr)])[0]
+    assert want.reused_tokens == len(prompt) - 1
+    inputs = [prompt, tuple(prompt), array("i", prompt), array("q", prompt)]
+    for seq_id, tokens in enumerate(inputs, start=2):
+        got = view.allocate_pages_for_sequences_with_prefix([R(seq_id, tokens)])[0]
+        assert got.reused_tokens == want.reused_tokens
+        shared = want.reused_tokens // want.page_size
+        assert (got.page_table[:shared] == want.page_table[:shared]).all()
+        assert view.state(seq_id).tokens.tolist() == prompt
+        assert cache.match_prefix(tokens).num_tokens == cache.match_prefix(arr).num_tokens
+    assert _radix.tokens_from_sequence(prompt, "t").tolist() == prompt
+    assert _radix.tokens_from_sequence([], "t").dtype == np.int32
+    # Not all plain ints: the general path decides (numpy integers are accepted there).
+    assert _radix.tokens_from_sequence([1, np.int64(2)], "t") is None
+    with pytest.raises(ValueError, match=r"tokens\[3\] = 2147483648 is outside"):
+        view.allocate_pages_for_sequences_with_prefix([R(50, [1, 2, 3, 2**31])])
+    with pytest.raises(ValueError, match=r"tokens\[0\] = -1 is outside"):
+        cache.match_prefix((-1, 2))
+    view.release([1, 2, 3, 4, 5])
+    cache.check()
