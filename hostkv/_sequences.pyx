@@ -90,6 +90,17 @@ cdef int ensure_free_pages(Segment seg, Tree* t, int64_t needed) except -1:
     return 1 if seg.hdr.hdr_free_pages >= needed else 0
 
 
+cdef str out_of_pages_holders(Segment seg, Tree* t, int64_t needed):
+    """Says where a pool's pages are when eviction could not free `needed` of them."""
+    cdef int64_t num_pages = seg.hdr.hdr_config.cfg_num_pages
+    cdef int64_t cached = t.state.rt_cached_pages
+    cdef int64_t private = num_pages - seg.hdr.hdr_free_pages - cached
+    if needed > num_pages:
+        return f"the pool has only {num_pages} pages in all"
+    return (f"{private} pages are live sequences' own and {cached} cached pages are borrowed "
+            "by live sequences (or lie on their borrowed paths), so none can be evicted")
+
+
 cdef int append_page(Segment seg, HkvSequence* seq, int32_t page) except -1:
     """Adds page (already referenced for this sequence) to the end of its page list."""
     cdef HkvSlab* slab = page_list_slab(seg)
@@ -252,8 +263,10 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
 
     For request i: borrows up to reuse_pages[i] cached pages (kept only if at least
     min_reuse_pages match), allocates the rest of ceil(len(tokens) / page_size) pages
-    (evicting as needed), and records the sequence. Returns a list of (record index,
-    reused pages, page table).
+    (evicting as needed), and records the sequence. Every request borrows its prefix before
+    anything is evicted for the batch, so one request's eviction never takes the prefix
+    another request of the same batch matched. Returns a list of (record index, reused
+    pages, page table).
 
     Raises:
         OutOfPagesError, CapacityError: nothing changed.
@@ -261,12 +274,13 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
     cdef Tree t
     cdef int32_t page_size, node, record
     cdef int64_t i, j, n = len(token_arrays), total, matched, found, fresh, mark
-    cdef int64_t taken = 0              # fresh pages this batch has allocated so far
+    cdef int64_t batch_fresh = 0        # fresh pages the whole batch needs
     cdef cnp.ndarray tokens, table
     cdef HkvSequence* seq
     cdef HkvHeader* hdr
     cdef int64_t* ids = <int64_t*>cnp.PyArray_DATA(seq_ids)
     cdef int64_t* reuse = <int64_t*>cnp.PyArray_DATA(reuse_pages)
+    cdef list borrowed = []             # per request: (matched pages, locked node, table)
     check_open(seg)
     if seg.lease_slot < 0:
         raise SequenceError("this handle has no lease (attached with lease=False)")
@@ -276,6 +290,7 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
         t = tree_of(seg)
         hdr = seg.hdr
         page_size = hdr.hdr_config.cfg_page_size
+        # 1. Borrow every request's prefix: a locked node cannot be evicted below.
         for i in range(n):
             tokens = token_arrays[i]
             total = (tokens.shape[0] + page_size - 1) // page_size
@@ -294,13 +309,20 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
                     node = -1
             count_lookup(seg, &t, i32(tokens), tokens.shape[0], namespaces[i], reuse[i], found,
                          matched, min_reuse_pages)
+            batch_fresh += total - matched
+            borrowed.append((matched, node, table))
+        # 2. Free the batch's fresh pages at once, evicting only what nobody borrowed.
+        if not ensure_free_pages(seg, &t, batch_fresh):
+            raise OutOfPagesError(
+                f"segment {seg.name!r}: the batch of {n} needs {batch_fresh} new pages, but only "
+                f"{hdr.hdr_free_pages} are free or evictable: "
+                f"{out_of_pages_holders(seg, &t, batch_fresh)}",
+                needed=batch_fresh, available=hdr.hdr_free_pages)
+        # 3. Record the sequences and hand out their fresh pages.
+        for i in range(n):
+            matched, node, table = borrowed[i]
+            total = table.shape[0]
             fresh = total - matched
-            if not ensure_free_pages(seg, &t, fresh):
-                raise OutOfPagesError(
-                    f"segment {seg.name!r}: the batch needs at least {taken + fresh} new pages "
-                    f"(request {i} of {n} alone needs {fresh}), but only {hdr.hdr_free_pages + taken} "
-                    "were free or evictable: every other page is held by live sequences",
-                    needed=taken + fresh, available=hdr.hdr_free_pages + taken)
             record = slab_alloc(seg, sequence_slab(seg))
             if record < 0:
                 raise CapacityError(
@@ -322,7 +344,6 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
             # The borrowed prefix is held by the lock on its node (it cannot be evicted while
             # locked), not by page references: only the sequence's own pages are listed.
             pages_alloc(seg, fresh, i32(table) + matched)
-            taken += fresh
             for j in range(matched, total):
                 append_page(seg, seq, i32(table)[j])
             results.append((record, matched, table))
@@ -353,7 +374,7 @@ def append_pages(Segment seg, cnp.ndarray records):
         if not ensure_free_pages(seg, &t, n):
             raise OutOfPagesError(
                 f"segment {seg.name!r}: this decode step needs {n} new pages, only "
-                f"{seg.hdr.hdr_free_pages} can be freed", needed=n,
+                f"{seg.hdr.hdr_free_pages} can be freed: {out_of_pages_holders(seg, &t, n)}", needed=n,
                 available=seg.hdr.hdr_free_pages)
         pages_alloc(seg, n, i32(pages))
         for i in range(n):

@@ -1107,3 +1107,36 @@ def test_list_input_reads_exactly_like_numpy(make):
         cache.match_prefix((-1, 2))
     view.release([1, 2, 3, 4, 5])
     cache.check()
+
+
+def test_batch_borrows_every_prefix_before_evicting_for_any(make):
+    """A request's eviction must not take the prefix another request of the same batch
+    matched: every prefix is borrowed first, then the batch's fresh pages are freed by
+    evicting only what nobody in the batch borrowed."""
+    cache, view = make(num_pages=16)
+    x = list(range(5000, 5000 + 4 * PS))          # 4 pages, cached first: the LRU victim
+    y = list(range(6000, 6000 + 4 * PS))          # 4 pages, cached later
+    cache_prefix(view, x, seq_id=900)
+    cache_prefix(view, y, seq_id=901)
+    assert cache.stats().free_pages == 8
+    fresh_only = list(range(7000, 7000 + 10 * PS))    # 10 new pages: 2 must be evicted
+    allocs = view.allocate_pages_for_sequences_with_prefix(
+        [R(1, fresh_only), R(2, x + [1])])
+    assert allocs[0].reused_tokens == 0
+    assert allocs[1].reused_tokens == len(x)      # x stayed whole; y paid for the batch
+    assert cache.match_prefix(y).num_tokens == 1 * PS
+    view.release([1, 2], commit=False)
+    cache.check()
+
+
+def test_out_of_pages_says_where_the_pages_are(make):
+    cache, view = make(num_pages=16)
+    with pytest.raises(hostkv.OutOfPagesError, match="the pool has only 16 pages in all"):
+        view.allocate_pages_for_sequences_with_prefix([R(1, list(range(17 * PS)))])
+    view.allocate_pages_for_sequences_with_prefix([R(2, list(range(10 * PS)))])
+    with pytest.raises(hostkv.OutOfPagesError,
+                       match="needs 7 new pages, but only 6 are free or evictable: 10 pages are "
+                             "live sequences' own and 0 cached pages are borrowed"):
+        view.allocate_pages_for_sequences_with_prefix([R(3, list(range(9000, 9000 + 7 * PS)))])
+    view.release([2])
+    cache.check()
