@@ -137,7 +137,19 @@ def no_sharing(rng: np.random.Generator, num_requests: int) -> Requests:
             list(range(num_requests)))
 
 
+def short_prompts(rng: np.random.Generator, num_requests: int) -> Requests:
+    """Prompts of 100-300 tokens: one of 16 shared 96-token preambles and a unique rest,
+    where a request's fixed cost, not its length, decides the speed."""
+    preambles = [rng.integers(0, VOCAB, 96, dtype=np.int32) for _ in range(16)]
+    picks = rng.integers(0, len(preambles), num_requests)
+    rests = rng.integers(4, 205, num_requests)
+    requests = [np.concatenate([preambles[p], rng.integers(0, VOCAB, int(r), dtype=np.int32)])
+                for p, r in zip(picks, rests)]
+    return requests, list(range(num_requests))
+
+
 GENERATORS: Dict[str, Callable[[np.random.Generator, int], Requests]] = {
+    "short-prompt": short_prompts,
     "shared-prompt": shared_prompts,
     "multi-turn": multi_turn,
     "no-sharing": no_sharing,
@@ -176,6 +188,7 @@ def workload_specs(quick: bool, seed: int) -> List[WorkloadSpec]:
         WorkloadSpec("shared-prompt", "shared-prompt", 300 if quick else 2000, seed),
         WorkloadSpec("multi-turn", "multi-turn", 12 if quick else 60, seed),
         WorkloadSpec("no-sharing", "no-sharing", 200 if quick else 1000, seed),
+        WorkloadSpec("short-prompt", "short-prompt", 500 if quick else 5000, seed),
         WorkloadSpec("eviction", "shared-prompt", 300 if quick else 2000, seed, pool_fraction=0.25),
     ]
 
@@ -343,14 +356,18 @@ def _figures(tokens: int, requests: int, elapsed: float, reused: int, evicted: i
     }
 
 
-def run_engine_compiled(workload: Workload, num_pages: int) -> Dict[str, Any]:
-    """Replays the workload through a WorkerView on a fresh segment."""
+def run_engine_compiled(workload: Workload, num_pages: int, as_lists: bool = False
+                        ) -> Dict[str, Any]:
+    """Replays the workload through a WorkerView on a fresh segment; as_lists hands the
+    prompts over as Python lists (vLLM's and SGLang's own format), converted untimed."""
+    requests = ([tokens.tolist() for tokens in workload.requests] if as_lists
+                else workload.requests)
     cache = _create(num_pages, len(workload.requests))
     try:
         with WorkerView(cache) as view:
             before = lock_metrics(cache)
             start = time.perf_counter()
-            reused, latencies = replay(ViewEngine(view), workload.requests,
+            reused, latencies = replay(ViewEngine(view), requests,
                                        range(len(workload.requests)))
             elapsed = time.perf_counter() - start
             after = lock_metrics(cache)
@@ -391,10 +408,13 @@ def engine_row(workload: Workload, model_module: Any, ceilings: Dict[str, float]
     }
     if ceilings.get("copy_tokens_per_s"):
         row["vs_kv_copy"] = compiled["tokens_per_s"] / ceilings["copy_tokens_per_s"]
+    listed = run_engine_compiled(workload, num_pages, as_lists=True)
+    row["compiled_list"] = listed
     if model_module is not None:
         reference = run_engine_reference(model_module, workload, num_pages)
         row["reference"] = reference
         row["speedup_vs_reference"] = compiled["tokens_per_s"] / reference["tokens_per_s"]
+        row["list_speedup_vs_reference"] = listed["tokens_per_s"] / reference["tokens_per_s"]
     return row
 
 
@@ -457,6 +477,32 @@ def eviction_cost(workload: Workload, model_module: Any) -> Dict[str, Any]:
         out["reference_ns_per_token"] = ref_elapsed / (ref_pages * PAGE_SIZE) * 1e9
         out["speedup_vs_reference"] = out["reference_ns_per_token"] / out["ns_per_token"]
     return out
+
+
+def eviction_by_demand(workload: Workload) -> Dict[str, Any]:
+    """ns per evicted token when an allocation has to evict: the workload cached through a
+    WorkerView, then one request that needs every free page and half of the cached ones
+    (the time includes allocating all of its pages; its tokens are new, so nothing matches)."""
+    cache = _create(workload.working_set_pages() + 16, len(workload.requests) + 1)
+    try:
+        with WorkerView(cache) as view:
+            replay(ViewEngine(view), workload.requests, range(len(workload.requests)))
+            stats = cache.stats()
+            to_evict = stats.cached_pages // 2
+            needed = stats.free_pages + to_evict
+            tokens = (np.arange(needed * PAGE_SIZE, dtype=np.int64) % (VOCAB * 4) + VOCAB
+                      ).astype(np.int32)
+            start = time.perf_counter()
+            view.allocate_pages_for_sequences_with_prefix(
+                [SequenceRequest(len(workload.requests), tokens)])
+            elapsed = time.perf_counter() - start
+            evicted = cache.stats().evicted_pages - stats.evicted_pages
+            view.release([len(workload.requests)], commit=False)
+        cache.check()
+    finally:
+        _destroy(cache)
+    return {"workload": workload.name, "evicted_pages": evicted, "allocated_pages": needed,
+            "ns_per_token": elapsed / (evicted * PAGE_SIZE) * 1e9}
 
 
 # -- several processes ---------------------------------------------------------------------------
@@ -897,6 +943,7 @@ def run(quick: bool = False, seed: int = 0) -> Dict[str, Any]:
         "ceilings": ceilings,
         "engine": engine,
         "eviction": eviction_cost(workloads["eviction"], model_module),
+        "eviction_by_demand": eviction_by_demand(workloads["shared-prompt"]),
         "processes": process_scaling(process_specs(quick, seed), quick),
         "data_path": kv,
         "tree": [tree_row(workloads[n], model_module, ceilings)
@@ -935,6 +982,9 @@ def _format_runs(title: str, rows: List[Dict[str, Any]], engine: bool) -> List[s
             extra += (f" {_ratio(row.get('vs_kv_copy')):>7} "
                       f"{_percent(row['compiled'].get('lock_held_fraction')):>7}")
         lines.append(_run_line(row["workload"], row["compiled"], row["requests"], extra))
+        if "compiled_list" in row:
+            lines.append(_run_line("  list input", row["compiled_list"], "",
+                                   f" {_ratio(row.get('list_speedup_vs_reference')):>7}"))
         if "reference" in row:
             lines.append(_run_line("  reference", row["reference"], ""))
     return lines
@@ -1022,11 +1072,18 @@ def format_table(report: Dict[str, Any]) -> str:
                  "the same flow and LRU should reuse and evict exactly as the reference does")
     lines.append("% cmp: of the token-compare ceiling; x copy: over copying those tokens' KV at "
                  "the page-copy ceiling; locked: share of the time the segment's lock was held")
+    lines.append("rows: numpy int32 input; list input: the same prompts as Python lists (the "
+                 "engines' own format), converted inside the timed calls; us/req: one request "
+                 "per call (batch 1), allocate + release")
     ref = (f"; reference {ev['reference_ns_per_token']:.0f} ns/token "
            f"({ev['speedup_vs_reference']:.1f}x)" if "reference_ns_per_token" in ev else "")
     lines += ["", f"eviction: cache.evict({ev['chunk_pages']}) until empty on the "
               f"{ev['workload']} workload's tree: {ev['ns_per_token']:.1f} ns per evicted token"
-              f"{ref}", ""]
+              f"{ref}",
+              f"eviction by demand: one allocation of {report['eviction_by_demand']['allocated_pages']} "
+              f"pages that evicts {report['eviction_by_demand']['evicted_pages']} on the "
+              f"{report['eviction_by_demand']['workload']} workload's cache: "
+              f"{report['eviction_by_demand']['ns_per_token']:.1f} ns per evicted token", ""]
     lines += _format_processes(report["processes"])
     lines.append("")
     lines += _format_data_path(report["data_path"])

@@ -86,12 +86,18 @@ def test_bench_quick_smoke(tmp_path):
     assert report["ceilings"]["copy_bytes_per_s"] > 0
     assert report["reference_model"]            # run from a source checkout
     engine = {row["workload"]: row for row in report["engine"]}
-    assert set(engine) == {"shared-prompt", "multi-turn", "no-sharing", "eviction"}
+    assert set(engine) == {"shared-prompt", "multi-turn", "no-sharing", "short-prompt",
+                           "eviction"}
     for name, row in engine.items():
         compiled = row["compiled"]
+        # List input is the same requests in another format: the same reuse and evictions.
+        assert row["compiled_list"]["hit_rate"] == compiled["hit_rate"]
+        assert row["compiled_list"]["evicted_pages"] == compiled["evicted_pages"]
         assert compiled["tokens_per_s"] > 0 and compiled["call_latency"]["p99_us"] > 0
         if name == "no-sharing":
             assert compiled["hit_rate"] == 0
+        elif name == "short-prompt":
+            assert compiled["hit_rate"] > 0.3        # a 96-token preamble of 100-300
         else:
             assert compiled["hit_rate"] > 0.5
         assert (compiled["evicted_pages"] > 0) == (name == "eviction")
@@ -102,6 +108,8 @@ def test_bench_quick_smoke(tmp_path):
 
     eviction = report["eviction"]
     assert eviction["evicted_pages"] > 0 and eviction["ns_per_token"] > 0
+    demand = report["eviction_by_demand"]
+    assert 0 < demand["evicted_pages"] < demand["allocated_pages"] and demand["ns_per_token"] > 0
 
     runs = {(row["workload"], row["processes"]): row for row in report["processes"]}
     assert set(runs) == {(w, n) for w in ("shared-prompt", "multi-turn") for n in (1, 2, 4)}
