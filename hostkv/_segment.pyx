@@ -674,8 +674,13 @@ cdef class Segment:
             raise ValueError("the segment is closed")
         if self.fork_epoch != _fork_epoch:
             self._after_fork()
-        if self.locked:
-            raise RuntimeError("hostkv segment lock is not re-entrant")
+        # Threads of this process serialise on the mutex like processes do (the kernel
+        # tracks the owning thread); only the thread that holds it must not lock it again:
+        # a normal-type mutex would deadlock, and an error-checking one breaks across PID
+        # namespaces (see _layout.pxd). All of this object's fields are written under the
+        # GIL, so the owner test below sees either this thread's own write or another's.
+        if self.locked and pthread_equal(self.lock_owner, pthread_self()):
+            raise RuntimeError("hostkv segment lock is not re-entrant: this thread holds it")
         wait_start = now_ns(CLOCK_MONOTONIC)
         rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
         if rc == EBUSY:
@@ -707,6 +712,7 @@ cdef class Segment:
         if rc != 0 and rc != EOWNERDEAD:
             raise os_error(rc, "lock segment", self.name)
         self.locked = True
+        self.lock_owner = pthread_self()
         self.locked_at_ns = now_ns(CLOCK_MONOTONIC)
         record_duration(self.metrics.mt_lock_wait_histogram, &self.metrics.mt_lock_wait_ns,
                         self.locked_at_ns - wait_start)
@@ -754,8 +760,9 @@ cdef class Segment:
         return 0
 
     cdef void end(self) noexcept:
-        """Rolls back what is not committed, then unlocks. Safe to call in any state."""
-        if not self.locked:
+        """Rolls back what is not committed, then unlocks. Safe to call in any state: a
+        thread that does not hold the lock changes nothing."""
+        if not self.locked or not pthread_equal(self.lock_owner, pthread_self()):
             return
         if self.hdr.hdr_undo_count != 0:
             try:
@@ -1025,6 +1032,9 @@ cdef class Segment:
         """In a forked child: forget the parent's lease (its thread is not here) and take one."""
         self.lease_slot = -1
         self.lease_holder = NULL        # the parent's holder; its thread does not exist here
+        # A parent's thread may have held the lock at fork: that thread is not here (and
+        # the mutex, in shared memory, is still the parent's to unlock).
+        self.locked = False
         self.exports = 0
         self.fork_epoch = _fork_epoch
         self._register_lease()
