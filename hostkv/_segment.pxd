@@ -41,6 +41,9 @@ cdef class Segment:
     cdef readonly bint closed
     cdef bint locked                    # a thread of this process holds hdr_mutex through this object
     cdef pthread_t lock_owner           # ... and this is that thread (valid while locked)
+    cdef int in_flight                  # calls of this process's threads between begin and end
+    cdef readonly bint closing          # close() is waiting for in-flight calls
+    cdef pthread_t closing_thread       # ... in this thread
     cdef bint observer                  # attached without a lease: never sweeps
     cdef int64_t lock_timeout_ns
     cdef int reaped_by_begin            # dead leases the sweep inside the last begin() freed
@@ -61,6 +64,8 @@ cdef class Segment:
     cdef _bind_regions(self)
     cdef _validate(self)
     cdef int begin(self) except -1
+    cdef int _acquire(self) except -1
+    cdef void _unlock(self) noexcept
     cdef int commit(self) except -1
     cdef void end(self) noexcept
     cdef int crash_point(self) except -1

@@ -665,22 +665,38 @@ cdef class Segment:
     # -- the lock ----------------------------------------------------------------------------
 
     cdef int begin(self) except -1:
-        """Takes the lock and opens a mutation; recovers first if the last holder died."""
-        cdef int rc
-        cdef timespec deadline
-        cdef int64_t deadline_ns, wait_start
-        cdef int spins
+        """Takes the lock and opens a mutation; recovers first if the last holder died.
+
+        Counts the call as in flight until end(), so that close() in another thread waits
+        for it instead of unmapping under it."""
+        cdef pthread_t me = pthread_self()
         if self.closed:
             raise ValueError("the segment is closed")
         if self.fork_epoch != _fork_epoch:
             self._after_fork()
+        if self.closing and not pthread_equal(self.closing_thread, me):
+            raise ValueError("the segment is closed (another thread is closing it)")
         # Threads of this process serialise on the mutex like processes do (the kernel
         # tracks the owning thread); only the thread that holds it must not lock it again:
         # a normal-type mutex would deadlock, and an error-checking one breaks across PID
         # namespaces (see _layout.pxd). All of this object's fields are written under the
         # GIL, so the owner test below sees either this thread's own write or another's.
-        if self.locked and pthread_equal(self.lock_owner, pthread_self()):
+        if self.locked and pthread_equal(self.lock_owner, me):
             raise RuntimeError("hostkv segment lock is not re-entrant: this thread holds it")
+        self.in_flight += 1
+        try:
+            self._acquire()
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        return 0
+
+    cdef int _acquire(self) except -1:
+        """begin()'s work: lock, recover, sweep when due. Raises with the lock not held."""
+        cdef int rc
+        cdef timespec deadline
+        cdef int64_t deadline_ns, wait_start
+        cdef int spins
         wait_start = now_ns(CLOCK_MONOTONIC)
         rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
         if rc == EBUSY:
@@ -746,7 +762,7 @@ cdef class Segment:
                 self.reaped_by_begin = self.sweep_leases()
                 self.commit()
         except BaseException:
-            self.end()          # rolls back a half-done sweep and unlocks
+            self._unlock()      # rolls back a half-done sweep and unlocks
             raise
         return 0
 
@@ -764,6 +780,11 @@ cdef class Segment:
         thread that does not hold the lock changes nothing."""
         if not self.locked or not pthread_equal(self.lock_owner, pthread_self()):
             return
+        self._unlock()
+        self.in_flight -= 1
+
+    cdef void _unlock(self) noexcept:
+        """Rolls back what is not committed, then unlocks (the caller holds the lock)."""
         if self.hdr.hdr_undo_count != 0:
             try:
                 self._recover(False)
@@ -1034,7 +1055,7 @@ cdef class Segment:
         self.lease_holder = NULL        # the parent's holder; its thread does not exist here
         # A parent's thread may have held the lock at fork: that thread is not here (and
         # the mutex, in shared memory, is still the parent's to unlock).
-        self.locked = False
+        self._forget_parent_threads()
         self.exports = 0
         self.fork_epoch = _fork_epoch
         self._register_lease()
@@ -1042,13 +1063,47 @@ cdef class Segment:
     # -- closing -----------------------------------------------------------------------------
 
     def close(self):
-        """Gives the lease up and unmaps. Raises BufferError while pool views are alive."""
+        """Gives the lease up and unmaps.
+
+        Calls that other threads have in flight finish first: new calls are refused
+        (ValueError) while close() waits for them, at most lock_timeout + 1 s (a call waits
+        at most lock_timeout for the lock, then holds it briefly).
+
+        Raises:
+            BufferError: numpy/torch views of the page pool are alive.
+            RuntimeError: called by the thread that holds the lock (from inside a call).
+            LockTimeoutError: other threads' calls were still in flight at the bound; the
+                handle stays open and usable.
+        """
+        cdef pthread_t me = pthread_self()
         if self.closed:
             return
+        if self.fork_epoch != _fork_epoch:
+            self._forget_parent_threads()
         if self.exports:
             raise BufferError(
                 f"segment {self.name!r}: {self.exports} numpy/torch view(s) of the page pool "
                 "are still alive; delete them before close()")
+        if self.locked and pthread_equal(self.lock_owner, me):
+            raise RuntimeError(
+                f"segment {self.name!r}: close() from inside a call on it (this thread holds "
+                "its lock)")
+        if self.closing:
+            if pthread_equal(self.closing_thread, me):
+                raise RuntimeError(f"segment {self.name!r}: close() is already running in this thread")
+            # Another thread is closing it: wait for that close to end, then it is closed
+            # (or that close gave up, and this one tries in its turn).
+            self._wait_until(lambda: not self.closing, "another thread's close()")
+            if self.closed:
+                return
+        self.closing = True
+        self.closing_thread = me
+        try:
+            self._wait_until(lambda: self.in_flight == 0,
+                             "calls that other threads have in flight")
+        except BaseException:
+            self.closing = False
+            raise
         try:
             if self.fork_epoch == _fork_epoch and self.lease_slot >= 0:
                 self._release_lease()
@@ -1058,6 +1113,27 @@ cdef class Segment:
                     lease_holder_stop(<LeaseHolder*>self.lease_holder)
             self.lease_holder = NULL
             self._unmap()
+            self.closing = False
+
+    def _wait_until(self, done, str what):
+        """Sleeps (without the GIL) until done() holds, at most lock_timeout + 1 s."""
+        cdef double bound = self.lock_timeout_ns / 1e9 + 1.0
+        deadline = time.monotonic() + bound
+        delay = 0.0001
+        while not done():
+            if time.monotonic() >= deadline:
+                raise LockTimeoutError(
+                    f"segment {self.name!r}: close() waited {bound:g} s for {what} "
+                    f"({self.in_flight} in flight) to finish; the handle stays open")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def _forget_parent_threads(self):
+        """In a forked child: the parent's other threads, their calls and their close()
+        are not in this process."""
+        self.locked = False
+        self.in_flight = 0
+        self.closing = False
 
     def _unmap(self):
         if self.base != NULL:

@@ -9,6 +9,7 @@ already holds it must be refused (a normal-type mutex would deadlock on itself).
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -194,3 +195,114 @@ def test_views_in_threads_allocate_distinct_pages(segment_name):
         assert cache.stats().active_sequences == 0
 
 
+
+# -- close() while other threads are inside calls (issue 10 item 2) -----------------------------
+
+
+def _wait_for(predicate, what):
+    for _ in range(60_000):
+        if predicate():
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_close_waits_for_a_call_in_flight_in_another_thread(segment_name):
+    # Before the fix, close() unmapped under the other thread's call (SIGSEGV, or
+    # "sequence record 0 is referenced but free" in that thread).
+    cache = HostKVCache.create(segment_name, small_config(), lock_timeout=60)
+    holding, release = threading.Event(), threading.Event()
+    results: list = []
+
+    def hold():
+        holding.set()
+        release.wait(60)
+        return cache._segment.header_info()["free_pages"]    # reads the mapping after close began
+
+    holder = threading.Thread(target=lambda: results.append(cache._segment.run_locked(hold)))
+    holder.start()
+    assert holding.wait(60)
+    closer = threading.Thread(target=cache.close)
+    closer.start()
+    _wait_for(lambda: cache._segment.closing, "close() to start waiting")
+    assert not cache.closed
+    # New calls are refused while close() waits.
+    with pytest.raises(ValueError, match="closed"):
+        cache.stats()
+    release.set()
+    holder.join(60)
+    closer.join(60)
+    assert results == [cache.config.num_pages]
+    assert cache.closed
+    with HostKVCache.attach(segment_name) as other:
+        other.check()
+        assert other.stats().active_processes == 1      # the closed handle gave its lease up
+
+
+def test_close_gives_up_after_the_bound_and_the_handle_stays_usable(segment_name):
+    with HostKVCache.create(segment_name, small_config(), lock_timeout=0.2) as cache:
+        holding, release = threading.Event(), threading.Event()
+
+        def hold():
+            holding.set()
+            release.wait(60)
+
+        holder = threading.Thread(target=cache._segment.run_locked, args=(hold,))
+        holder.start()
+        try:
+            assert holding.wait(60)
+            with pytest.raises(LockTimeoutError, match="in flight"):
+                cache.close()
+            assert not cache.closed and not cache._segment.closing
+        finally:
+            release.set()
+            holder.join(60)
+        assert cache.stats().free_pages == cache.config.num_pages
+        cache.check()
+    assert cache.closed
+
+
+def test_close_from_inside_a_call_is_refused(cache):
+    with pytest.raises(RuntimeError, match="inside a call"):
+        cache._segment.run_locked(cache.close)
+    assert not cache.closed
+    cache.check()
+
+
+def test_close_while_views_of_threads_run(segment_name):
+    # Engine threads hammer the cache while the main thread closes it: each call either
+    # completes or is refused with ValueError; nothing crashes, nothing is corrupt.
+    cfg = small_config(num_pages=128, max_sequences=64, page_size=PAGE)
+    for trial in range(3):
+        cache = HostKVCache.create(segment_name, cfg)
+        errors: list = []
+        started = threading.Barrier(ENGINE_THREADS + 1)
+
+        def run(i):
+            view = WorkerView(cache)
+            started.wait(60)
+            try:
+                for r in range(10_000):
+                    view.allocate_pages_for_sequences_with_prefix(
+                        [SequenceRequest(r, list(range(1, 2 * PAGE + 2)))])
+                    view.release([r])
+            except ValueError as exc:
+                if "closed" not in str(exc):
+                    errors.append(repr(exc))
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(ENGINE_THREADS)]
+        for t in threads:
+            t.start()
+        started.wait(60)
+        time.sleep(0.01 * trial)
+        cache.close()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        with HostKVCache.attach(segment_name) as other:
+            other.reap()
+            other.check()
+            assert other.stats().active_sequences == 0
+        HostKVCache.unlink_segment(segment_name)
