@@ -1050,15 +1050,20 @@ cdef class Segment:
         return reaped
 
     def _after_fork(self):
-        """In a forked child: forget the parent's lease (its thread is not here) and take one."""
+        """In a forked child: forget the parent's lease (its thread is not here) and take
+        one, unless this handle is an observer (it takes none anywhere).
+
+        The export count stays: the child inherited the parent's numpy/torch views of the
+        pool along with everything else, so close() must refuse to unmap under them here
+        as it does in the parent."""
         self.lease_slot = -1
         self.lease_holder = NULL        # the parent's holder; its thread does not exist here
         # A parent's thread may have held the lock at fork: that thread is not here (and
         # the mutex, in shared memory, is still the parent's to unlock).
         self._forget_parent_threads()
-        self.exports = 0
         self.fork_epoch = _fork_epoch
-        self._register_lease()
+        if not self.observer:
+            self._register_lease()
 
     # -- closing -----------------------------------------------------------------------------
 
