@@ -165,6 +165,56 @@ cdef int init_robust_mutex(pthread_mutex_t* mutex) except -1:
     return 0
 
 
+cdef extern from *:
+    """
+    #include <stddef.h>
+    /* The mutex's kind word: its type, robust, priority-protocol and process-shared bits.
+       glibc keeps it in __data.__kind and believes it at every lock: another kind read from
+       a segment someone else wrote (PRIO_PROTECT, 0x40, aborts glibc; 0-3 or 0x20/0x30
+       make a lock that is not robust or uses priority inheritance) is refused instead. */
+    #ifdef __GLIBC__
+    static inline int hkv_mutex_kind(pthread_mutex_t* m) {
+        return __atomic_load_n(&m->__data.__kind, __ATOMIC_RELAXED);
+    }
+    #define HKV_MUTEX_KIND_OFFSET ((int)offsetof(pthread_mutex_t, __data.__kind))
+    #else
+    static inline int hkv_mutex_kind(pthread_mutex_t* m) { (void)m; return -1; }
+    #define HKV_MUTEX_KIND_OFFSET (-1)
+    #endif
+    """
+    int hkv_mutex_kind(pthread_mutex_t* m) noexcept nogil
+    int HKV_MUTEX_KIND_OFFSET
+
+
+cdef int reference_mutex_kind() except? -2:
+    """The kind word init_robust_mutex writes (-1 where the libc's layout is unknown)."""
+    cdef pthread_mutex_t m
+    cdef int kind
+    init_robust_mutex(&m)
+    kind = hkv_mutex_kind(&m)
+    pthread_mutex_destroy(&m)
+    return kind
+
+
+cdef int _mutex_kind = reference_mutex_kind()
+MUTEX_KIND = _mutex_kind                     # for tests: what every segment mutex must say
+MUTEX_KIND_OFFSET = HKV_MUTEX_KIND_OFFSET    # ... at this byte offset in pthread_mutex_t
+
+
+cdef int check_mutex(Segment seg, pthread_mutex_t* m, str what) except -1:
+    """Refuses (CorruptionError) a mutex whose kind word is not the one hostkv writes:
+    checked before every lock of a segment mutex, since glibc trusts it."""
+    cdef int kind
+    if _mutex_kind == -1:
+        return 0
+    kind = hkv_mutex_kind(m)
+    if kind != _mutex_kind:
+        seg.corrupt(
+            f"{what} has mutex kind {kind:#x}, not {_mutex_kind:#x} (robust, process-shared, "
+            "normal type, no priority protocol): refusing to lock it")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # The lease thread: holds this process's lease mutex for as long as the process lives.
 #
@@ -660,6 +710,11 @@ cdef class Segment:
             raise IncompatibleSegmentError(
                 f"segment {self.name!r} is {self.size} bytes but its header describes "
                 f"{regions.reg_total_size}")
+        # Every mutex's kind word, before anything locks one (glibc believes it).
+        check_mutex(self, &hdr.hdr_mutex, "the segment lock")
+        for slot in range(c.cfg_max_processes):
+            check_mutex(self, &(<HkvLease*>(self.base + hdr.hdr_regions.reg_leases))[slot].ls_mutex,
+                        f"lease slot {slot}")
         self._bind_regions()
 
     # -- the lock ----------------------------------------------------------------------------
@@ -697,6 +752,7 @@ cdef class Segment:
         cdef timespec deadline
         cdef int64_t deadline_ns, wait_start
         cdef int spins
+        check_mutex(self, &self.hdr.hdr_mutex, "the segment lock")
         wait_start = now_ns(CLOCK_MONOTONIC)
         rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
         if rc == EBUSY:
@@ -936,6 +992,7 @@ cdef class Segment:
                 lease = self.lease_at(slot)
                 if lease.ls_state != HKV_LEASE_FREE:
                     continue
+                check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
                 with nogil:
                     rc = lease_call(holder, LEASE_TAKE, &lease.ls_mutex)
                 if rc == ENOTRECOVERABLE:
@@ -1019,6 +1076,7 @@ cdef class Segment:
                 continue
             if lease.ls_state != HKV_LEASE_ACTIVE:
                 self.corrupt(f"lease slot {slot} has state {lease.ls_state}")
+            check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
             rc = pthread_mutex_trylock(&lease.ls_mutex)
             if rc == EBUSY:
                 continue                       # its lease thread holds it: alive
@@ -1203,6 +1261,7 @@ cdef class Segment:
             return False
         if slot == self.lease_slot and self.fork_epoch == _fork_epoch:
             return True
+        check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
         rc = pthread_mutex_trylock(&lease.ls_mutex)
         if rc == EBUSY:
             return True
