@@ -35,6 +35,7 @@ cdef class Segment:
     cdef HkvUndoEntry* undo
     cdef HkvMetrics* metrics
     cdef int64_t locked_at_ns           # CLOCK_MONOTONIC when this object took the lock
+    cdef int64_t last_sweep_ns          # CLOCK_MONOTONIC of this object's last lease sweep
     cdef int64_t undo_capacity
     cdef size_t size
     cdef readonly str name
@@ -61,6 +62,7 @@ cdef class Segment:
     cdef _map(self, name, int fd, int64_t size)
     cdef _populate_metadata(self)
     cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions)
+    cdef _reserve(self, name, int fd, HkvConfig* ccfg, HkvRegions* regions)
     cdef _bind_regions(self)
     cdef _validate(self)
     cdef int begin(self) except -1

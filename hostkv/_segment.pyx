@@ -17,7 +17,7 @@ from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_ND, PyBUF_STRIDES, PyBUF_FORMA
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memcmp, memset
+from libc.string cimport memcmp, memcpy, memset
 
 from hostkv._layout cimport *
 from hostkv.includes.system cimport *
@@ -97,7 +97,11 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 SEGMENT_MODE = 0o600
 DEFAULT_LOCK_TIMEOUT = 10.0
-DEFAULT_READY_TIMEOUT = 5.0
+# Creating a segment reserves all of its memory (posix_fallocate; ~5.7 GB/s on tmpfs was
+# measured, issue 10): the README's 65,536 x 2 MiB pool takes ~23 s. Attachers wait up to
+# this long for a creator that is still at it: 120 s covers a pool of ~600 GB.
+DEFAULT_READY_TIMEOUT = 120.0
+RESERVE_CHUNK = 256 << 20    # the creator publishes its progress after each chunk
 SWEEP_INTERVAL_NS = 1_000_000_000
 cdef int LOCK_SPINS = 400        # ~10 us of pause instructions before blocking
 MAX_TIMEOUT = 1e9            # about 31 years: beyond it a deadline in ns would overflow
@@ -410,6 +414,18 @@ cdef HkvFormat expected_format() noexcept:
     return fmt
 
 
+cdef int check_format(name, HkvFormat* got_format) except -1:
+    """IncompatibleSegmentError unless the segment's format word is this build's."""
+    cdef dict got = got_format[0]
+    cdef dict want = expected_format()
+    for field in _FORMAT_FIELDS:
+        if got[field] != want[field]:
+            raise IncompatibleSegmentError(
+                f"segment {name!r} has another format: {field} is {got[field]}, "
+                f"this hostkv expects {want[field]}")
+    return 0
+
+
 _FORMAT_FIELDS = ("fmt_layout_version", "fmt_byte_order", "fmt_pointer_size", "fmt_mutex_size",
                   "fmt_header_size", "fmt_lease_size", "fmt_undo_entry_size", "fmt_slab_size",
                   "fmt_radix_node_size", "fmt_sequence_size", "fmt_metrics_size")
@@ -508,18 +524,14 @@ cdef class Segment:
             raise translate_posix_ipc(exc, "create segment", name, creating=True) from None
         try:
             try:
-                os.ftruncate(shm.fd, regions.reg_total_size)
-                # Reserve the memory now: on a full /dev/shm this fails here with ENOSPC
-                # instead of a SIGBUS at the first touch of an unbacked page later.
-                rc = posix_fallocate(shm.fd, 0, regions.reg_total_size)
-                if rc != 0:
-                    raise os_error(rc, f"reserve {regions.reg_total_size} bytes for segment", name)
-                seg._map(name, shm.fd, regions.reg_total_size)
+                seg._reserve(name, shm.fd, &ccfg, &regions)
             finally:
                 shm.close_fd()
             seg._initialise(&ccfg, &regions)
+            seg.last_sweep_ns = now_ns(CLOCK_MONOTONIC)    # nobody to reap in a new segment
             seg._register_lease()
         except BaseException:
+            seg._stop_lease_holder()
             seg._unmap()
             try:
                 shm.unlink()
@@ -563,16 +575,12 @@ cdef class Segment:
                     raise ForeignSegmentError(
                         f"segment {name!r} has mode {st.st_mode & 0o777:o}: other users can "
                         "write it; pass trust_other_users=True to attach anyway")
-            if st.st_size < sizeof(HkvHeader):
-                raise IncompatibleSegmentError(
-                    f"segment {name!r} is {st.st_size} bytes, shorter than a hostkv header "
-                    f"({sizeof(HkvHeader)} bytes): not a hostkv segment, or its creator died "
-                    "before sizing it")
-            seg._map(name, shm.fd, st.st_size)
+            seg.name = name
+            size = seg._wait_ready(shm.fd, ready_seconds)
+            seg._map(name, shm.fd, size)
         finally:
             shm.close_fd()
         try:
-            seg._wait_ready(ready_seconds)
             seg._validate()
             seg._populate_metadata()
             seg.observer = not lease
@@ -617,6 +625,51 @@ cdef class Segment:
         with nogil:
             madvise(self.base, length, MADV_POPULATE_WRITE)
 
+    cdef _reserve(self, name, int fd, HkvConfig* ccfg, HkvRegions* regions):
+        """Writes the header's identity, sizes the segment, reserves its memory, maps it.
+
+        The first bytes an attacher can see are a header that says what this is (magic,
+        format, config, regions, creator pid) in state INITIALISING: pwrite extends the
+        file only once the header's bytes are in it, so a segment of at least a header's
+        size that does not start with the magic is not hostkv's, at once. Then the memory
+        is reserved chunk by chunk (on a full /dev/shm this fails with ENOSPC here instead
+        of a SIGBUS at the first touch of an unbacked page later), publishing the bytes
+        reserved so far, so that an attacher that times out can say how far it got."""
+        cdef HkvHeader first
+        cdef int64_t at = 0, chunk, total = regions.reg_total_size
+        cdef int rc
+        memset(&first, 0, sizeof(HkvHeader))
+        first.hdr_magic = HKV_MAGIC
+        first.hdr_format = expected_format()
+        first.hdr_config = ccfg[0]
+        first.hdr_regions = regions[0]
+        first.hdr_state = HKV_STATE_INITIALISING
+        first.hdr_creator_pid = getpid()
+        data = PyBytes_FromStringAndSize(<char*>&first, sizeof(HkvHeader))
+        try:
+            written = os.pwrite(fd, data, 0)
+            if written != len(data):
+                raise OSError(ENOSPC, "short write")
+            os.ftruncate(fd, total)
+        except OSError as exc:
+            raise os_error(exc.errno or EINVAL, "write the header of segment", name) from None
+        # Reserving chunk by chunk, unlike one posix_fallocate of the whole, would fill
+        # memory before a too-big request fails (tmpfs refuses a single request larger than
+        # the filesystem at once): refuse what cannot fit before reserving any of it.
+        vfs = os.fstatvfs(fd)
+        if vfs.f_blocks and total > vfs.f_bavail * vfs.f_frsize:
+            raise os_error(ENOSPC, f"reserve {total} bytes for segment (only "
+                           f"{vfs.f_bavail * vfs.f_frsize} free)", name)
+        self._map(name, fd, total)
+        while at < total:
+            chunk = min(<int64_t>RESERVE_CHUNK, total - at)
+            with nogil:
+                rc = posix_fallocate(fd, at, chunk)
+            if rc != 0:
+                raise os_error(rc, f"reserve {total} bytes for segment", name)
+            at += chunk
+            hkv_store_release_i64(&self.hdr.hdr_reserved_bytes, at)
+
     cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions):
         """Writes a fresh header and tables. Nobody else reads them before state is READY."""
         cdef HkvHeader* hdr = self.hdr
@@ -632,7 +685,6 @@ cdef class Segment:
         hdr.hdr_regions = regions[0]
         hdr.hdr_creator_pid = getpid()
         hdr.hdr_generation = 0
-        hdr.hdr_last_sweep_ns = now_ns(CLOCK_MONOTONIC)
         hdr.hdr_undo_count = 0
         init_robust_mutex(&hdr.hdr_mutex)
         for i in range(ccfg.cfg_max_processes):
@@ -667,20 +719,65 @@ cdef class Segment:
         self.undo = <HkvUndoEntry*>(self.base + self.hdr.hdr_regions.reg_undo)
         self.undo_capacity = self.hdr.hdr_config.cfg_undo_log_capacity
 
-    def _wait_ready(self, double timeout):
+    def _wait_ready(self, int fd, double timeout):
+        """Waits until the segment is sized and READY; returns its size (to map).
+
+        Reads the header with pread, so nothing is mapped before the creator has sized
+        the segment. A creator between shm_open and writing its header leaves a segment
+        shorter than a header: that is waited for. A header without the magic, or of
+        another format, is refused at once: the creator writes those first.
+        """
+        cdef HkvHeader h
+        cdef Py_ssize_t header_size = sizeof(HkvHeader)
+        cdef uint32_t state = 0
         deadline = time.monotonic() + timeout
         delay = 0.0005
+        first_reserved = None
+        size = 0
+        have_header = False
         while True:
-            state = __atomic_load_acquire_u32(&self.hdr.hdr_state)
-            if state == HKV_STATE_READY or state == HKV_STATE_CORRUPT:
-                return
+            size = os.fstat(fd).st_size
+            if size >= header_size:
+                data = os.pread(fd, header_size, 0)
+                if len(data) == header_size:
+                    memcpy(&h, <char*>data, header_size)
+                    have_header = True
+                    if h.hdr_magic != HKV_MAGIC:
+                        raise IncompatibleSegmentError(
+                            f"segment {self.name!r} is not a hostkv segment (bad magic)")
+                    check_format(self.name, &h.hdr_format)
+                    state = h.hdr_state
+                    if state == HKV_STATE_READY or state == HKV_STATE_CORRUPT:
+                        return size
+                    if state != HKV_STATE_INITIALISING:
+                        raise CorruptionError(
+                            f"segment {self.name!r}: the header's state word is {state}")
+                    if first_reserved is None:
+                        first_reserved = h.hdr_reserved_bytes
             if time.monotonic() >= deadline:
-                raise IncompatibleSegmentError(
-                    f"segment {self.name!r} did not become ready within {timeout:g} s "
-                    f"(state {state}): its creator may have died while initialising it; "
-                    "unlink it and create it again")
+                break
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+        if not have_header:
+            raise IncompatibleSegmentError(
+                f"segment {self.name!r} is {size} bytes after {timeout:g} s, shorter than a "
+                f"hostkv header ({header_size} bytes): not a hostkv segment, or its creator "
+                "died before writing its header; unlink it and create it again")
+        total = h.hdr_regions.reg_total_size
+        reserved = h.hdr_reserved_bytes
+        percent = 100.0 * reserved / total if total > 0 else 0.0
+        if reserved >= total:
+            progress = "all of its memory reserved, its tables still being written"
+        else:
+            progress = f"{percent:.0f}% of its {total} bytes reserved"
+        if first_reserved is not None and reserved == first_reserved:
+            advice = ("no progress while waiting: its creator may have died; unlink it and "
+                      "create it again")
+        else:
+            advice = "still progressing: pass a longer ready_timeout"
+        raise IncompatibleSegmentError(
+            f"segment {self.name!r} did not become ready within {timeout:g} s: still being "
+            f"created by pid {h.hdr_creator_pid}, {progress}; {advice}")
 
     cdef _validate(self):
         """Checks an attached header: magic, format word, config sanity, region offsets."""
@@ -690,13 +787,7 @@ cdef class Segment:
         cdef HkvConfig* c = &hdr.hdr_config
         if hdr.hdr_magic != HKV_MAGIC:
             raise IncompatibleSegmentError(f"segment {self.name!r} is not a hostkv segment (bad magic)")
-        cdef dict got = hdr.hdr_format
-        cdef dict want = fmt
-        for field in _FORMAT_FIELDS:
-            if got[field] != want[field]:
-                raise IncompatibleSegmentError(
-                    f"segment {self.name!r} has another format: {field} is {got[field]}, "
-                    f"this hostkv expects {want[field]}")
+        check_format(self.name, &hdr.hdr_format)
         if (c.cfg_num_pages <= 0 or c.cfg_num_pages >= 2**31 or c.cfg_page_size <= 0
                 or c.cfg_page_bytes <= 0 or c.cfg_max_processes <= 0
                 or c.cfg_undo_log_capacity <= 0 or c.cfg_radix_node_capacity < 0
@@ -813,8 +904,9 @@ cdef class Segment:
             if self.hdr.hdr_undo_count != 0:
                 self._recover(True)
             self.reaped_by_begin = 0
-            if (not self.observer
-                    and self.locked_at_ns - self.hdr.hdr_last_sweep_ns > SWEEP_INTERVAL_NS):
+            # The stamp is this handle's own: CLOCK_MONOTONIC differs between time
+            # namespaces, so it is never compared with another process's (issue 10).
+            if not self.observer and self.locked_at_ns - self.last_sweep_ns > SWEEP_INTERVAL_NS:
                 self.reaped_by_begin = self.sweep_leases()
                 self.commit()
         except BaseException:
@@ -955,6 +1047,11 @@ cdef class Segment:
         self.crash_mode = modes[mode]
         self.crash_countdown = step
 
+    def _make_sweep_due(self):
+        """Test hook: this handle's next lock sweeps the lease table (as a second after
+        its last sweep would)."""
+        self.last_sweep_ns = 0
+
     def _set_hash_mask(self, uint64_t mask):
         """Test hook: page hashes are ANDed with mask in this process (0: all collide)."""
         self.hash_mask = mask
@@ -1094,7 +1191,7 @@ cdef class Segment:
             log_store_i64(self, &self.hdr.hdr_stats.st_leases_reaped,
                           self.hdr.hdr_stats.st_leases_reaped + 1)
             reaped += 1
-        log_store_i64(self, &self.hdr.hdr_last_sweep_ns, now_ns(CLOCK_MONOTONIC))
+        self.last_sweep_ns = now_ns(CLOCK_MONOTONIC)
         return reaped
 
     def reap(self):
@@ -1171,12 +1268,16 @@ cdef class Segment:
             if self.fork_epoch == _fork_epoch and self.lease_slot >= 0:
                 self._release_lease()
         finally:
-            if self.lease_holder != NULL and self.fork_epoch == _fork_epoch:
-                with nogil:
-                    lease_holder_stop(<LeaseHolder*>self.lease_holder)
-            self.lease_holder = NULL
+            self._stop_lease_holder()
             self._unmap()
             self.closing = False
+
+    def _stop_lease_holder(self):
+        """Stops this process's lease thread (unlocking the lease mutex if it holds it)."""
+        if self.lease_holder != NULL and self.fork_epoch == _fork_epoch:
+            with nogil:
+                lease_holder_stop(<LeaseHolder*>self.lease_holder)
+        self.lease_holder = NULL
 
     def _wait_until(self, done, str what):
         """Sleeps (without the GIL) until done() holds, at most lock_timeout + 1 s."""
@@ -1236,6 +1337,7 @@ cdef class Segment:
             "regions": dict(hdr["hdr_regions"]),
             "state": hdr["hdr_state"],
             "creator_pid": hdr["hdr_creator_pid"],
+            "reserved_bytes": hdr["hdr_reserved_bytes"],
             "generation": hdr["hdr_generation"],
             "free_pages": hdr["hdr_free_pages"],
             "active_leases": hdr["hdr_active_leases"],
@@ -1411,8 +1513,12 @@ cdef extern from *:
     static inline uint32_t __atomic_load_acquire_u32(uint32_t* p) {
         return __atomic_load_n(p, __ATOMIC_ACQUIRE);
     }
+    static inline void hkv_store_release_i64(int64_t* p, int64_t v) {
+        __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    }
     """
     void __atomic_store_release_u32(uint32_t* p, uint32_t v) noexcept nogil
+    void hkv_store_release_i64(int64_t* p, int64_t v) noexcept nogil
     uint32_t __atomic_load_acquire_u32(uint32_t* p) noexcept nogil
 
 
@@ -1465,7 +1571,7 @@ def layout_info():
         ("hdr_state", <size_t>&h.hdr_state),
         ("hdr_creator_pid", <size_t>&h.hdr_creator_pid),
         ("hdr_generation", <size_t>&h.hdr_generation),
-        ("hdr_last_sweep_ns", <size_t>&h.hdr_last_sweep_ns),
+        ("hdr_reserved_bytes", <size_t>&h.hdr_reserved_bytes),
         ("hdr_free_pages", <size_t>&h.hdr_free_pages),
         ("hdr_active_leases", <size_t>&h.hdr_active_leases),
         ("hdr_undo_count", <size_t>&h.hdr_undo_count),

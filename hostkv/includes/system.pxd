@@ -105,6 +105,7 @@ cdef extern from "<errno.h>" nogil:
         EBUSY
         EINTR
         EINVAL
+        ENOSPC
 
 
 cdef extern from *:
