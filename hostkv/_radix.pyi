@@ -1,6 +1,6 @@
 """Type stubs for hostkv._radix (the radix tree in the segment)."""
 
-from typing import Set, Tuple
+from typing import List, Set, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -16,6 +16,11 @@ def insert(seg: Segment, tokens: npt.NDArray[np.int32], pages: npt.NDArray[np.in
 def evict(seg: Segment, num_pages: int) -> int: ...
 def check_tree(seg: Segment) -> None: ...
 def tree_contents(seg: Segment) -> Set[Tuple[int, Tuple[int, ...], Tuple[int, ...], int]]: ...
+INSPECT_TOKENS: int
+
+def tree_summary_chunk(
+    seg: Segment, start: int, max_nodes: int,
+) -> Tuple[List[Tuple[int, int, int, int, int, Tuple[int, ...]]], int, int]: ...
 def _compare_ceiling(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32], page_size: int,
                      repeats: int) -> int: ...
 def first_bad_token(tokens: npt.NDArray[np.int32]) -> int: ...
