@@ -9,6 +9,7 @@ _T = TypeVar("_T")
 DEFAULT_LOCK_TIMEOUT: float
 DEFAULT_READY_TIMEOUT: float
 MAX_TIMEOUT: float
+EXIT_LOCK_TIMEOUT: float
 MUTEX_KIND: int
 MUTEX_KIND_OFFSET: int
 SEGMENT_MODE: int
@@ -18,6 +19,7 @@ RESERVE_CHUNK: int
 def check_name(name: object) -> str: ...
 def check_timeout(what: str, value: object) -> float: ...
 def layout_info() -> Dict[str, Any]: ...
+def _arm_new_segments(step: int, mode: str = ...) -> None: ...
 
 class Segment:
     @property

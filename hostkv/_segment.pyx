@@ -6,6 +6,7 @@ pool (_pages) and later layers register hooks that recovery and the lease sweep 
 layer needs to know nothing of theirs.
 """
 
+import atexit
 import math
 import os
 import re
@@ -92,6 +93,29 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---------------------------------------------------------------------------------------------
+# Crash points for new handles (tests only)
+#
+# The crash tests kill a process at every step of create, attach and recovery too, which run
+# before a caller holds the handle to arm it. They used to arm every new handle through an
+# environment variable, which any process honoured: a stray HOSTKV_CRASH_AT could make a
+# production process _exit (issue 10). Now only a call in the process itself arms them; no
+# environment variable is read, and a process that never calls this never crashes on purpose.
+
+_arm_new_segments_at = None
+
+
+def _arm_new_segments(long step, str mode="exit"):
+    """Test hook: every Segment made from now on in this process is armed as by
+    _arm_crash_point(step, mode), counted from its first logged store. step 0 disarms."""
+    global _arm_new_segments_at
+    if mode not in ("exit", "keyboard_interrupt", "memory_error"):
+        raise ValueError(f"crash mode must be exit, keyboard_interrupt or memory_error, got {mode!r}")
+    if step < 0:
+        raise ValueError(f"crash step must be >= 0, got {step}")
+    _arm_new_segments_at = (step, mode) if step else None
+
+
+# ---------------------------------------------------------------------------------------------
 # Names, time, mutexes
 
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -104,6 +128,46 @@ DEFAULT_READY_TIMEOUT = 120.0
 RESERVE_CHUNK = 256 << 20    # the creator publishes its progress after each chunk
 SWEEP_INTERVAL_NS = 1_000_000_000
 cdef int LOCK_SPINS = 400        # ~10 us of pause instructions before blocking
+EXIT_LOCK_TIMEOUT = 0.1      # the most a lock waits once the interpreter is exiting
+cdef int64_t EXIT_LOCK_TIMEOUT_NS = 100_000_000
+cdef bint _exiting = False
+
+
+def _at_exit():
+    global _exiting
+    _exiting = True
+
+
+# Runs before the interpreter tears modules down (and with them the handles still open).
+atexit.register(_at_exit)
+
+
+cdef extern from *:
+    """
+    #include <pthread.h>
+    #include <time.h>
+    /* Locks m, waiting until the CLOCK_MONOTONIC deadline at most. glibc 2.30+ has
+       pthread_mutex_clocklock; before it, the remaining time is turned into a
+       CLOCK_REALTIME deadline (a wall-clock jump during the wait then still moves it). */
+    static int hkv_mutex_lock_until(pthread_mutex_t* m, const struct timespec* deadline) {
+    #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+        return pthread_mutex_clocklock(m, CLOCK_MONOTONIC, deadline);
+    #else
+        struct timespec now, real;
+        long long left;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        left = (long long)(deadline->tv_sec - now.tv_sec) * 1000000000LL
+               + (deadline->tv_nsec - now.tv_nsec);
+        if (left < 0) left = 0;
+        clock_gettime(CLOCK_REALTIME, &real);
+        left += real.tv_nsec;
+        real.tv_sec += left / 1000000000LL;
+        real.tv_nsec = left % 1000000000LL;
+        return pthread_mutex_timedlock(m, &real);
+    #endif
+    }
+    """
+    int hkv_mutex_lock_until(pthread_mutex_t* m, const timespec* deadline) noexcept nogil
 MAX_TIMEOUT = 1e9            # about 31 years: beyond it a deadline in ns would overflow
 
 
@@ -493,12 +557,10 @@ cdef class Segment:
         self.crash_mode = CRASH_EXIT
         self.exports = 0
         self.hash_mask = <uint64_t>-1
-        armed = os.environ.get("HOSTKV_CRASH_AT")
-        if armed:
-            # Test-only, for crashing inside attach or recovery, before a caller could arm
-            # it: "N" or "N:mode", counted from this segment's first logged store.
-            step, _, mode = armed.partition(":")
-            self._arm_crash_point(int(step), mode or "exit")
+        if _arm_new_segments_at is not None:
+            # Test-only (see _arm_new_segments): crashing inside create, attach or
+            # recovery, before a caller could arm the handle itself.
+            self._arm_crash_point(*_arm_new_segments_at)
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -841,7 +903,7 @@ cdef class Segment:
         """begin()'s work: lock, recover, sweep when due. Raises with the lock not held."""
         cdef int rc
         cdef timespec deadline
-        cdef int64_t deadline_ns, wait_start
+        cdef int64_t deadline_ns, wait_start, timeout_ns
         cdef int spins
         check_mutex(self, &self.hdr.hdr_mutex, "the segment lock")
         wait_start = now_ns(CLOCK_MONOTONIC)
@@ -856,18 +918,26 @@ cdef class Segment:
                     rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
                     if rc != EBUSY:
                         break
+        timeout_ns = self.lock_timeout_ns
+        if _exiting and timeout_ns > EXIT_LOCK_TIMEOUT_NS:
+            # The interpreter is exiting (closing what is left open): a process that
+            # cannot give its lease back at once leaves it to the next sweep, as a death
+            # would, rather than stall its exit for the full timeout (issue 10).
+            timeout_ns = EXIT_LOCK_TIMEOUT_NS
         if rc == EBUSY:
-            deadline_ns = now_ns(CLOCK_REALTIME) + self.lock_timeout_ns
+            # A CLOCK_MONOTONIC deadline: a wall-clock jump must not stretch or cut the
+            # wait (issue 10); see hkv_mutex_lock_until.
+            deadline_ns = now_ns(CLOCK_MONOTONIC) + timeout_ns
             deadline.tv_sec = deadline_ns // 1_000_000_000
             deadline.tv_nsec = deadline_ns % 1_000_000_000
             with nogil:
-                rc = pthread_mutex_timedlock(&self.hdr.hdr_mutex, &deadline)
+                rc = hkv_mutex_lock_until(&self.hdr.hdr_mutex, &deadline)
                 while rc == EINTR:
-                    rc = pthread_mutex_timedlock(&self.hdr.hdr_mutex, &deadline)
+                    rc = hkv_mutex_lock_until(&self.hdr.hdr_mutex, &deadline)
         if rc == ETIMEDOUT:
             raise LockTimeoutError(
                 f"segment {self.name!r}: lock not acquired within "
-                f"{self.lock_timeout_ns / 1e9:g} s; another process holds it (stopped or stuck)")
+                f"{timeout_ns / 1e9:g} s; another process holds it (stopped or stuck)")
         if rc == ENOTRECOVERABLE:
             raise CorruptionError(
                 f"segment {self.name!r}: an earlier recovery failed; the segment is unusable, "
