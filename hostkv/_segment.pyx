@@ -1331,6 +1331,11 @@ cdef class Segment:
         try:
             self._wait_until(lambda: self.in_flight == 0,
                              "calls that other threads have in flight")
+            if self.exports:
+                # Made by another thread before close() began refusing new views.
+                raise BufferError(
+                    f"segment {self.name!r}: {self.exports} numpy/torch view(s) of the page "
+                    "pool are still alive; delete them before close()")
         except BaseException:
             self.closing = False
             raise
@@ -1534,7 +1539,7 @@ cdef class Segment:
     def __getbuffer__(self, Py_buffer* view, int flags):
         # The page pool as a writable uint8 [num_pages, page_bytes] buffer: numpy and torch
         # views keep this object alive and counted, so close() can refuse to unmap under them.
-        if self.closed:
+        if self.closed or self.closing:
             raise ValueError("the segment is closed")
         check_shape(self)
         self.exports += 1

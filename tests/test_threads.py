@@ -306,3 +306,30 @@ def test_close_while_views_of_threads_run(segment_name):
             other.check()
             assert other.stats().active_sequences == 0
         HostKVCache.unlink_segment(segment_name)
+
+
+def test_no_new_pool_view_while_close_waits(segment_name):
+    # A view made while close() waits for calls in flight would be unmapped under it.
+    cache = HostKVCache.create(segment_name, small_config(), lock_timeout=60)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        holding.set()
+        release.wait(60)
+
+    holder = threading.Thread(target=cache._segment.run_locked, args=(hold,))
+    holder.start()
+    closer = None
+    try:
+        assert holding.wait(60)
+        closer = threading.Thread(target=cache.close)
+        closer.start()
+        _wait_for(lambda: cache._segment.closing, "close() to start waiting")
+        with pytest.raises(ValueError, match="closed"):
+            cache.pages_array()
+    finally:
+        release.set()
+        holder.join(60)
+        if closer is not None:
+            closer.join(60)
+    assert cache.closed
