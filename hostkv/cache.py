@@ -403,8 +403,15 @@ class HostKVCache:
     def close(self) -> None:
         """Gives up this process's lease and unmaps the segment (the segment lives on).
 
+        Other threads' calls already in flight finish first (new ones are refused with
+        ValueError meanwhile); close() waits for them at most lock_timeout + 1 s.
+
         Raises:
-            BufferError: numpy or torch views of the pool are still alive.
+            BufferError: numpy or torch views of the pool are still alive (in a forked
+                child too: it inherits its parent's views).
+            LockTimeoutError: other threads' calls were still in flight after the wait;
+                the cache stays open.
+            RuntimeError: called from inside a call on this cache (its lock is held).
         """
         self._segment.close()
 
