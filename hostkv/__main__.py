@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from hostkv import _radix
 from hostkv.cache import HostKVCache
@@ -48,26 +48,77 @@ def _metrics_summary(metrics) -> dict:
     }
 
 
+# inspect is meant for production segments: no lock hold may be long enough to stall a
+# worker (issue 10: copying a 4,000-node tree at once held the lock for 0.8 s). The tree is
+# read in pieces of at most this many node records, the lock let go between pieces.
+INSPECT_CHUNK_NODES = 1024
+INSPECT_ATTEMPTS = 3        # walks tried before reporting one the engines changed midway
+
+
+def tree_summary(seg) -> Tuple[Dict[int, tuple], bool]:
+    """Every tree node as _radix.tree_summary_chunk describes it, read in bounded pieces.
+
+    Returns (nodes by index, consistent): consistent is False when every attempt saw the
+    tree change between pieces (then the summary mixes moments; each node is still whole).
+    """
+    nodes: Dict[int, tuple] = {}
+    for _ in range(INSPECT_ATTEMPTS):
+        nodes = {}
+        generations = set()
+        start = 0
+        while start != -1:
+            chunk, start, generation = seg.run_locked(
+                _radix.tree_summary_chunk, seg, start, INSPECT_CHUNK_NODES)
+            generations.add(generation)
+            for entry in chunk:
+                nodes[entry[0]] = entry
+        if len(generations) == 1:
+            return nodes, True
+    return nodes, False
+
+
+def _paths(nodes: Dict[int, tuple]) -> Dict[int, Tuple[int, tuple]]:
+    """(pages on the path from the top, the path's first tokens) of every node. A parent
+    missing from a summary taken while the tree changed ends the path there."""
+    out: Dict[int, Tuple[int, tuple]] = {}
+    for index in nodes:
+        chain = []
+        at = index
+        while at in nodes and at not in out and len(chain) <= len(nodes):
+            chain.append(at)
+            at = nodes[at][1]
+        pages, tokens = out.get(at, (0, ()))
+        for node in reversed(chain):
+            _, _, num_pages, _, _, first = nodes[node]
+            pages += num_pages
+            if len(tokens) < _radix.INSPECT_TOKENS:
+                tokens = (tokens + first)[:_radix.INSPECT_TOKENS]
+            out[node] = (pages, tokens)
+    return out
+
+
 def inspect_segment(name: str) -> dict:
-    """A readable snapshot of a live segment, taken without changing it."""
+    """A readable snapshot of a live segment, taken without changing it, in short lock
+    holds (the tree in pieces of INSPECT_CHUNK_NODES records)."""
     cache = _observe(name)
     try:
         seg = cache._segment
 
-        def snapshot():
+        def header_and_leases():
             info = seg.header_info()
             leases = [
                 {"slot": slot, "pid": pid, "generation": gen, "registered_ns": registered,
                  "alive": seg.lease_alive(slot)}
                 for slot, _state, pid, gen, registered in seg.leases()
             ]
-            contents = _radix.tree_contents(seg)
-            return info, leases, contents
+            return info, leases
 
-        info, leases, contents = seg.run_locked(snapshot)
+        info, leases = seg.run_locked(header_and_leases)
+        nodes, consistent = tree_summary(seg)
+        paths = _paths(nodes)
         page_size = cache.config.page_size
-        depth_pages = max((len(pages) for _, _, pages, _ in contents), default=0)
-        largest = sorted(contents, key=lambda c: len(c[2]), reverse=True)[:5]
+        depth_pages = max((pages for pages, _ in paths.values()), default=0)
+        largest = sorted(nodes, key=lambda i: paths[i][0], reverse=True)[:5]
         config = dataclasses.asdict(cache.config)
         return {
             "name": name,
@@ -80,12 +131,13 @@ def inspect_segment(name: str) -> dict:
             "stats": dataclasses.asdict(cache.stats()),
             "metrics": _metrics_dict(cache.metrics()),
             "tree": {
-                "nodes": len(contents),
+                "nodes": len(nodes),
                 "depth_pages": depth_pages,
+                "consistent": consistent,
                 "largest_prefixes": [
-                    {"namespace": ns, "tokens": len(pages) * page_size, "locks": locks,
-                     "first_tokens": list(tokens[:8])}
-                    for ns, tokens, pages, locks in largest
+                    {"namespace": nodes[i][3], "tokens": paths[i][0] * page_size,
+                     "locks": nodes[i][4], "first_tokens": list(paths[i][1])}
+                    for i in largest
                 ],
             },
         }

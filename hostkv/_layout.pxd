@@ -40,7 +40,7 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 4u
+    #define HKV_LAYOUT_VERSION 5u
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
 
@@ -126,7 +126,10 @@ cdef extern from *:
     } HkvRadixState;
 
     enum {
-        HKV_STATE_INITIALISING = 1,              /* creator still writing; attach waits */
+        HKV_STATE_INITIALISING = 1,              /* creator still reserving and writing; attach
+                                                    waits. The header's magic, format, config,
+                                                    regions and creator pid are written first,
+                                                    before the segment is sized */
         HKV_STATE_READY = 2,
         HKV_STATE_CORRUPT = 3                    /* recovery failed; every operation refuses */
     };
@@ -139,7 +142,9 @@ cdef extern from *:
         uint32_t hdr_state;                      /* HKV_STATE_*; READY is written last at create */
         int32_t hdr_creator_pid;                 /* display only */
         uint64_t hdr_generation;                 /* committed mutations so far */
-        int64_t hdr_last_sweep_ns;               /* CLOCK_MONOTONIC of the last lease sweep */
+        int64_t hdr_reserved_bytes;              /* bytes of the segment its creator has reserved
+                                                    (posix_fallocate) so far: its progress while
+                                                    INITIALISING, for attachers that wait */
         int64_t hdr_free_pages;                  /* valid entries of the page free stack */
         int32_t hdr_active_leases;
         int32_t hdr_reserved0;
@@ -361,7 +366,7 @@ cdef extern from *:
         uint32_t hdr_state
         int32_t hdr_creator_pid
         uint64_t hdr_generation
-        int64_t hdr_last_sweep_ns
+        int64_t hdr_reserved_bytes
         int64_t hdr_free_pages
         int32_t hdr_active_leases
         int32_t hdr_reserved0

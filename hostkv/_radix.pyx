@@ -1031,6 +1031,44 @@ def tree_contents(Segment seg):
     return out
 
 
+INSPECT_TOKENS = 8          # leading tokens of each node that inspect shows
+
+
+def tree_summary_chunk(Segment seg, int32_t start, int32_t max_nodes):
+    """A bounded piece of the tree for inspect: the nodes in use among records [start,
+    start + max_nodes), each as (index, parent, num_pages, namespace, lock_count, its first
+    INSPECT_TOKENS token ids). Returns (nodes, next start, generation); next start is -1
+    after the last record. Call with the lock held; the cost is O(max_nodes), so an observer
+    walks a big tree in many short holds instead of one long one (issue 10)."""
+    cdef Tree t
+    cdef int32_t i, end, page, k, steps
+    cdef HkvRadixNode* node
+    check_open(seg)
+    if max_nodes <= 0:
+        raise ValueError(f"max_nodes must be positive, got {max_nodes}")
+    t = tree_of(seg)
+    if start < 0 or start > t.node_capacity:
+        raise ValueError(f"start must be in [0, {t.node_capacity}], got {start}")
+    end = start + max_nodes if max_nodes < t.node_capacity - start else t.node_capacity
+    out = []
+    for i in range(start, end):
+        node = node_ptr(&t, i)
+        if node.rn_slab.sr_in_use != 1:
+            continue
+        tokens = []
+        page = node.rn_first_page
+        steps = 0
+        while len(tokens) < INSPECT_TOKENS and steps < node.rn_num_pages:
+            check_page_index(seg, page)
+            for k in range(min(t.page_size, INSPECT_TOKENS - len(tokens))):
+                tokens.append(t.page_tokens[<int64_t>page * t.page_size + k])
+            page = t.page_next[page]
+            steps += 1
+        out.append((i, node.rn_parent, node.rn_num_pages, node.rn_namespace,
+                    node.rn_lock_count, tuple(tokens)))
+    return out, (end if end < t.node_capacity else -1), seg.hdr.hdr_generation
+
+
 def _compare_ceiling(cnp.ndarray a, cnp.ndarray b, int64_t page_size, int64_t repeats):
     """Benchmark helper: compares two int32 token arrays page by page with memcmp, as a match
     does, `repeats` times; returns how many pages compared equal (so the loop is not elided)."""

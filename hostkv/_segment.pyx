@@ -6,6 +6,7 @@ pool (_pages) and later layers register hooks that recovery and the lease sweep 
 layer needs to know nothing of theirs.
 """
 
+import atexit
 import math
 import os
 import re
@@ -17,7 +18,7 @@ from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_ND, PyBUF_STRIDES, PyBUF_FORMA
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memcmp, memset
+from libc.string cimport memcmp, memcpy, memset
 
 from hostkv._layout cimport *
 from hostkv.includes.system cimport *
@@ -92,14 +93,81 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---------------------------------------------------------------------------------------------
+# Crash points for new handles (tests only)
+#
+# The crash tests kill a process at every step of create, attach and recovery too, which run
+# before a caller holds the handle to arm it. They used to arm every new handle through an
+# environment variable, which any process honoured: a stray HOSTKV_CRASH_AT could make a
+# production process _exit (issue 10). Now only a call in the process itself arms them; no
+# environment variable is read, and a process that never calls this never crashes on purpose.
+
+_arm_new_segments_at = None
+
+
+def _arm_new_segments(long step, str mode="exit"):
+    """Test hook: every Segment made from now on in this process is armed as by
+    _arm_crash_point(step, mode), counted from its first logged store. step 0 disarms."""
+    global _arm_new_segments_at
+    if mode not in ("exit", "keyboard_interrupt", "memory_error"):
+        raise ValueError(f"crash mode must be exit, keyboard_interrupt or memory_error, got {mode!r}")
+    if step < 0:
+        raise ValueError(f"crash step must be >= 0, got {step}")
+    _arm_new_segments_at = (step, mode) if step else None
+
+
+# ---------------------------------------------------------------------------------------------
 # Names, time, mutexes
 
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 SEGMENT_MODE = 0o600
 DEFAULT_LOCK_TIMEOUT = 10.0
-DEFAULT_READY_TIMEOUT = 5.0
+# Creating a segment reserves all of its memory (posix_fallocate; ~5.7 GB/s on tmpfs was
+# measured, issue 10): the README's 65,536 x 2 MiB pool takes ~23 s. Attachers wait up to
+# this long for a creator that is still at it: 120 s covers a pool of ~600 GB.
+DEFAULT_READY_TIMEOUT = 120.0
+RESERVE_CHUNK = 256 << 20    # the creator publishes its progress after each chunk
 SWEEP_INTERVAL_NS = 1_000_000_000
 cdef int LOCK_SPINS = 400        # ~10 us of pause instructions before blocking
+EXIT_LOCK_TIMEOUT = 0.1      # the most a lock waits once the interpreter is exiting
+cdef int64_t EXIT_LOCK_TIMEOUT_NS = 100_000_000
+cdef bint _exiting = False
+
+
+def _at_exit():
+    global _exiting
+    _exiting = True
+
+
+# Runs before the interpreter tears modules down (and with them the handles still open).
+atexit.register(_at_exit)
+
+
+cdef extern from *:
+    """
+    #include <pthread.h>
+    #include <time.h>
+    /* Locks m, waiting until the CLOCK_MONOTONIC deadline at most. glibc 2.30+ has
+       pthread_mutex_clocklock; before it, the remaining time is turned into a
+       CLOCK_REALTIME deadline (a wall-clock jump during the wait then still moves it). */
+    static int hkv_mutex_lock_until(pthread_mutex_t* m, const struct timespec* deadline) {
+    #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+        return pthread_mutex_clocklock(m, CLOCK_MONOTONIC, deadline);
+    #else
+        struct timespec now, real;
+        long long left;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        left = (long long)(deadline->tv_sec - now.tv_sec) * 1000000000LL
+               + (deadline->tv_nsec - now.tv_nsec);
+        if (left < 0) left = 0;
+        clock_gettime(CLOCK_REALTIME, &real);
+        left += real.tv_nsec;
+        real.tv_sec += left / 1000000000LL;
+        real.tv_nsec = left % 1000000000LL;
+        return pthread_mutex_timedlock(m, &real);
+    #endif
+    }
+    """
+    int hkv_mutex_lock_until(pthread_mutex_t* m, const timespec* deadline) noexcept nogil
 MAX_TIMEOUT = 1e9            # about 31 years: beyond it a deadline in ns would overflow
 
 
@@ -162,6 +230,56 @@ cdef int init_robust_mutex(pthread_mutex_t* mutex) except -1:
     pthread_mutexattr_destroy(&attr)
     if rc != 0:
         raise os_error(rc, "pthread_mutex_init")
+    return 0
+
+
+cdef extern from *:
+    """
+    #include <stddef.h>
+    /* The mutex's kind word: its type, robust, priority-protocol and process-shared bits.
+       glibc keeps it in __data.__kind and believes it at every lock: another kind read from
+       a segment someone else wrote (PRIO_PROTECT, 0x40, aborts glibc; 0-3 or 0x20/0x30
+       make a lock that is not robust or uses priority inheritance) is refused instead. */
+    #ifdef __GLIBC__
+    static inline int hkv_mutex_kind(pthread_mutex_t* m) {
+        return __atomic_load_n(&m->__data.__kind, __ATOMIC_RELAXED);
+    }
+    #define HKV_MUTEX_KIND_OFFSET ((int)offsetof(pthread_mutex_t, __data.__kind))
+    #else
+    static inline int hkv_mutex_kind(pthread_mutex_t* m) { (void)m; return -1; }
+    #define HKV_MUTEX_KIND_OFFSET (-1)
+    #endif
+    """
+    int hkv_mutex_kind(pthread_mutex_t* m) noexcept nogil
+    int HKV_MUTEX_KIND_OFFSET
+
+
+cdef int reference_mutex_kind() except? -2:
+    """The kind word init_robust_mutex writes (-1 where the libc's layout is unknown)."""
+    cdef pthread_mutex_t m
+    cdef int kind
+    init_robust_mutex(&m)
+    kind = hkv_mutex_kind(&m)
+    pthread_mutex_destroy(&m)
+    return kind
+
+
+cdef int _mutex_kind = reference_mutex_kind()
+MUTEX_KIND = _mutex_kind                     # for tests: what every segment mutex must say
+MUTEX_KIND_OFFSET = HKV_MUTEX_KIND_OFFSET    # ... at this byte offset in pthread_mutex_t
+
+
+cdef int check_mutex(Segment seg, pthread_mutex_t* m, str what) except -1:
+    """Refuses (CorruptionError) a mutex whose kind word is not the one hostkv writes:
+    checked before every lock of a segment mutex, since glibc trusts it."""
+    cdef int kind
+    if _mutex_kind == -1:
+        return 0
+    kind = hkv_mutex_kind(m)
+    if kind != _mutex_kind:
+        seg.corrupt(
+            f"{what} has mutex kind {kind:#x}, not {_mutex_kind:#x} (robust, process-shared, "
+            "normal type, no priority protocol): refusing to lock it")
     return 0
 
 
@@ -360,6 +478,18 @@ cdef HkvFormat expected_format() noexcept:
     return fmt
 
 
+cdef int check_format(name, HkvFormat* got_format) except -1:
+    """IncompatibleSegmentError unless the segment's format word is this build's."""
+    cdef dict got = got_format[0]
+    cdef dict want = expected_format()
+    for field in _FORMAT_FIELDS:
+        if got[field] != want[field]:
+            raise IncompatibleSegmentError(
+                f"segment {name!r} has another format: {field} is {got[field]}, "
+                f"this hostkv expects {want[field]}")
+    return 0
+
+
 _FORMAT_FIELDS = ("fmt_layout_version", "fmt_byte_order", "fmt_pointer_size", "fmt_mutex_size",
                   "fmt_header_size", "fmt_lease_size", "fmt_undo_entry_size", "fmt_slab_size",
                   "fmt_radix_node_size", "fmt_sequence_size", "fmt_metrics_size")
@@ -427,12 +557,10 @@ cdef class Segment:
         self.crash_mode = CRASH_EXIT
         self.exports = 0
         self.hash_mask = <uint64_t>-1
-        armed = os.environ.get("HOSTKV_CRASH_AT")
-        if armed:
-            # Test-only, for crashing inside attach or recovery, before a caller could arm
-            # it: "N" or "N:mode", counted from this segment's first logged store.
-            step, _, mode = armed.partition(":")
-            self._arm_crash_point(int(step), mode or "exit")
+        if _arm_new_segments_at is not None:
+            # Test-only (see _arm_new_segments): crashing inside create, attach or
+            # recovery, before a caller could arm the handle itself.
+            self._arm_crash_point(*_arm_new_segments_at)
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -458,18 +586,14 @@ cdef class Segment:
             raise translate_posix_ipc(exc, "create segment", name, creating=True) from None
         try:
             try:
-                os.ftruncate(shm.fd, regions.reg_total_size)
-                # Reserve the memory now: on a full /dev/shm this fails here with ENOSPC
-                # instead of a SIGBUS at the first touch of an unbacked page later.
-                rc = posix_fallocate(shm.fd, 0, regions.reg_total_size)
-                if rc != 0:
-                    raise os_error(rc, f"reserve {regions.reg_total_size} bytes for segment", name)
-                seg._map(name, shm.fd, regions.reg_total_size)
+                seg._reserve(name, shm.fd, &ccfg, &regions)
             finally:
                 shm.close_fd()
             seg._initialise(&ccfg, &regions)
+            seg.last_sweep_ns = now_ns(CLOCK_MONOTONIC)    # nobody to reap in a new segment
             seg._register_lease()
         except BaseException:
+            seg._stop_lease_holder()
             seg._unmap()
             try:
                 shm.unlink()
@@ -513,16 +637,12 @@ cdef class Segment:
                     raise ForeignSegmentError(
                         f"segment {name!r} has mode {st.st_mode & 0o777:o}: other users can "
                         "write it; pass trust_other_users=True to attach anyway")
-            if st.st_size < sizeof(HkvHeader):
-                raise IncompatibleSegmentError(
-                    f"segment {name!r} is {st.st_size} bytes, shorter than a hostkv header "
-                    f"({sizeof(HkvHeader)} bytes): not a hostkv segment, or its creator died "
-                    "before sizing it")
-            seg._map(name, shm.fd, st.st_size)
+            seg.name = name
+            size = seg._wait_ready(shm.fd, ready_seconds)
+            seg._map(name, shm.fd, size)
         finally:
             shm.close_fd()
         try:
-            seg._wait_ready(ready_seconds)
             seg._validate()
             seg._populate_metadata()
             seg.observer = not lease
@@ -567,6 +687,51 @@ cdef class Segment:
         with nogil:
             madvise(self.base, length, MADV_POPULATE_WRITE)
 
+    cdef _reserve(self, name, int fd, HkvConfig* ccfg, HkvRegions* regions):
+        """Writes the header's identity, sizes the segment, reserves its memory, maps it.
+
+        The first bytes an attacher can see are a header that says what this is (magic,
+        format, config, regions, creator pid) in state INITIALISING: pwrite extends the
+        file only once the header's bytes are in it, so a segment of at least a header's
+        size that does not start with the magic is not hostkv's, at once. Then the memory
+        is reserved chunk by chunk (on a full /dev/shm this fails with ENOSPC here instead
+        of a SIGBUS at the first touch of an unbacked page later), publishing the bytes
+        reserved so far, so that an attacher that times out can say how far it got."""
+        cdef HkvHeader first
+        cdef int64_t at = 0, chunk, total = regions.reg_total_size
+        cdef int rc
+        memset(&first, 0, sizeof(HkvHeader))
+        first.hdr_magic = HKV_MAGIC
+        first.hdr_format = expected_format()
+        first.hdr_config = ccfg[0]
+        first.hdr_regions = regions[0]
+        first.hdr_state = HKV_STATE_INITIALISING
+        first.hdr_creator_pid = getpid()
+        data = PyBytes_FromStringAndSize(<char*>&first, sizeof(HkvHeader))
+        try:
+            written = os.pwrite(fd, data, 0)
+            if written != len(data):
+                raise OSError(ENOSPC, "short write")
+            os.ftruncate(fd, total)
+        except OSError as exc:
+            raise os_error(exc.errno or EINVAL, "write the header of segment", name) from None
+        # Reserving chunk by chunk, unlike one posix_fallocate of the whole, would fill
+        # memory before a too-big request fails (tmpfs refuses a single request larger than
+        # the filesystem at once): refuse what cannot fit before reserving any of it.
+        vfs = os.fstatvfs(fd)
+        if vfs.f_blocks and total > vfs.f_bavail * vfs.f_frsize:
+            raise os_error(ENOSPC, f"reserve {total} bytes for segment (only "
+                           f"{vfs.f_bavail * vfs.f_frsize} free)", name)
+        self._map(name, fd, total)
+        while at < total:
+            chunk = min(<int64_t>RESERVE_CHUNK, total - at)
+            with nogil:
+                rc = posix_fallocate(fd, at, chunk)
+            if rc != 0:
+                raise os_error(rc, f"reserve {total} bytes for segment", name)
+            at += chunk
+            hkv_store_release_i64(&self.hdr.hdr_reserved_bytes, at)
+
     cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions):
         """Writes a fresh header and tables. Nobody else reads them before state is READY."""
         cdef HkvHeader* hdr = self.hdr
@@ -582,7 +747,6 @@ cdef class Segment:
         hdr.hdr_regions = regions[0]
         hdr.hdr_creator_pid = getpid()
         hdr.hdr_generation = 0
-        hdr.hdr_last_sweep_ns = now_ns(CLOCK_MONOTONIC)
         hdr.hdr_undo_count = 0
         init_robust_mutex(&hdr.hdr_mutex)
         for i in range(ccfg.cfg_max_processes):
@@ -617,20 +781,65 @@ cdef class Segment:
         self.undo = <HkvUndoEntry*>(self.base + self.hdr.hdr_regions.reg_undo)
         self.undo_capacity = self.hdr.hdr_config.cfg_undo_log_capacity
 
-    def _wait_ready(self, double timeout):
+    def _wait_ready(self, int fd, double timeout):
+        """Waits until the segment is sized and READY; returns its size (to map).
+
+        Reads the header with pread, so nothing is mapped before the creator has sized
+        the segment. A creator between shm_open and writing its header leaves a segment
+        shorter than a header: that is waited for. A header without the magic, or of
+        another format, is refused at once: the creator writes those first.
+        """
+        cdef HkvHeader h
+        cdef Py_ssize_t header_size = sizeof(HkvHeader)
+        cdef uint32_t state = 0
         deadline = time.monotonic() + timeout
         delay = 0.0005
+        first_reserved = None
+        size = 0
+        have_header = False
         while True:
-            state = __atomic_load_acquire_u32(&self.hdr.hdr_state)
-            if state == HKV_STATE_READY or state == HKV_STATE_CORRUPT:
-                return
+            size = os.fstat(fd).st_size
+            if size >= header_size:
+                data = os.pread(fd, header_size, 0)
+                if len(data) == header_size:
+                    memcpy(&h, <char*>data, header_size)
+                    have_header = True
+                    if h.hdr_magic != HKV_MAGIC:
+                        raise IncompatibleSegmentError(
+                            f"segment {self.name!r} is not a hostkv segment (bad magic)")
+                    check_format(self.name, &h.hdr_format)
+                    state = h.hdr_state
+                    if state == HKV_STATE_READY or state == HKV_STATE_CORRUPT:
+                        return size
+                    if state != HKV_STATE_INITIALISING:
+                        raise CorruptionError(
+                            f"segment {self.name!r}: the header's state word is {state}")
+                    if first_reserved is None:
+                        first_reserved = h.hdr_reserved_bytes
             if time.monotonic() >= deadline:
-                raise IncompatibleSegmentError(
-                    f"segment {self.name!r} did not become ready within {timeout:g} s "
-                    f"(state {state}): its creator may have died while initialising it; "
-                    "unlink it and create it again")
+                break
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+        if not have_header:
+            raise IncompatibleSegmentError(
+                f"segment {self.name!r} is {size} bytes after {timeout:g} s, shorter than a "
+                f"hostkv header ({header_size} bytes): not a hostkv segment, or its creator "
+                "died before writing its header; unlink it and create it again")
+        total = h.hdr_regions.reg_total_size
+        reserved = h.hdr_reserved_bytes
+        percent = 100.0 * reserved / total if total > 0 else 0.0
+        if reserved >= total:
+            progress = "all of its memory reserved, its tables still being written"
+        else:
+            progress = f"{percent:.0f}% of its {total} bytes reserved"
+        if first_reserved is not None and reserved == first_reserved:
+            advice = ("no progress while waiting: its creator may have died; unlink it and "
+                      "create it again")
+        else:
+            advice = "still progressing: pass a longer ready_timeout"
+        raise IncompatibleSegmentError(
+            f"segment {self.name!r} did not become ready within {timeout:g} s: still being "
+            f"created by pid {h.hdr_creator_pid}, {progress}; {advice}")
 
     cdef _validate(self):
         """Checks an attached header: magic, format word, config sanity, region offsets."""
@@ -640,13 +849,7 @@ cdef class Segment:
         cdef HkvConfig* c = &hdr.hdr_config
         if hdr.hdr_magic != HKV_MAGIC:
             raise IncompatibleSegmentError(f"segment {self.name!r} is not a hostkv segment (bad magic)")
-        cdef dict got = hdr.hdr_format
-        cdef dict want = fmt
-        for field in _FORMAT_FIELDS:
-            if got[field] != want[field]:
-                raise IncompatibleSegmentError(
-                    f"segment {self.name!r} has another format: {field} is {got[field]}, "
-                    f"this hostkv expects {want[field]}")
+        check_format(self.name, &hdr.hdr_format)
         if (c.cfg_num_pages <= 0 or c.cfg_num_pages >= 2**31 or c.cfg_page_size <= 0
                 or c.cfg_page_bytes <= 0 or c.cfg_max_processes <= 0
                 or c.cfg_undo_log_capacity <= 0 or c.cfg_radix_node_capacity < 0
@@ -660,22 +863,49 @@ cdef class Segment:
             raise IncompatibleSegmentError(
                 f"segment {self.name!r} is {self.size} bytes but its header describes "
                 f"{regions.reg_total_size}")
+        # Every mutex's kind word, before anything locks one (glibc believes it).
+        check_mutex(self, &hdr.hdr_mutex, "the segment lock")
+        for slot in range(c.cfg_max_processes):
+            check_mutex(self, &(<HkvLease*>(self.base + hdr.hdr_regions.reg_leases))[slot].ls_mutex,
+                        f"lease slot {slot}")
         self._bind_regions()
 
     # -- the lock ----------------------------------------------------------------------------
 
     cdef int begin(self) except -1:
-        """Takes the lock and opens a mutation; recovers first if the last holder died."""
-        cdef int rc
-        cdef timespec deadline
-        cdef int64_t deadline_ns, wait_start
-        cdef int spins
+        """Takes the lock and opens a mutation; recovers first if the last holder died.
+
+        Counts the call as in flight until end(), so that close() in another thread waits
+        for it instead of unmapping under it."""
+        cdef pthread_t me = pthread_self()
         if self.closed:
             raise ValueError("the segment is closed")
         if self.fork_epoch != _fork_epoch:
             self._after_fork()
-        if self.locked:
-            raise RuntimeError("hostkv segment lock is not re-entrant")
+        if self.closing and not pthread_equal(self.closing_thread, me):
+            raise ValueError("the segment is closed (another thread is closing it)")
+        # Threads of this process serialise on the mutex like processes do (the kernel
+        # tracks the owning thread); only the thread that holds it must not lock it again:
+        # a normal-type mutex would deadlock, and an error-checking one breaks across PID
+        # namespaces (see _layout.pxd). All of this object's fields are written under the
+        # GIL, so the owner test below sees either this thread's own write or another's.
+        if self.locked and pthread_equal(self.lock_owner, me):
+            raise RuntimeError("hostkv segment lock is not re-entrant: this thread holds it")
+        self.in_flight += 1
+        try:
+            self._acquire()
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        return 0
+
+    cdef int _acquire(self) except -1:
+        """begin()'s work: lock, recover, sweep when due. Raises with the lock not held."""
+        cdef int rc
+        cdef timespec deadline
+        cdef int64_t deadline_ns, wait_start, timeout_ns
+        cdef int spins
+        check_mutex(self, &self.hdr.hdr_mutex, "the segment lock")
         wait_start = now_ns(CLOCK_MONOTONIC)
         rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
         if rc == EBUSY:
@@ -688,18 +918,26 @@ cdef class Segment:
                     rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
                     if rc != EBUSY:
                         break
+        timeout_ns = self.lock_timeout_ns
+        if _exiting and timeout_ns > EXIT_LOCK_TIMEOUT_NS:
+            # The interpreter is exiting (closing what is left open): a process that
+            # cannot give its lease back at once leaves it to the next sweep, as a death
+            # would, rather than stall its exit for the full timeout (issue 10).
+            timeout_ns = EXIT_LOCK_TIMEOUT_NS
         if rc == EBUSY:
-            deadline_ns = now_ns(CLOCK_REALTIME) + self.lock_timeout_ns
+            # A CLOCK_MONOTONIC deadline: a wall-clock jump must not stretch or cut the
+            # wait (issue 10); see hkv_mutex_lock_until.
+            deadline_ns = now_ns(CLOCK_MONOTONIC) + timeout_ns
             deadline.tv_sec = deadline_ns // 1_000_000_000
             deadline.tv_nsec = deadline_ns % 1_000_000_000
             with nogil:
-                rc = pthread_mutex_timedlock(&self.hdr.hdr_mutex, &deadline)
+                rc = hkv_mutex_lock_until(&self.hdr.hdr_mutex, &deadline)
                 while rc == EINTR:
-                    rc = pthread_mutex_timedlock(&self.hdr.hdr_mutex, &deadline)
+                    rc = hkv_mutex_lock_until(&self.hdr.hdr_mutex, &deadline)
         if rc == ETIMEDOUT:
             raise LockTimeoutError(
                 f"segment {self.name!r}: lock not acquired within "
-                f"{self.lock_timeout_ns / 1e9:g} s; another process holds it (stopped or stuck)")
+                f"{timeout_ns / 1e9:g} s; another process holds it (stopped or stuck)")
         if rc == ENOTRECOVERABLE:
             raise CorruptionError(
                 f"segment {self.name!r}: an earlier recovery failed; the segment is unusable, "
@@ -707,6 +945,7 @@ cdef class Segment:
         if rc != 0 and rc != EOWNERDEAD:
             raise os_error(rc, "lock segment", self.name)
         self.locked = True
+        self.lock_owner = pthread_self()
         self.locked_at_ns = now_ns(CLOCK_MONOTONIC)
         record_duration(self.metrics.mt_lock_wait_histogram, &self.metrics.mt_lock_wait_ns,
                         self.locked_at_ns - wait_start)
@@ -735,12 +974,13 @@ cdef class Segment:
             if self.hdr.hdr_undo_count != 0:
                 self._recover(True)
             self.reaped_by_begin = 0
-            if (not self.observer
-                    and self.locked_at_ns - self.hdr.hdr_last_sweep_ns > SWEEP_INTERVAL_NS):
+            # The stamp is this handle's own: CLOCK_MONOTONIC differs between time
+            # namespaces, so it is never compared with another process's (issue 10).
+            if not self.observer and self.locked_at_ns - self.last_sweep_ns > SWEEP_INTERVAL_NS:
                 self.reaped_by_begin = self.sweep_leases()
                 self.commit()
         except BaseException:
-            self.end()          # rolls back a half-done sweep and unlocks
+            self._unlock()      # rolls back a half-done sweep and unlocks
             raise
         return 0
 
@@ -754,9 +994,15 @@ cdef class Segment:
         return 0
 
     cdef void end(self) noexcept:
-        """Rolls back what is not committed, then unlocks. Safe to call in any state."""
-        if not self.locked:
+        """Rolls back what is not committed, then unlocks. Safe to call in any state: a
+        thread that does not hold the lock changes nothing."""
+        if not self.locked or not pthread_equal(self.lock_owner, pthread_self()):
             return
+        self._unlock()
+        self.in_flight -= 1
+
+    cdef void _unlock(self) noexcept:
+        """Rolls back what is not committed, then unlocks (the caller holds the lock)."""
         if self.hdr.hdr_undo_count != 0:
             try:
                 self._recover(False)
@@ -871,6 +1117,11 @@ cdef class Segment:
         self.crash_mode = modes[mode]
         self.crash_countdown = step
 
+    def _make_sweep_due(self):
+        """Test hook: this handle's next lock sweeps the lease table (as a second after
+        its last sweep would)."""
+        self.last_sweep_ns = 0
+
     def _set_hash_mask(self, uint64_t mask):
         """Test hook: page hashes are ANDed with mask in this process (0: all collide)."""
         self.hash_mask = mask
@@ -908,6 +1159,7 @@ cdef class Segment:
                 lease = self.lease_at(slot)
                 if lease.ls_state != HKV_LEASE_FREE:
                     continue
+                check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
                 with nogil:
                     rc = lease_call(holder, LEASE_TAKE, &lease.ls_mutex)
                 if rc == ENOTRECOVERABLE:
@@ -991,6 +1243,7 @@ cdef class Segment:
                 continue
             if lease.ls_state != HKV_LEASE_ACTIVE:
                 self.corrupt(f"lease slot {slot} has state {lease.ls_state}")
+            check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
             rc = pthread_mutex_trylock(&lease.ls_mutex)
             if rc == EBUSY:
                 continue                       # its lease thread holds it: alive
@@ -1008,7 +1261,7 @@ cdef class Segment:
             log_store_i64(self, &self.hdr.hdr_stats.st_leases_reaped,
                           self.hdr.hdr_stats.st_leases_reaped + 1)
             reaped += 1
-        log_store_i64(self, &self.hdr.hdr_last_sweep_ns, now_ns(CLOCK_MONOTONIC))
+        self.last_sweep_ns = now_ns(CLOCK_MONOTONIC)
         return reaped
 
     def reap(self):
@@ -1022,32 +1275,104 @@ cdef class Segment:
         return reaped
 
     def _after_fork(self):
-        """In a forked child: forget the parent's lease (its thread is not here) and take one."""
+        """In a forked child: forget the parent's lease (its thread is not here) and take
+        one, unless this handle is an observer (it takes none anywhere).
+
+        The export count stays: the child inherited the parent's numpy/torch views of the
+        pool along with everything else, so close() must refuse to unmap under them here
+        as it does in the parent."""
         self.lease_slot = -1
         self.lease_holder = NULL        # the parent's holder; its thread does not exist here
-        self.exports = 0
+        # A parent's thread may have held the lock at fork: that thread is not here (and
+        # the mutex, in shared memory, is still the parent's to unlock).
+        self._forget_parent_threads()
         self.fork_epoch = _fork_epoch
-        self._register_lease()
+        if not self.observer:
+            self._register_lease()
 
     # -- closing -----------------------------------------------------------------------------
 
     def close(self):
-        """Gives the lease up and unmaps. Raises BufferError while pool views are alive."""
+        """Gives the lease up and unmaps.
+
+        Calls that other threads have in flight finish first: new calls are refused
+        (ValueError) while close() waits for them, at most lock_timeout + 1 s (a call waits
+        at most lock_timeout for the lock, then holds it briefly).
+
+        Raises:
+            BufferError: numpy/torch views of the page pool are alive.
+            RuntimeError: called by the thread that holds the lock (from inside a call).
+            LockTimeoutError: other threads' calls were still in flight at the bound; the
+                handle stays open and usable.
+        """
+        cdef pthread_t me = pthread_self()
         if self.closed:
             return
+        if self.fork_epoch != _fork_epoch:
+            self._forget_parent_threads()
         if self.exports:
             raise BufferError(
                 f"segment {self.name!r}: {self.exports} numpy/torch view(s) of the page pool "
                 "are still alive; delete them before close()")
+        if self.locked and pthread_equal(self.lock_owner, me):
+            raise RuntimeError(
+                f"segment {self.name!r}: close() from inside a call on it (this thread holds "
+                "its lock)")
+        if self.closing:
+            if pthread_equal(self.closing_thread, me):
+                raise RuntimeError(f"segment {self.name!r}: close() is already running in this thread")
+            # Another thread is closing it: wait for that close to end, then it is closed
+            # (or that close gave up, and this one tries in its turn).
+            self._wait_until(lambda: not self.closing, "another thread's close()")
+            if self.closed:
+                return
+        self.closing = True
+        self.closing_thread = me
+        try:
+            self._wait_until(lambda: self.in_flight == 0,
+                             "calls that other threads have in flight")
+            if self.exports:
+                # Made by another thread before close() began refusing new views.
+                raise BufferError(
+                    f"segment {self.name!r}: {self.exports} numpy/torch view(s) of the page "
+                    "pool are still alive; delete them before close()")
+        except BaseException:
+            self.closing = False
+            raise
         try:
             if self.fork_epoch == _fork_epoch and self.lease_slot >= 0:
                 self._release_lease()
         finally:
-            if self.lease_holder != NULL and self.fork_epoch == _fork_epoch:
-                with nogil:
-                    lease_holder_stop(<LeaseHolder*>self.lease_holder)
-            self.lease_holder = NULL
+            self._stop_lease_holder()
             self._unmap()
+            self.closing = False
+
+    def _stop_lease_holder(self):
+        """Stops this process's lease thread (unlocking the lease mutex if it holds it)."""
+        if self.lease_holder != NULL and self.fork_epoch == _fork_epoch:
+            with nogil:
+                lease_holder_stop(<LeaseHolder*>self.lease_holder)
+        self.lease_holder = NULL
+
+    def _wait_until(self, done, str what):
+        """Sleeps (without the GIL) until done() holds, at most lock_timeout + 1 s."""
+        cdef double bound = self.lock_timeout_ns / 1e9 + 1.0
+        deadline = time.monotonic() + bound
+        delay = 0.0001
+        while not done():
+            if time.monotonic() >= deadline:
+                raise LockTimeoutError(
+                    f"segment {self.name!r}: close() waited {bound:g} s for {what} "
+                    f"({self.in_flight} in flight) to finish; the handle stays open")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def _forget_parent_threads(self):
+        """In a forked child: the parent's other threads, their calls and their close()
+        are not in this process."""
+        self.locked = False
+        self.in_flight = 0
+        self.closing = False
 
     def _unmap(self):
         if self.base != NULL:
@@ -1087,6 +1412,7 @@ cdef class Segment:
             "regions": dict(hdr["hdr_regions"]),
             "state": hdr["hdr_state"],
             "creator_pid": hdr["hdr_creator_pid"],
+            "reserved_bytes": hdr["hdr_reserved_bytes"],
             "generation": hdr["hdr_generation"],
             "free_pages": hdr["hdr_free_pages"],
             "active_leases": hdr["hdr_active_leases"],
@@ -1112,6 +1438,7 @@ cdef class Segment:
             return False
         if slot == self.lease_slot and self.fork_epoch == _fork_epoch:
             return True
+        check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
         rc = pthread_mutex_trylock(&lease.ls_mutex)
         if rc == EBUSY:
             return True
@@ -1212,7 +1539,7 @@ cdef class Segment:
     def __getbuffer__(self, Py_buffer* view, int flags):
         # The page pool as a writable uint8 [num_pages, page_bytes] buffer: numpy and torch
         # views keep this object alive and counted, so close() can refuse to unmap under them.
-        if self.closed:
+        if self.closed or self.closing:
             raise ValueError("the segment is closed")
         check_shape(self)
         self.exports += 1
@@ -1261,8 +1588,12 @@ cdef extern from *:
     static inline uint32_t __atomic_load_acquire_u32(uint32_t* p) {
         return __atomic_load_n(p, __ATOMIC_ACQUIRE);
     }
+    static inline void hkv_store_release_i64(int64_t* p, int64_t v) {
+        __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    }
     """
     void __atomic_store_release_u32(uint32_t* p, uint32_t v) noexcept nogil
+    void hkv_store_release_i64(int64_t* p, int64_t v) noexcept nogil
     uint32_t __atomic_load_acquire_u32(uint32_t* p) noexcept nogil
 
 
@@ -1315,7 +1646,7 @@ def layout_info():
         ("hdr_state", <size_t>&h.hdr_state),
         ("hdr_creator_pid", <size_t>&h.hdr_creator_pid),
         ("hdr_generation", <size_t>&h.hdr_generation),
-        ("hdr_last_sweep_ns", <size_t>&h.hdr_last_sweep_ns),
+        ("hdr_reserved_bytes", <size_t>&h.hdr_reserved_bytes),
         ("hdr_free_pages", <size_t>&h.hdr_free_pages),
         ("hdr_active_leases", <size_t>&h.hdr_active_leases),
         ("hdr_undo_count", <size_t>&h.hdr_undo_count),

@@ -174,7 +174,7 @@ class HostKVCache:
         *,
         expected_config: Optional[HostKVConfig] = None,
         lock_timeout: float = 10.0,
-        ready_timeout: float = 5.0,
+        ready_timeout: float = _segment.DEFAULT_READY_TIMEOUT,
         trust_other_users: bool = False,
         lease: bool = True,
     ) -> "HostKVCache":
@@ -184,7 +184,9 @@ class HostKVCache:
             name: The segment's name.
             expected_config: If given, the segment's config must equal it once resolved.
             lock_timeout: Seconds any operation waits for the segment's lock.
-            ready_timeout: Seconds to wait for a segment still being created.
+            ready_timeout: Seconds to wait for a segment still being created (default
+                120: creating reserves all of the pool's memory, ~5 GB/s on tmpfs, so a
+                pool of ~600 GB). A timeout says how far the creator got.
             trust_other_users: Attach even if another user owns the segment or other users
                 may write it.
             lease: False attaches as an observer (for inspection tools): no lease slot is
@@ -193,8 +195,9 @@ class HostKVCache:
         Raises:
             SegmentNotFoundError: No segment of that name.
             ForeignSegmentError: Owned by another user or writable by others.
-            IncompatibleSegmentError: Another format, a short segment, a config other than
-                expected_config, or a creator that never finished.
+            IncompatibleSegmentError: Not a hostkv segment (refused at once), another
+                format, a config other than expected_config, or a creator that did not
+                finish within ready_timeout (the message says how much it had reserved).
         """
         if expected_config is not None and lease:
             # Refuse a segment of another config before taking a lease in it (registering
@@ -400,8 +403,15 @@ class HostKVCache:
     def close(self) -> None:
         """Gives up this process's lease and unmaps the segment (the segment lives on).
 
+        Other threads' calls already in flight finish first (new ones are refused with
+        ValueError meanwhile); close() waits for them at most lock_timeout + 1 s.
+
         Raises:
-            BufferError: numpy or torch views of the pool are still alive.
+            BufferError: numpy or torch views of the pool are still alive (in a forked
+                child too: it inherits its parent's views).
+            LockTimeoutError: other threads' calls were still in flight after the wait;
+                the cache stays open.
+            RuntimeError: called from inside a call on this cache (its lock is held).
         """
         self._segment.close()
 

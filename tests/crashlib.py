@@ -17,7 +17,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 import hostkv
-from hostkv import _pages
+from hostkv import _pages, _segment
 
 CRASH_STATUS = 77
 MAX_STEPS = 10_000
@@ -84,15 +84,15 @@ def run_in_child(name: str, op: Optional[Callable], ctx, crash_at: int, env_cras
     """Forks; the child attaches, runs setup(cache) unarmed (its result replaces ctx), arms
     the crash point, runs op(cache, ctx). Returns its exit status. op None: setup only.
 
-    With env_crash the crash point is armed through HOSTKV_CRASH_AT before attach, so the
-    steps of attach itself (registration, recovery, sweep) count too.
+    With env_crash every new handle of the child is armed (_segment._arm_new_segments)
+    before attach, so the steps of attach itself (registration, recovery, sweep) count too.
     """
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         status = 1
         try:
             if env_crash:
-                os.environ["HOSTKV_CRASH_AT"] = str(crash_at)
+                _segment._arm_new_segments(crash_at)
             cache = hostkv.HostKVCache.attach(name)
             if setup is not None:
                 ctx = setup(cache)

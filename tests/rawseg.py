@@ -107,7 +107,7 @@ class MetadataSnapshot:
         self.regions = regions(self.info)
         excluded = mutex_ranges(self.info, cache.config.max_processes)
         excluded += lock_metric_ranges(self.info, buckets)
-        excluded.append(field_range("hdr_last_sweep_ns"))
+        excluded.append(field_range("hdr_reserved_bytes"))
         self.mask = np.ones(self.pool, dtype=bool)
         for start, end in excluded:
             self.mask[start:end] = False
@@ -117,7 +117,7 @@ class MetadataSnapshot:
         with RawSegment(self.name) as raw:
             data = np.frombuffer(raw.read(0, self.pool), dtype=np.uint8).copy()
         self.sweeps = getattr(self, "sweeps", set())
-        start, end = field_range("hdr_last_sweep_ns")
+        start, end = field_range("hdr_reserved_bytes")
         self.sweeps.add(data[start:end].tobytes())
         data[~self.mask] = 0
         return data

@@ -18,7 +18,7 @@ from conftest import small_config
 
 # A layout change must bump HKV_LAYOUT_VERSION (hostkv/_layout.pxd), then update these.
 EXPECTED_LAYOUT = {
-    "layout_version": 4,
+    "layout_version": 5,
     "magic": 0x3130564B54534F48,  # "HOSTKV01" read as a little-endian u64
     "sizes": {
         "HkvHeader": 512,
@@ -62,7 +62,7 @@ EXPECTED_LAYOUT = {
         "hdr_state": 240,
         "hdr_creator_pid": 244,
         "hdr_generation": 248,
-        "hdr_last_sweep_ns": 256,
+        "hdr_reserved_bytes": 256,
         "hdr_free_pages": 264,
         "hdr_active_leases": 272,
         "hdr_undo_count": 280,
@@ -155,7 +155,7 @@ def test_struct_invariants():
     assert header["hdr_mutex"] + sizes["pthread_mutex_t"] <= sizes["HkvHeader"]
     # 8-byte fields are 8-byte aligned (undo entries store them in one go).
     for field in ("hdr_magic", "cfg_num_pages", "cfg_page_bytes", "reg_leases", "reg_pool",
-                  "reg_total_size", "hdr_generation", "hdr_last_sweep_ns", "hdr_free_pages",
+                  "reg_total_size", "hdr_generation", "hdr_reserved_bytes", "hdr_free_pages",
                   "hdr_undo_count", "hdr_stats", "st_recoveries"):
         assert header[field] % 8 == 0, field
     assert info["magic"].to_bytes(8, "little") == b"HOSTKV01"

@@ -114,12 +114,12 @@ def test_dead_process_lease_is_reaped(cache, segment_name, procs):
 
 def test_reap_counts_what_a_sweep_due_at_the_same_time_found(cache, segment_name, procs):
     # DESIGN: a sweep runs at least once a second while the lock is in use. When one is due
-    # as reap() takes the lock (forced here by zeroing the last sweep's time), the dead lease
+    # as reap() takes the lock (forced here through a test hook), the dead lease
     # is reaped by that call all the same, and reap() must count it.
     before = cache.stats()
     p = procs(_attach_and_vanish, segment_name)
     finished(p, 0)
-    poke(segment_name, HEADER["hdr_last_sweep_ns"], "<q", 0)
+    cache._segment._make_sweep_due()
     assert cache.reap() == 1
     st = cache.stats()
     assert st.active_processes == 1

@@ -294,20 +294,28 @@ def test_bad_magic_is_incompatible(segment_name):
 def test_short_segment_is_incompatible(segment_name, size):
     shm = posix_ipc.SharedMemory("/" + segment_name, posix_ipc.O_CREX, mode=0o600, size=size)
     shm.close_fd()
-    with pytest.raises(IncompatibleSegmentError):
-        HostKVCache.attach(segment_name)
+    # Waited for (a creator between shm_open and writing its header), then refused.
+    with pytest.raises(IncompatibleSegmentError, match="shorter than a hostkv header"):
+        HostKVCache.attach(segment_name, ready_timeout=0.2)
 
 
 @pytest.mark.parametrize("with_magic", [True, False])
-def test_segment_that_never_becomes_ready_times_out(segment_name, with_magic):
+def test_segment_that_never_becomes_ready_times_out(segment_name, new_name, with_magic):
     # A creator that died while initialising: the state word stays INITIALISING (or 0).
     shm = posix_ipc.SharedMemory(
         "/" + segment_name, posix_ipc.O_CREX, mode=0o600, size=HEADER_SIZE)
     shm.close_fd()
     if with_magic:
-        poke(segment_name, HEADER["hdr_magic"], "<Q", LAYOUT["magic"])
+        # A real header (magic, format), as a creator writes it first.
+        real = new_name()
+        created_and_closed(real)
+        with RawSegment(real) as raw:
+            header = raw.read(0, HEADER_SIZE)
+        with RawSegment(segment_name) as raw:
+            raw.map[0:HEADER_SIZE] = header
         poke(segment_name, HEADER["hdr_state"], "<I", STATE_INITIALISING)
-    with pytest.raises(IncompatibleSegmentError, match="ready"):
+    # A header without the magic is refused at once (the creator writes it first).
+    with pytest.raises(IncompatibleSegmentError, match="ready" if with_magic else "not a hostkv"):
         HostKVCache.attach(segment_name, ready_timeout=0.2)
 
 
@@ -700,7 +708,7 @@ def _corrupt_then_lock_twice(name: str, how: str, results) -> None:
         slot = 1 - c._segment.lease_slot_index
         poke(name, regions["reg_leases"] + slot * LAYOUT["sizes"]["HkvLease"]
              + LAYOUT["lease"]["ls_state"], "<I", 7)
-        poke(name, HEADER["hdr_last_sweep_ns"], "<q", 0)
+        c._segment._make_sweep_due()
     for _ in range(2):
         try:
             c.stats()
