@@ -1354,7 +1354,8 @@ def layout_info():
         ("sq_lease_generation", <size_t>&q.sq_lease_generation),
         ("sq_seq_id", <size_t>&q.sq_seq_id), ("sq_namespace", <size_t>&q.sq_namespace),
         ("sq_first_page", <size_t>&q.sq_first_page), ("sq_last_page", <size_t>&q.sq_last_page),
-        ("sq_lock_node", <size_t>&q.sq_lock_node)])
+        ("sq_lock_node", <size_t>&q.sq_lock_node), ("sq_view", <size_t>&q.sq_view),
+        ("sq_generation", <size_t>&q.sq_generation)])
     sequence_page = _offsets(<const char*>&sp, [
         ("sp_slab", <size_t>&sp.sp_slab), ("sp_page", <size_t>&sp.sp_page),
         ("sp_next", <size_t>&sp.sp_next)])

@@ -53,7 +53,8 @@ class CacheStats:
         pages_allocated: Pages handed out so far.
         pages_freed: Pages returned to the free list so far.
         recoveries: Mutations of dead lock holders rolled back.
-        rollbacks: Mutations rolled back after an exception in a live process.
+        rollbacks: Mutations rolled back after an exception in a live process (a call
+            that fails after its first logged store counts here, though it changed nothing).
         leases_reaped: Dead processes whose references were released.
         generation: Committed mutations so far.
     """
@@ -83,7 +84,8 @@ class CacheMetrics:
     """The segment's always-on metrics, shared by every process.
 
     Attributes:
-        lock_acquisitions: Times any process took the segment's lock.
+        lock_acquisitions: Times any process took the segment's lock (failed calls that
+            took it included; these and the lock times are never rolled back).
         lock_wait_ns, lock_hold_ns: Total nanoseconds spent waiting for it and holding it.
         lock_wait_histogram, lock_hold_histogram: Counts per log2 bucket: entry b counts
             durations in [2**(b-1), 2**b) ns (entry 0: zero).
