@@ -7,6 +7,7 @@ layer needs to know nothing of theirs.
 """
 
 import math
+import numbers
 import os
 import re
 import time
@@ -115,7 +116,10 @@ def check_name(name):
 
 
 def check_timeout(what, value):
-    """Returns value as a float of seconds, or raises ValueError for a negative or NaN one."""
+    """Returns value as a float of seconds, or raises ValueError for a negative or NaN one,
+    or one that is not a real number (a str such as "1", a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a number of seconds, got {value!r}")
     try:
         seconds = float(value)
     except (TypeError, ValueError):

@@ -318,10 +318,18 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
                          matched, min_reuse_pages)
             fresh = total - matched
             if not ensure_free_pages(seg, &t, fresh):
+                if taken + fresh > hdr.hdr_config.cfg_num_pages:
+                    raise OutOfPagesError(
+                        f"segment {seg.name!r}: the batch needs at least {taken + fresh} new "
+                        f"pages (request {i} of {n} alone needs {fresh}), more than the pool's "
+                        f"{hdr.hdr_config.cfg_num_pages} pages in all",
+                        needed=taken + fresh, available=hdr.hdr_free_pages + taken)
                 raise OutOfPagesError(
                     f"segment {seg.name!r}: the batch needs at least {taken + fresh} new pages "
                     f"(request {i} of {n} alone needs {fresh}), but only {hdr.hdr_free_pages + taken} "
-                    "were free or evictable: every other page is held by live sequences",
+                    f"were free or evictable: the other "
+                    f"{hdr.hdr_config.cfg_num_pages - hdr.hdr_free_pages - taken} pages are held "
+                    "by live sequences (their own pages, and the cached prefixes they borrow)",
                     needed=taken + fresh, available=hdr.hdr_free_pages + taken)
             record = slab_alloc(seg, sequence_slab(seg))
             if record < 0:

@@ -7,6 +7,7 @@ face over them: create or attach, stats, check, reap, zero-copy views of the pag
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -331,7 +332,17 @@ class HostKVCache:
 
     def evict(self, num_pages: int) -> int:
         """Evicts up to num_pages cached pages that no borrower holds, least recently used
-        leaves first. Returns how many pages the tree let go."""
+        leaves first. Returns how many pages the tree let go.
+
+        Raises:
+            ValueError: num_pages is not an int (a bool, a float, a str) or is outside
+                [0, 2**63).
+        """
+        if isinstance(num_pages, (bool, np.bool_)) or not isinstance(num_pages, numbers.Integral):
+            # No int() of it: 0.9 pages is not 0 pages, "3" is not 3.
+            raise ValueError(f"num_pages must be an int, got {num_pages!r}")
+        if not 0 <= int(num_pages) < 2**63:
+            raise ValueError(f"num_pages must be in [0, 2**63), got {int(num_pages)}")
         return _radix.evict(self._segment, int(num_pages))
 
     def reap(self) -> int:

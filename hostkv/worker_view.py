@@ -48,7 +48,7 @@ import numpy as np
 from hostkv import _sequences
 from hostkv._tokens import TOKEN_LIMIT, as_namespace, as_tokens
 from hostkv.cache import HostKVCache
-from hostkv.errors import HostKVError, SequenceError
+from hostkv.errors import HostKVError, OutOfPagesError, SequenceError
 
 __all__ = [
     "PrefixSequenceState",
@@ -59,6 +59,13 @@ __all__ = [
 ]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Iterable, but bytes, not ids: refused wherever a sequence of ids or counts is expected.
+_BYTES_LIKE = (str, bytes, bytearray, memoryview)
+
+
+def _is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool (True is an int to Python, never to hostkv)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +325,7 @@ class WorkerView:
     def _live(self, seq_ids: Iterable[Any], what: str) -> List[_Sequence]:
         """The live sequences of seq_ids, each once; SequenceError names the first bad id."""
         if type(seq_ids) not in (list, tuple) and (
-                isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable)):
+                isinstance(seq_ids, _BYTES_LIKE) or not isinstance(seq_ids, Iterable)):
             raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}")
         out = []
         seen = set()
@@ -398,6 +405,13 @@ class WorkerView:
             tokens = as_tokens(request.tokens, f"requests[{index}].tokens")
             if len(tokens) == 0:
                 raise SequenceError(f"sequence {seq_id} has an empty prompt")
+            if -(-len(tokens) // self._page_size) > self._config.num_pages:
+                # Can never fit, whatever is evicted: say so before locking (and evicting).
+                raise OutOfPagesError(
+                    f"sequence {seq_id}'s prompt of {len(tokens)} tokens needs "
+                    f"{-(-len(tokens) // self._page_size)} pages, more than the pool's "
+                    f"{self._config.num_pages} pages in all",
+                    needed=-(-len(tokens) // self._page_size), available=self._config.num_pages)
             seq_ids.append(seq_id)
             token_arrays.append(tokens)
             namespaces.append(as_namespace(request.namespace))
@@ -441,6 +455,9 @@ class WorkerView:
         """
         self._check_usable()
         sequences = self._live(seq_ids, "append_tokens")
+        if isinstance(token_ids, _BYTES_LIKE) or not isinstance(token_ids, Iterable):
+            raise ValueError("append_tokens needs a sequence of token ids (int or None), one "
+                             f"per sequence, got {type(token_ids).__name__}")
         tokens = list(token_ids)
         if len(tokens) != len(sequences):
             raise SequenceError(
@@ -448,7 +465,7 @@ class WorkerView:
         for seq, token in zip(sequences, tokens):
             if token is None:
                 continue
-            if isinstance(token, (bool, np.bool_)) or not isinstance(token, numbers.Integral):
+            if not _is_int(token):
                 raise ValueError(f"sequence {seq.seq_id}: token ids must be integers or None, "
                                  f"got {token!r}")
             if not 0 <= int(token) < TOKEN_LIMIT:
@@ -476,10 +493,19 @@ class WorkerView:
         limits: List[Optional[int]]
         if num_tokens is None:
             limits = [None] * len(sequences)
-        elif isinstance(num_tokens, numbers.Integral) and not isinstance(num_tokens, bool):
+        elif _is_int(num_tokens):
             limits = [int(num_tokens)] * len(sequences)
         else:
-            limits = [int(n) for n in num_tokens]
+            if isinstance(num_tokens, _BYTES_LIKE) or not isinstance(num_tokens, Iterable) or (
+                    isinstance(num_tokens, np.ndarray) and num_tokens.ndim != 1):
+                raise SequenceError("num_tokens must be None, an int, or one int per sequence, "
+                                    f"got {num_tokens!r}")
+            values = list(num_tokens)
+            for n in values:
+                if not _is_int(n):
+                    # No int() of a float or a str: 7.9 is not 7 tokens, "8" is not 8.
+                    raise SequenceError(f"num_tokens must be integers, got {n!r}")
+            limits = [int(n) for n in values]
             if len(limits) != len(sequences):
                 raise SequenceError(f"{len(sequences)} sequence ids but {len(limits)} num_tokens")
         for seq, limit in zip(sequences, limits):
@@ -557,6 +583,9 @@ class WorkerView:
                 at a time (close() releases one per mutation).
         """
         self._check_usable()
+        if not isinstance(commit, (bool, np.bool_)):
+            # A truthy "no" must not commit.
+            raise ValueError(f"commit must be True or False, got {commit!r}")
         sequences = self._live(seq_ids, "release")
         counts = self._commit_plan(sequences, None) if commit else [0] * len(sequences)
         cached = self._change(

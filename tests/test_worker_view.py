@@ -288,8 +288,11 @@ def test_out_of_pages_after_evicting_everything_evictable(make):
     st = cache.stats()
     assert (st.free_pages, st.evictable_pages) == (POOL - 8, 8)
     before = snapshot(cache, view, quiet=True)
-    with pytest.raises(OutOfPagesError):
-        view.allocate_pages_for_sequences_with_prefix([R(1, list(range(PS * (POOL + 1))))])
+    # Each request fits the pool alone, the batch does not: it evicts everything, then
+    # gives up. (A single request bigger than the pool is refused before the lock.)
+    with pytest.raises(OutOfPagesError, match="more than the pool's 32 pages in all"):
+        view.allocate_pages_for_sequences_with_prefix(
+            [R(1, list(range(PS * (POOL - 4)))), R(2, list(range(5000, 5000 + PS * 5)))])
     assert_unchanged(before, snapshot(cache, view), rolled_back=True)
     # A batch of exactly every free and evictable page fits, evicting the whole tree.
     allocs = view.allocate_pages_for_sequences_with_prefix(
