@@ -221,12 +221,13 @@ class _InFlight:
     docstring): the ids of an allocation to undo, the sequences of a decode step whose
     token to take back if they got it."""
 
-    __slots__ = ("allocating", "stepping")
+    __slots__ = ("allocating", "stepping", "marks")
 
-    def __init__(self, allocating: Sequence[int] = (),
-                 stepping: Sequence[Any] = ()) -> None:
+    def __init__(self, allocating: Sequence[int] = (), stepping: Sequence[Any] = (),
+                 marks: Sequence[int] = ()) -> None:
         self.allocating = allocating
-        self.stepping = stepping
+        self.stepping = stepping          # a decode step's sequences ...
+        self.marks = marks                # ... and their num_tokens before it
 
 
 _NOTHING_TO_UNDO = _InFlight()
@@ -287,11 +288,12 @@ class WorkerView:
 
         Idempotent: interrupted itself, it runs again at the next call."""
         in_flight = self._in_flight
-        assert in_flight is not None
+        if in_flight is None:
+            return
         for seq_id in in_flight.allocating:
             self._sequences.pop(seq_id, None)
-        for seq, num_tokens in in_flight.stepping:
-            if seq.num_tokens > num_tokens:
+        for seq, num_tokens in zip(in_flight.stepping, in_flight.marks):
+            if seq.num_tokens > num_tokens:          # compared, not counted: idempotent
                 seq.undo_token()
         held = {record: (generation, seq_id, pages) for record, generation, seq_id, pages
                 in _sequences.view_sequences(self._segment, self._number)}
@@ -455,7 +457,8 @@ class WorkerView:
         """
         self._check_usable()
         sequences = self._live(seq_ids, "append_tokens")
-        if isinstance(token_ids, _BYTES_LIKE) or not isinstance(token_ids, Iterable):
+        if type(token_ids) not in (list, tuple) and (
+                isinstance(token_ids, _BYTES_LIKE) or not isinstance(token_ids, Iterable)):
             raise ValueError("append_tokens needs a sequence of token ids (int or None), one "
                              f"per sequence, got {type(token_ids).__name__}")
         tokens = list(token_ids)
@@ -463,6 +466,8 @@ class WorkerView:
             raise SequenceError(
                 f"append_tokens got {len(sequences)} sequence ids but {len(tokens)} tokens")
         for seq, token in zip(sequences, tokens):
+            if type(token) is int and 0 <= token < TOKEN_LIMIT:
+                continue                                 # the common case, cheaply
             if token is None:
                 continue
             if not _is_int(token):
@@ -473,7 +478,7 @@ class WorkerView:
                                  "[0, 2**31)")
         page_size = self._page_size
         needing = [seq for seq in sequences if seq.num_tokens == seq.num_pages * page_size]
-        in_flight = _InFlight(stepping=[(seq, seq.num_tokens) for seq in sequences])
+        in_flight = _InFlight(stepping=sequences, marks=[seq.num_tokens for seq in sequences])
         if needing:
             pages = self._change(
                 in_flight, _sequences.append_pages, self._segment,
