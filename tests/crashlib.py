@@ -178,6 +178,31 @@ def run_in_child(name: str, op: Optional[Callable], ctx, crash_at: int, env_cras
     return os.waitstatus_to_exitcode(status)
 
 
+def run_observer_in_child(name: str, action: Callable, crash_at: int) -> int:
+    """Forks; the child attaches as an observer (no lease taken, no sweep on its own), arms
+    the crash point through _arm_crash_point and runs action(segment): the steps counted
+    are action's alone (a sweep by seg.reap(), a registration by seg._register_lease()).
+    Returns its exit status."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        status = 1
+        try:
+            observer = hostkv.HostKVCache.attach(name, lease=False)
+            observer._segment._arm_crash_point(crash_at)
+            action(observer._segment)
+            observer._segment._arm_crash_point(0)
+            status = 0
+        except BaseException:  # noqa: BLE001 - report through the exit status
+            import traceback
+
+            traceback.print_exc()
+            status = 2
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
 def crash_every_step(
     cache: hostkv.HostKVCache,
     op: Callable,

@@ -111,27 +111,6 @@ def dead_holder(cache) -> None:
     assert crashlib.run_in_child(cache.name, None, None, 0, setup=decoded_view) == 0
 
 
-def run_observer_child(name: str, action, step: int) -> int:
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            observer = hostkv.HostKVCache.attach(name, lease=False)
-            observer._segment._arm_crash_point(step)
-            action(observer._segment)
-            observer._segment._arm_crash_point(0)
-            status = 0
-        except BaseException:  # noqa: BLE001 - reported through the status
-            import traceback
-
-            traceback.print_exc()
-            status = 2
-        finally:
-            os._exit(status)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
 def crash_sweep_every_step(cache, action, min_steps: int) -> int:
     """A dead process holds sequences; a child runs action (which sweeps it), crashed at
     every step. Each time, before anyone else reaps: the dead process's sequences are a
@@ -144,7 +123,7 @@ def crash_sweep_every_step(cache, action, min_steps: int) -> int:
     after = crashlib.snapshot(cache)                 # reaped by the parent: the reference
     for step in range(1, 500):
         dead_holder(cache)
-        status = run_observer_child(cache.name, action, step)
+        status = crashlib.run_observer_in_child(cache.name, action, step)
         left = crashlib.unreaped_snapshot(cache.name)[5]
         assert left <= held, f"step {step}: {left - held}"
         state = crashlib.snapshot(cache)
