@@ -431,3 +431,26 @@ def test_out_of_pages_messages_say_what_holds_the_pages(env):
         env.view.allocate_pages_for_sequences_with_prefix([R(50, list(range((32 - held + 1) * PAGE)))])
     assert {s: env.view.state(s).pages.tolist() for s in env.view.live_sequences} == before
     env.cache.check()
+
+
+def test_the_issues_65_pages_on_an_empty_64_page_pool(segment_name):
+    """The exact case from issue 10: nothing is held, so the message must not blame live
+    sequences; and the request is refused before the lock (the segment is unchanged)."""
+    with HostKVCache.create(segment_name, small_config(num_pages=64, page_size=PAGE)) as cache:
+        view = WorkerView(cache)
+        cache.reap()
+        snap = MetadataSnapshot(cache)
+        before = snap.take()
+        with pytest.raises(OutOfPagesError) as info:
+            view.allocate_pages_for_sequences_with_prefix([R(1, list(range(65 * PAGE)))])
+        assert "needs 65 pages, more than the pool's 64 pages in all" in str(info.value)
+        assert "live sequences" not in str(info.value)
+        assert (info.value.needed, info.value.available) == (65, 64)
+        assert not snap.diff(before, snap.take())
+        # Two requests that fit alone but not together: the batch says the same.
+        with pytest.raises(OutOfPagesError, match="more than the pool's 64 pages in all") as info:
+            view.allocate_pages_for_sequences_with_prefix(
+                [R(1, list(range(40 * PAGE))), R(2, list(range(9000, 9000 + 30 * PAGE)))])
+        assert "live sequences" not in str(info.value)
+        view.close()
+        cache.check()
