@@ -235,3 +235,44 @@ def test_an_interrupt_at_every_line_leaves_the_view_as_before_or_after(icache, o
         assert k < 2000
     print(f"{op}: interrupted at {k - 1} lines")
     assert k > 10
+
+
+SETTLED_AFTER = {
+    # entry interrupted -> (the call, the live ids once settled)
+    "allocate": (lambda v: v.allocate_pages_for_sequences_with_prefix(
+        [R(3, SYS + [8, 8]), R(4, [1])]), {1, 2}),
+    "append_pages": (lambda v: v.append_tokens([1, 2], [10, 11]), {1, 2}),
+    "release": (lambda v: v.release([1, 2]), set()),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(SETTLED_AFTER))
+def test_settling_is_idempotent_when_interrupted_itself(icache, monkeypatch, entry):
+    """An interrupt inside the settling (at every line of it) leaves it to the next call,
+    which settles the same way."""
+    call, expected = SETTLED_AFTER[entry]
+    k = 0
+    completed = False
+    while not completed:
+        k += 1
+        view = WorkerView(icache)
+        view.allocate_pages_for_sequences_with_prefix(
+            [R(1, SYS + [1, 2, 3, 4]), R(2, [5, 6, 7])])
+        before = {s: view.state(s).num_tokens for s in (1, 2)}
+        interrupted_after(monkeypatch, entry)
+        with pytest.raises(KeyboardInterrupt):
+            call(view)
+        monkeypatch.undo()
+        try:
+            completed = interrupt_at_line(k, lambda: view.live_sequences)
+        except KeyboardInterrupt:
+            pass
+        assert_agrees(icache, view)                 # settles again, to the same end
+        assert set(view.live_sequences) == expected, (k, view.live_sequences)
+        if entry == "append_pages":
+            assert {s: view.state(s).num_tokens for s in (1, 2)} == before
+        view.close()
+        assert icache.stats().active_sequences == 0
+        icache.check()
+        assert k < 2000
+    assert k > 10
