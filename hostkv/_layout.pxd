@@ -215,13 +215,15 @@ cdef extern from *:
         int32_t sq_lease_slot;                   /* the owning process's lease */
         int32_t sq_num_pages;                    /* its own pages: those in its list */
         uint64_t sq_lease_generation;            /* the owner lease's ls_generation */
-        int64_t sq_seq_id;                       /* the owner's id for it (inspect only) */
+        int64_t sq_seq_id;                       /* the owner's id for it: checked on every use */
         uint64_t sq_namespace;
         int32_t sq_first_page;                   /* first HkvSeqPage, -1 when none */
         int32_t sq_last_page;                    /* last HkvSeqPage, for O(1) appends */
         int32_t sq_lock_node;                    /* the radix node it has locked, -1 none */
-        int32_t sq_reserved0;
-        int64_t sq_reserved1;
+        int32_t sq_view;                         /* the owner process's WorkerView number (its
+                                                    views find their records after an interrupt) */
+        int64_t sq_generation;                   /* +1 at each allocation of this record: a view's
+                                                    (record, generation) never names a later use */
     } HkvSequence;
 
     /* One page of a sequence's page list, in order. */
@@ -433,8 +435,8 @@ cdef extern from *:
         int32_t sq_first_page
         int32_t sq_last_page
         int32_t sq_lock_node
-        int32_t sq_reserved0
-        int64_t sq_reserved1
+        int32_t sq_view
+        int64_t sq_generation
 
     ctypedef struct HkvSeqPage:
         HkvSlabRecord sp_slab

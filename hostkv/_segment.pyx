@@ -8,6 +8,7 @@ layer needs to know nothing of theirs.
 
 import atexit
 import math
+import numbers
 import os
 import re
 import time
@@ -183,7 +184,10 @@ def check_name(name):
 
 
 def check_timeout(what, value):
-    """Returns value as a float of seconds, or raises ValueError for a negative or NaN one."""
+    """Returns value as a float of seconds, or raises ValueError for a negative or NaN one,
+    or one that is not a real number (a str such as "1", a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a number of seconds, got {value!r}")
     try:
         seconds = float(value)
     except (TypeError, ValueError):
@@ -1685,7 +1689,8 @@ def layout_info():
         ("sq_lease_generation", <size_t>&q.sq_lease_generation),
         ("sq_seq_id", <size_t>&q.sq_seq_id), ("sq_namespace", <size_t>&q.sq_namespace),
         ("sq_first_page", <size_t>&q.sq_first_page), ("sq_last_page", <size_t>&q.sq_last_page),
-        ("sq_lock_node", <size_t>&q.sq_lock_node)])
+        ("sq_lock_node", <size_t>&q.sq_lock_node), ("sq_view", <size_t>&q.sq_view),
+        ("sq_generation", <size_t>&q.sq_generation)])
     sequence_page = _offsets(<const char*>&sp, [
         ("sp_slab", <size_t>&sp.sp_slab), ("sp_page", <size_t>&sp.sp_page),
         ("sp_next", <size_t>&sp.sp_next)])

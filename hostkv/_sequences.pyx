@@ -93,12 +93,10 @@ cdef int ensure_free_pages(Segment seg, Tree* t, int64_t needed) except -1:
 cdef str out_of_pages_holders(Segment seg, Tree* t, int64_t needed):
     """Says where a pool's pages are when eviction could not free `needed` of them."""
     cdef int64_t num_pages = seg.hdr.hdr_config.cfg_num_pages
-    cdef int64_t cached = t.state.rt_cached_pages
-    cdef int64_t private = num_pages - seg.hdr.hdr_free_pages - cached
     if needed > num_pages:
-        return f"the pool has only {num_pages} pages in all"
-    return (f"{private} pages are live sequences' own and {cached} cached pages are borrowed "
-            "by live sequences (or lie on their borrowed paths), so none can be evicted")
+        return f"more than the pool's {num_pages} pages in all"
+    return (f"the other {num_pages - seg.hdr.hdr_free_pages} pages are held by live sequences "
+            "(their own pages, and the cached prefixes they borrow)")
 
 
 cdef int append_page(Segment seg, HkvSequence* seq, int32_t page) except -1:
@@ -249,24 +247,46 @@ cdef HkvNamespaceStats* namespace_slot(Segment seg, uint64_t namespace) except N
 
 # -- the batch entry points --------------------------------------------------------------------------
 
-cdef int check_owner(Segment seg, HkvSequence* seq, int32_t index) except -1:
+cdef HkvSequence* owned_sequence(Segment seg, int64_t index, int64_t seq_id,
+                                 int64_t generation) except NULL:
+    """The caller's live sequence record `index`: in use, this process's lease, the caller's
+    sequence id and the record's generation at its allocation. Anything else is a stale
+    handle (released already, the record reused since, or another process's) and a
+    SequenceError, never a change to a record someone else now owns (issue 10, item 3)."""
+    cdef HkvSlab* slab = sequence_slab(seg)
+    cdef HkvSequence* seq
+    if index < 0 or index >= slab.sl_capacity:
+        raise SequenceError(f"sequence record {index} is outside [0, {slab.sl_capacity})")
+    seq = <HkvSequence*>slab_record(slab, <int32_t>index)
+    if seq.sq_slab.sr_in_use != 1:
+        raise SequenceError(
+            f"sequence {seq_id} (record {index}) is not live: released already")
     if seq.sq_lease_slot != seg.lease_slot or seq.sq_lease_generation != seg.lease_generation:
         raise SequenceError(
             f"sequence record {index} belongs to lease slot {seq.sq_lease_slot}, not to this "
             "process's lease (released already, or a view from another process)")
-    return 0
+    if seq.sq_seq_id != seq_id or seq.sq_generation != generation:
+        raise SequenceError(
+            f"sequence {seq_id} (record {index}, generation {generation}) was released: the "
+            f"record now holds sequence {seq.sq_seq_id}, generation {seq.sq_generation}")
+    return seq
+
+
+cdef int64_t* i64(cnp.ndarray arr) noexcept:
+    return <int64_t*>cnp.PyArray_DATA(arr)
 
 
 def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespaces,
-             cnp.ndarray reuse_pages, int32_t min_reuse_pages):
+             cnp.ndarray reuse_pages, int32_t min_reuse_pages, int32_t view):
     """Allocates a batch of sequences under one lock, all or nothing.
 
     For request i: borrows up to reuse_pages[i] cached pages (kept only if at least
     min_reuse_pages match), allocates the rest of ceil(len(tokens) / page_size) pages
-    (evicting as needed), and records the sequence. Every request borrows its prefix before
-    anything is evicted for the batch, so one request's eviction never takes the prefix
-    another request of the same batch matched. Returns a list of (record index, reused
-    pages, page table).
+    (evicting as needed), and records the sequence, stamped with the caller's view number.
+    Every request borrows its prefix before anything is evicted for the batch, so one
+    request's eviction never takes the prefix another request of the same batch matched.
+    Returns a list of (record index, reused pages, page table, record generation): the
+    record, sequence id and generation name the sequence in every later call.
 
     Raises:
         OutOfPagesError, CapacityError: nothing changed.
@@ -314,9 +334,9 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
         # 2. Free the batch's fresh pages at once, evicting only what nobody borrowed.
         if not ensure_free_pages(seg, &t, batch_fresh):
             raise OutOfPagesError(
-                f"segment {seg.name!r}: the batch of {n} needs {batch_fresh} new pages, but only "
-                f"{hdr.hdr_free_pages} are free or evictable: "
-                f"{out_of_pages_holders(seg, &t, batch_fresh)}",
+                f"segment {seg.name!r}: the batch of {n} needs {batch_fresh} new pages, "
+                f"{out_of_pages_holders(seg, &t, batch_fresh)}; only {hdr.hdr_free_pages} are "
+                "free or evictable",
                 needed=batch_fresh, available=hdr.hdr_free_pages)
         # 3. Record the sequences and hand out their fresh pages.
         for i in range(n):
@@ -338,6 +358,8 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
             log_store_i32(seg, &seq.sq_first_page, -1)
             log_store_i32(seg, &seq.sq_last_page, -1)
             log_store_i32(seg, &seq.sq_lock_node, -1)
+            log_store_i32(seg, &seq.sq_view, view)
+            log_store_i64(seg, &seq.sq_generation, seq.sq_generation + 1)
             if node != -1:
                 # The borrow locked the node for this sequence: record it as the sequence's.
                 log_store_i32(seg, &seq.sq_lock_node, node)
@@ -346,31 +368,43 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
             pages_alloc(seg, fresh, i32(table) + matched)
             for j in range(matched, total):
                 append_page(seg, seq, i32(table)[j])
-            results.append((record, matched, table))
+            results.append((record, matched, table, seq.sq_generation))
         seg.commit()
     finally:
         seg.end()
     return results
 
 
-def append_pages(Segment seg, cnp.ndarray records):
+def append_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_ids,
+                 cnp.ndarray generations):
     """Gives each listed sequence one more page (a decode step filled its last one).
 
-    All or nothing; evicts when short. Returns the new pages (np.int32, one per record).
+    records (np.int32), seq_ids and generations (np.int64) name the caller's sequences, as
+    allocate returned them. All or nothing; evicts when short. Returns the new pages
+    (np.int32, one per record).
     """
     cdef Tree t
     cdef int64_t i, n = records.shape[0]
     cdef int32_t* recs = i32(records)
+    cdef int64_t* ids
+    cdef int64_t* gens
     cdef cnp.ndarray pages = np.empty(n, dtype=np.int32)
-    cdef HkvSequence* seq
     check_open(seg)
+    if (records.dtype != np.int32 or seq_ids.dtype != np.int64 or generations.dtype != np.int64
+            or seq_ids.shape[0] != n or generations.shape[0] != n
+            or not (records.flags.c_contiguous and seq_ids.flags.c_contiguous
+                    and generations.flags.c_contiguous)):
+        raise ValueError("append_pages needs contiguous int32 records and int64 seq_ids and "
+                         "generations of one length")
+    ids = i64(seq_ids)
+    gens = i64(generations)
     if n == 0:
         return pages
     seg.begin()
     try:
         t = tree_of(seg)
         for i in range(n):
-            check_owner(seg, sequence_at(seg, recs[i]), recs[i])
+            owned_sequence(seg, recs[i], ids[i], gens[i])
         if not ensure_free_pages(seg, &t, n):
             raise OutOfPagesError(
                 f"segment {seg.name!r}: this decode step needs {n} new pages, only "
@@ -378,17 +412,25 @@ def append_pages(Segment seg, cnp.ndarray records):
                 available=seg.hdr.hdr_free_pages)
         pages_alloc(seg, n, i32(pages))
         for i in range(n):
-            append_page(seg, sequence_at(seg, recs[i]), i32(pages)[i])
+            append_page(seg, owned_sequence(seg, recs[i], ids[i], gens[i]), i32(pages)[i])
         seg.commit()
     finally:
         seg.end()
     return pages
 
 
-cdef int64_t commit_one(Segment seg, Tree* t, int32_t record, const int32_t* tokens,
+cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* tokens,
                         const int32_t* table, int64_t num_pages, uint64_t namespace) except -1:
-    """Caches a sequence's first num_pages pages; best effort. Returns the pages the tree
-    now holds for it (0 when node records ran out: that insert is undone, nothing else)."""
+    """Caches a sequence's first num_pages pages; best effort for node records. Returns the
+    pages the tree now holds for it (0 when radix node records ran out even after eviction:
+    that insert is undone, nothing else).
+
+    Raises:
+        CapacityError: the undo log ran out (resource "undo log"). That is not best effort:
+            a log too small for the batch is a configuration error that would otherwise
+            show up only as "0 pages cached" (issue 10, item 10); the caller's whole
+            mutation is rolled back, as for any operation too big for the log.
+    """
     cdef int32_t node = -1
     cdef int64_t mark = seg.hdr.hdr_undo_count
     cdef int32_t* tree_pages = <int32_t*>malloc(num_pages * sizeof(int32_t))
@@ -396,8 +438,10 @@ cdef int64_t commit_one(Segment seg, Tree* t, int32_t record, const int32_t* tok
         raise MemoryError()
     try:
         tree_insert(seg, t, tokens, table, num_pages, namespace, tree_pages, &node)
-        set_lock(seg, t, sequence_at(seg, record), node)
-    except CapacityError:
+        set_lock(seg, t, seq, node)
+    except CapacityError as exc:
+        if exc.resource != "radix nodes":
+            raise
         seg.rollback_to(mark)
         return 0
     finally:
@@ -405,20 +449,27 @@ cdef int64_t commit_one(Segment seg, Tree* t, int32_t record, const int32_t* tok
     return num_pages
 
 
-cdef list commit_batch(Segment seg, list records, list token_arrays, list tables,
-                       list num_pages, list namespaces, bint release):
+cdef list commit_batch(Segment seg, list records, list seq_ids, list generations,
+                       list token_arrays, list tables, list num_pages, list namespaces,
+                       bint release):
     """Commits each sequence's first num_pages[i] pages (best effort, where > 0), then, with
     release, releases it; one lock and one mutation. Returns the pages cached for each.
 
     token_arrays[i] and tables[i] are the sequence's whole token and page arrays (contiguous
-    int32); only their first num_pages[i] pages are read."""
+    int32); only their first num_pages[i] pages are read. records, seq_ids and generations
+    name the caller's sequences, as allocate returned them."""
     cdef Tree t
     cdef Py_ssize_t i, n = len(records)
     cdef int32_t record
     cdef int64_t count
     cdef int32_t page_size
     cdef cnp.ndarray tokens, table
+    cdef HkvSequence* seq
     check_open(seg)
+    if not (len(seq_ids) == len(generations) == len(token_arrays) == len(tables)
+            == len(num_pages) == len(namespaces) == n):
+        raise ValueError("commit/release need one seq id, generation, token array, table, "
+                         "page count and namespace per record")
     page_size = seg.hdr.hdr_config.cfg_page_size
     for i in range(n):
         count = num_pages[i]
@@ -433,13 +484,14 @@ cdef list commit_batch(Segment seg, list records, list token_arrays, list tables
     try:
         t = tree_of(seg)
         for i in range(n):
-            record = records[i]
-            check_owner(seg, sequence_at(seg, record), record)
+            owned_sequence(seg, records[i], seq_ids[i], generations[i])
         for i in range(n):
             record = records[i]
             count = num_pages[i]
+            # Checked again at each use: a record listed twice is released by its first use.
+            seq = owned_sequence(seg, record, seq_ids[i], generations[i])
             if count > 0:
-                cached[i] = commit_one(seg, &t, record, i32(token_arrays[i]), i32(tables[i]),
+                cached[i] = commit_one(seg, &t, seq, i32(token_arrays[i]), i32(tables[i]),
                                        count, namespaces[i])
             if release:
                 release_sequence(seg, &t, record)
@@ -449,21 +501,62 @@ cdef list commit_batch(Segment seg, list records, list token_arrays, list tables
     return cached
 
 
-def commit(Segment seg, list records, list token_arrays, list tables, list num_pages,
-           list namespaces):
+def commit(Segment seg, list records, list seq_ids, list generations, list token_arrays,
+           list tables, list num_pages, list namespaces):
     """Caches the first num_pages[i] pages of each sequence; one lock for the batch.
 
     Best effort per sequence: returns the pages cached for each (0 where node records ran
     out even after eviction)."""
-    return commit_batch(seg, records, token_arrays, tables, num_pages, namespaces, False)
+    return commit_batch(seg, records, seq_ids, generations, token_arrays, tables, num_pages,
+                        namespaces, False)
 
 
-def release(Segment seg, list records, list token_arrays, list tables, list num_pages,
-            list namespaces):
+def release(Segment seg, list records, list seq_ids, list generations, list token_arrays,
+            list tables, list num_pages, list namespaces):
     """Commits (where num_pages[i] > 0, best effort) then releases each sequence; one lock.
 
     Returns the pages cached for each."""
-    return commit_batch(seg, records, token_arrays, tables, num_pages, namespaces, True)
+    return commit_batch(seg, records, seq_ids, generations, token_arrays, tables, num_pages,
+                        namespaces, True)
+
+
+def view_sequences(Segment seg, int32_t view):
+    """(record, generation, seq id, own pages) of every live sequence of this process's lease
+    stamped with view number `view`: what a WorkerView settles its bookkeeping on after an
+    interrupted call. Reads only, under one lock."""
+    check_open(seg)
+    seg.begin()
+    try:
+        return owned_by_view(seg, view)
+    finally:
+        seg.end()
+
+
+cdef list owned_by_view(Segment seg, int32_t view):
+    cdef HkvSlab* slab = sequence_slab(seg)
+    cdef HkvSequence* seq
+    cdef int32_t i, entry_index, count
+    cdef HkvSeqPage* entry
+    out = []
+    for i in range(slab.sl_capacity):
+        seq = <HkvSequence*>slab_record(slab, i)
+        if (seq.sq_slab.sr_in_use != 1 or seq.sq_view != view
+                or seq.sq_lease_slot != seg.lease_slot
+                or seq.sq_lease_generation != seg.lease_generation):
+            continue
+        pages = []
+        entry_index = seq.sq_first_page
+        count = 0
+        while entry_index != -1:
+            entry = page_entry_at(seg, entry_index)
+            check_page_index(seg, entry.sp_page)
+            pages.append(entry.sp_page)
+            entry_index = entry.sp_next
+            count += 1
+            if count > seq.sq_num_pages:
+                seg.corrupt(f"sequence {i}'s page list is longer than its {seq.sq_num_pages} pages")
+        out.append((i, seq.sq_generation, seq.sq_seq_id, pages))
+    return out
 
 
 # -- checking ------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import numpy as np
 from hostkv import _radix
 
 TOKEN_LIMIT = 2**31
+_BYTES_LIKE = (str, bytes, bytearray, memoryview)
 NAMESPACE_LIMIT = 2**64
 
 
@@ -40,16 +42,23 @@ def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         arr = tokens
     else:
-        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-            raise ValueError(f"{what} must be a sequence of integer ids, got {type(tokens).__name__}")
+        if isinstance(tokens, _BYTES_LIKE) or not isinstance(tokens, Sequence):
+            # bytes, bytearray and memoryview iterate as small ints, but they are bytes, not
+            # token ids; a dict or set has no order (issue 10: each was let through or said
+            # something misleading).
+            raise ValueError(f"{what} must be a sequence of integer ids (a list, tuple, numpy "
+                             f"or torch integer array), got {type(tokens).__name__}")
         if len(tokens) == 0:
             return np.empty(0, dtype=np.int32)
         try:
             arr = np.asarray(tokens)
-        except (OverflowError, ValueError) as exc:
+        except (OverflowError, ValueError, TypeError) as exc:
             raise ValueError(f"{what} must be integer ids in [0, 2**31): {exc}") from None
         if arr.dtype == object:
-            raise ValueError(f"{what} must be integer ids in [0, 2**31), got values beyond int64")
+            raise ValueError(f"{what} must be integer ids in [0, 2**31); got values beyond "
+                             "int64 or that are not integers")
+        if arr.ndim == 1 and arr.dtype.kind in "iu":
+            _refuse_bools(tokens, arr, what)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
@@ -62,6 +71,15 @@ def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= TOKEN_LIMIT):
         _raise_out_of_range(arr, what)
     return arr.astype(np.int32)
+
+
+def _refuse_bools(tokens: Sequence, arr: np.ndarray, what: str) -> None:
+    """numpy turns True and False among integers into 1 and 0: look at the elements that
+    became 0 or 1 (few, in real prompts), not at every element."""
+    for i in np.flatnonzero(arr <= 1).tolist():
+        if isinstance(tokens[i], (bool, np.bool_)):
+            raise ValueError(f"{what}[{i}] is {tokens[i]!r}: token ids must be integers, "
+                             "not bools")
 
 
 def _raise_out_of_range(arr: np.ndarray, what: str) -> None:

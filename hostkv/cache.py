@@ -7,6 +7,7 @@ face over them: create or attach, stats, check, reap, zero-copy views of the pag
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -53,7 +54,8 @@ class CacheStats:
         pages_allocated: Pages handed out so far.
         pages_freed: Pages returned to the free list so far.
         recoveries: Mutations of dead lock holders rolled back.
-        rollbacks: Mutations rolled back after an exception in a live process.
+        rollbacks: Mutations rolled back after an exception in a live process (a call
+            that fails after its first logged store counts here, though it changed nothing).
         leases_reaped: Dead processes whose references were released.
         generation: Committed mutations so far.
     """
@@ -83,7 +85,8 @@ class CacheMetrics:
     """The segment's always-on metrics, shared by every process.
 
     Attributes:
-        lock_acquisitions: Times any process took the segment's lock.
+        lock_acquisitions: Times any process took the segment's lock (failed calls that
+            took it included; these and the lock times are never rolled back).
         lock_wait_ns, lock_hold_ns: Total nanoseconds spent waiting for it and holding it.
         lock_wait_histogram, lock_hold_histogram: Counts per log2 bucket: entry b counts
             durations in [2**(b-1), 2**b) ns (entry 0: zero).
@@ -332,7 +335,17 @@ class HostKVCache:
 
     def evict(self, num_pages: int) -> int:
         """Evicts up to num_pages cached pages that no borrower holds, least recently used
-        leaves first. Returns how many pages the tree let go."""
+        leaves first. Returns how many pages the tree let go.
+
+        Raises:
+            ValueError: num_pages is not an int (a bool, a float, a str) or is outside
+                [0, 2**63).
+        """
+        if isinstance(num_pages, (bool, np.bool_)) or not isinstance(num_pages, numbers.Integral):
+            # No int() of it: 0.9 pages is not 0 pages, "3" is not 3.
+            raise ValueError(f"num_pages must be an int, got {num_pages!r}")
+        if not 0 <= int(num_pages) < 2**63:
+            raise ValueError(f"num_pages must be in [0, 2**63), got {int(num_pages)}")
         return _radix.evict(self._segment, int(num_pages))
 
     def reap(self) -> int:

@@ -18,11 +18,27 @@ The engine's loop, and what each step promises:
 
 This module is pure Python: it keeps per-sequence state (tokens, page table) and policy
 (what to reuse and commit); every change to shared state is one call into _sequences.
+
+The view's bookkeeping changes with the shared state or not at all. A sequence is named to
+the compiled layer by its record, its id and the record's generation, which the compiled
+layer checks on every use, so a stale name is a SequenceError, never a change to a record
+another view has since been given. And an exception that lands between a compiled call and
+the bookkeeping after it (a KeyboardInterrupt, a MemoryError) leaves the view marked
+"unsettled": its next call first reads back the records the segment holds for this view and
+settles on them (issue 10, item 3):
+
+- an interrupted allocation is undone whole: its sequences are released without commit
+  (the caller, who got an exception, never learned their pages);
+- an interrupted release drops the sequences the segment no longer holds;
+- an interrupted decode step keeps the pages it was given (a retried step uses them) but
+  none of its tokens;
+- an interrupted commit keeps what it cached (commit is idempotent).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import numbers
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
@@ -32,7 +48,7 @@ import numpy as np
 from hostkv import _sequences
 from hostkv._tokens import TOKEN_LIMIT, as_namespace, as_tokens
 from hostkv.cache import HostKVCache
-from hostkv.errors import SequenceError
+from hostkv.errors import HostKVError, OutOfPagesError, SequenceError
 
 __all__ = [
     "PrefixSequenceState",
@@ -43,6 +59,13 @@ __all__ = [
 ]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Iterable, but bytes, not ids: refused wherever a sequence of ids or counts is expected.
+_BYTES_LIKE = (str, bytes, bytearray, memoryview)
+
+
+def _is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool (True is an int to Python, never to hostkv)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +158,15 @@ class WorkerViewStats:
 class _Sequence:
     """The view's own bookkeeping of one live sequence (process-private)."""
 
-    __slots__ = ("seq_id", "record", "namespace", "tokens", "num_tokens", "cacheable_tokens",
-                 "reused_tokens", "committed_pages", "pages", "num_pages")
+    __slots__ = ("seq_id", "record", "generation", "namespace", "tokens", "num_tokens",
+                 "cacheable_tokens", "reused_tokens", "committed_pages", "pages", "num_pages")
 
-    def __init__(self, seq_id: int, record: int, namespace: int, tokens: np.ndarray,
-                 reused_pages: int, pages: np.ndarray, page_size: int) -> None:
+    def __init__(self, seq_id: int, record: int, generation: int, namespace: int,
+                 tokens: np.ndarray, reused_pages: int, pages: np.ndarray,
+                 page_size: int) -> None:
         self.seq_id = seq_id
         self.record = record
+        self.generation = generation      # the record's, at allocation: names this use of it
         self.namespace = namespace
         # Exact-size arrays: the first decode step grows them (doubling), most sequences
         # of a prefill-heavy load never pay for room they do not use.
@@ -165,6 +190,11 @@ class _Sequence:
                 self.cacheable_tokens += 1
         self.num_tokens += 1
 
+    def undo_token(self) -> None:
+        """Takes back the last append_token (an interrupted decode step)."""
+        self.num_tokens -= 1
+        self.cacheable_tokens = min(self.cacheable_tokens, self.num_tokens)
+
     def append_page(self, page: int) -> None:
         if self.num_pages == len(self.pages):
             grown = np.empty(max(2 * len(self.pages), 4), dtype=np.int32)
@@ -175,6 +205,33 @@ class _Sequence:
 
 
 _fork_epoch = 0
+
+# Each WorkerView of a process stamps its records with its own number, so that after an
+# interrupt it can find them again (several views of one process share one lease). Numbers
+# wrap within int32; only views alive at the same time need distinct ones.
+_view_numbers = itertools.count(1)
+
+
+def _next_view_number() -> int:
+    return next(_view_numbers) % (2**31 - 1) + 1
+
+
+class _InFlight:
+    """What a view's call was doing when it may have been interrupted (see the module
+    docstring): the ids of an allocation to undo, the sequences of a decode step whose
+    token to take back if they got it."""
+
+    __slots__ = ("allocating", "stepping", "marks")
+
+    def __init__(self, allocating: Sequence[int] = (), stepping: Sequence[Any] = (),
+                 marks: Sequence[int] = ()) -> None:
+        self.allocating = allocating
+        self.stepping = stepping          # a decode step's sequences ...
+        self.marks = marks                # ... and their num_tokens before it
+
+
+_NOTHING_TO_UNDO = _InFlight()
+_NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
 def _after_fork_in_child() -> None:
@@ -206,6 +263,9 @@ class WorkerView:
         self._sequences: Dict[int, _Sequence] = {}
         self._fork_epoch = _fork_epoch
         self._closed = False
+        self._number = _next_view_number()
+        # Not None while a call that changes shared state has not finished its bookkeeping.
+        self._in_flight: Optional[_InFlight] = None
         self._requests = 0
         self._prompt_tokens = 0
         self._reused_tokens = 0
@@ -220,6 +280,38 @@ class WorkerView:
             raise SequenceError(
                 "this WorkerView belongs to the process that created it; a forked child "
                 "must create its own WorkerView (its sequences are the parent's)")
+        if self._in_flight is not None:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Brings the bookkeeping in line with the segment after an interrupted call.
+
+        Idempotent: interrupted itself, it runs again at the next call."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            return
+        for seq_id in in_flight.allocating:
+            self._sequences.pop(seq_id, None)
+        for seq, num_tokens in zip(in_flight.stepping, in_flight.marks):
+            if seq.num_tokens > num_tokens:          # compared, not counted: idempotent
+                seq.undo_token()
+        held = {record: (generation, seq_id, pages) for record, generation, seq_id, pages
+                in _sequences.view_sequences(self._segment, self._number)}
+        for seq in list(self._sequences.values()):
+            found = held.get(seq.record)
+            if found is None or found[0] != seq.generation or found[1] != seq.seq_id:
+                del self._sequences[seq.seq_id]          # its release went through
+                continue
+            del held[seq.record]
+            own = seq.num_pages - seq.reused_tokens // self._page_size
+            for page in found[2][own:]:
+                seq.append_page(page)                    # a decode step's page: keep it
+        # Records of this view that no bookkeeping names: an interrupted allocation's.
+        # One per mutation, as close() does: the undo log always has room for one.
+        for record, (generation, seq_id, _pages) in held.items():
+            _sequences.release(self._segment, [record], [seq_id], [generation], [_NO_TOKENS],
+                               [_NO_TOKENS], [0], [0])
+        self._in_flight = None
 
     @staticmethod
     def _check_seq_id(seq_id: Any) -> int:
@@ -235,7 +327,7 @@ class WorkerView:
     def _live(self, seq_ids: Iterable[Any], what: str) -> List[_Sequence]:
         """The live sequences of seq_ids, each once; SequenceError names the first bad id."""
         if type(seq_ids) not in (list, tuple) and (
-                isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable)):
+                isinstance(seq_ids, _BYTES_LIKE) or not isinstance(seq_ids, Iterable)):
             raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}")
         out = []
         seen = set()
@@ -262,6 +354,18 @@ class WorkerView:
                 if attempt == 2:
                     raise
                 self._cache.reap()
+
+    def _change(self, in_flight: _InFlight, operation: Any, *args: Any) -> Any:
+        """Runs a compiled call that changes shared state, the view marked unsettled until
+        the caller's bookkeeping after it is done (the caller then clears _in_flight)."""
+        self._in_flight = in_flight
+        try:
+            return self._reaping_if_short(operation, *args)
+        except (HostKVError, ValueError):
+            # The compiled calls raise these only having changed nothing (all or nothing):
+            # no need to read the segment back.
+            self._in_flight = None
+            raise
 
     # -- the engine's loop -------------------------------------------------------------------------
 
@@ -303,6 +407,13 @@ class WorkerView:
             tokens = as_tokens(request.tokens, f"requests[{index}].tokens")
             if len(tokens) == 0:
                 raise SequenceError(f"sequence {seq_id} has an empty prompt")
+            if -(-len(tokens) // self._page_size) > self._config.num_pages:
+                # Can never fit, whatever is evicted: say so before locking (and evicting).
+                raise OutOfPagesError(
+                    f"sequence {seq_id}'s prompt of {len(tokens)} tokens needs "
+                    f"{-(-len(tokens) // self._page_size)} pages, more than the pool's "
+                    f"{self._config.num_pages} pages in all",
+                    needed=-(-len(tokens) // self._page_size), available=self._config.num_pages)
             seq_ids.append(seq_id)
             token_arrays.append(tokens)
             namespaces.append(as_namespace(request.namespace))
@@ -315,20 +426,23 @@ class WorkerView:
             reuse = np.array([(len(t) - 1) // page_size for t in token_arrays], dtype=np.int64)
         else:
             reuse = np.zeros(len(token_arrays), dtype=np.int64)
-        results = self._reaping_if_short(
-            _sequences.allocate, self._segment, token_arrays, np.array(seq_ids, dtype=np.int64),
-            namespaces, reuse, self._config.prefix_min_reuse_pages)
+        results = self._change(
+            _InFlight(allocating=seq_ids), _sequences.allocate, self._segment, token_arrays,
+            np.array(seq_ids, dtype=np.int64), namespaces, reuse,
+            self._config.prefix_min_reuse_pages, self._number)
         allocations = []
-        for seq_id, tokens, namespace, (record, reused_pages, table) in zip(
+        for seq_id, tokens, namespace, (record, reused_pages, table, generation) in zip(
                 seq_ids, token_arrays, namespaces, results):
             table.flags.writeable = False
-            self._sequences[seq_id] = _Sequence(seq_id, record, namespace, tokens, reused_pages,
-                                                table, page_size)
+            self._sequences[seq_id] = _Sequence(seq_id, record, generation, namespace, tokens,
+                                                reused_pages, table, page_size)
             allocations.append(SequenceAllocation(seq_id, reused_pages * page_size, table,
                                                   page_size))
-            self._requests += 1
-            self._prompt_tokens += len(tokens)
-            self._reused_tokens += reused_pages * page_size
+        self._in_flight = None
+        # The view's own counters, after the bookkeeping: best effort if interrupted here.
+        self._requests += len(results)
+        self._prompt_tokens += sum(len(tokens) for tokens in token_arrays)
+        self._reused_tokens += sum(result[1] for result in results) * page_size
         return allocations
 
     def append_tokens(self, seq_ids: Sequence[Any], token_ids: Sequence[Optional[int]]) -> None:
@@ -343,14 +457,20 @@ class WorkerView:
         """
         self._check_usable()
         sequences = self._live(seq_ids, "append_tokens")
+        if type(token_ids) not in (list, tuple) and (
+                isinstance(token_ids, _BYTES_LIKE) or not isinstance(token_ids, Iterable)):
+            raise ValueError("append_tokens needs a sequence of token ids (int or None), one "
+                             f"per sequence, got {type(token_ids).__name__}")
         tokens = list(token_ids)
         if len(tokens) != len(sequences):
             raise SequenceError(
                 f"append_tokens got {len(sequences)} sequence ids but {len(tokens)} tokens")
         for seq, token in zip(sequences, tokens):
+            if type(token) is int and 0 <= token < TOKEN_LIMIT:
+                continue                                 # the common case, cheaply
             if token is None:
                 continue
-            if isinstance(token, (bool, np.bool_)) or not isinstance(token, numbers.Integral):
+            if not _is_int(token):
                 raise ValueError(f"sequence {seq.seq_id}: token ids must be integers or None, "
                                  f"got {token!r}")
             if not 0 <= int(token) < TOKEN_LIMIT:
@@ -358,24 +478,39 @@ class WorkerView:
                                  "[0, 2**31)")
         page_size = self._page_size
         needing = [seq for seq in sequences if seq.num_tokens == seq.num_pages * page_size]
+        in_flight = _InFlight(stepping=sequences, marks=[seq.num_tokens for seq in sequences])
         if needing:
-            pages = self._reaping_if_short(
-                _sequences.append_pages, self._segment,
-                np.array([seq.record for seq in needing], dtype=np.int32))
+            pages = self._change(
+                in_flight, _sequences.append_pages, self._segment,
+                np.array([seq.record for seq in needing], dtype=np.int32),
+                np.array([seq.seq_id for seq in needing], dtype=np.int64),
+                np.array([seq.generation for seq in needing], dtype=np.int64))
             for seq, page in zip(needing, pages):
                 seq.append_page(int(page))
+        else:
+            self._in_flight = in_flight
         for seq, token in zip(sequences, tokens):
             seq.append_token(None if token is None else int(token))
+        self._in_flight = None
 
     def _commit_plan(self, sequences: List[_Sequence], num_tokens: Any) -> List[int]:
         """What commit would cache: per sequence, its full known pages (0: nothing new)."""
         limits: List[Optional[int]]
         if num_tokens is None:
             limits = [None] * len(sequences)
-        elif isinstance(num_tokens, numbers.Integral) and not isinstance(num_tokens, bool):
+        elif _is_int(num_tokens):
             limits = [int(num_tokens)] * len(sequences)
         else:
-            limits = [int(n) for n in num_tokens]
+            if isinstance(num_tokens, _BYTES_LIKE) or not isinstance(num_tokens, Iterable) or (
+                    isinstance(num_tokens, np.ndarray) and num_tokens.ndim != 1):
+                raise SequenceError("num_tokens must be None, an int, or one int per sequence, "
+                                    f"got {num_tokens!r}")
+            values = list(num_tokens)
+            for n in values:
+                if not _is_int(n):
+                    # No int() of a float or a str: 7.9 is not 7 tokens, "8" is not 8.
+                    raise SequenceError(f"num_tokens must be integers, got {n!r}")
+            limits = [int(n) for n in values]
             if len(limits) != len(sequences):
                 raise SequenceError(f"{len(sequences)} sequence ids but {len(limits)} num_tokens")
         for seq, limit in zip(sequences, limits):
@@ -412,38 +547,63 @@ class WorkerView:
             Per sequence, how many of its leading pages the cache now holds (best effort:
             when node records run out even after eviction, a sequence's new pages stay
             uncached, and the call still succeeds).
+
+        Raises:
+            SequenceError: unknown or repeated ids, or bad num_tokens.
+            CapacityError: the batch needs more undo log than the segment has (resource
+                "undo log"; a configuration error, not best effort: nothing changed, commit
+                fewer sequences at a time or raise undo_log_capacity).
         """
         self._check_usable()
         sequences = self._live(seq_ids, "commit")
         counts = self._commit_plan(sequences, num_tokens)
         todo = [(seq, count) for seq, count in zip(sequences, counts) if count]
         if todo:
-            cached = _sequences.commit(
-                self._segment, [seq.record for seq, _ in todo], [seq.tokens for seq, _ in todo],
+            cached = self._change(
+                _NOTHING_TO_UNDO, _sequences.commit, self._segment,
+                [seq.record for seq, _ in todo], [seq.seq_id for seq, _ in todo],
+                [seq.generation for seq, _ in todo], [seq.tokens for seq, _ in todo],
                 [seq.pages for seq, _ in todo], [count for _, count in todo],
                 [seq.namespace for seq, _ in todo])
             for (seq, _), pages in zip(todo, cached):
                 self._note_cached(seq, pages)
+            self._in_flight = None
         return [seq.committed_pages for seq in sequences]
 
     def release(self, seq_ids: Sequence[Any], commit: bool = True) -> List[int]:
         """Ends sequences: commits their full known pages (unless commit=False), then drops
         every reference they hold. Their ids become free for reuse.
 
+        Args:
+            seq_ids: Live sequences.
+            commit: True or False (anything else is a ValueError).
+
         Returns:
             Per sequence, how many of its leading pages the cache held for it at the end.
+
+        Raises:
+            SequenceError: unknown or repeated ids.
+            CapacityError: the batch needs more undo log than the segment has (resource
+                "undo log"): nothing changed, every sequence is still live; release fewer
+                at a time (close() releases one per mutation).
         """
         self._check_usable()
+        if not isinstance(commit, (bool, np.bool_)):
+            # A truthy "no" must not commit.
+            raise ValueError(f"commit must be True or False, got {commit!r}")
         sequences = self._live(seq_ids, "release")
         counts = self._commit_plan(sequences, None) if commit else [0] * len(sequences)
-        cached = _sequences.release(
-            self._segment, [seq.record for seq in sequences], [seq.tokens for seq in sequences],
+        cached = self._change(
+            _NOTHING_TO_UNDO, _sequences.release, self._segment,
+            [seq.record for seq in sequences], [seq.seq_id for seq in sequences],
+            [seq.generation for seq in sequences], [seq.tokens for seq in sequences],
             [seq.pages for seq in sequences], counts, [seq.namespace for seq in sequences])
         out = []
         for seq, pages in zip(sequences, cached):
             self._note_cached(seq, pages)
             out.append(seq.committed_pages)
             del self._sequences[seq.seq_id]
+        self._in_flight = None
         return out
 
     # -- reading ---------------------------------------------------------------------------------
@@ -469,6 +629,9 @@ class WorkerView:
     @property
     def live_sequences(self) -> List[int]:
         """Ids of the view's live sequences."""
+        if (self._in_flight is not None and not self._closed and self._fork_epoch == _fork_epoch
+                and not self._cache.closed):
+            self._settle()
         return list(self._sequences)
 
     def stats(self) -> WorkerViewStats:
@@ -484,7 +647,10 @@ class WorkerView:
         """Releases every live sequence without committing (their pages may be partial)."""
         if self._closed:
             return
-        if self._sequences and self._fork_epoch == _fork_epoch and not self._cache.closed:
+        if ((self._sequences or self._in_flight is not None) and self._fork_epoch == _fork_epoch
+                and not self._cache.closed):
+            if self._in_flight is not None:
+                self._settle()
             # One at a time: a batch of everything might need more undo log than there is.
             for seq_id in list(self._sequences):
                 self.release([seq_id], commit=False)

@@ -17,7 +17,9 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 import hostkv
-from hostkv import _pages, _segment
+from hostkv import _pages, _radix, _segment, _sequences
+
+from rawseg import LAYOUT, RawSegment
 
 CRASH_STATUS = 77
 MAX_STEPS = 10_000
@@ -79,6 +81,69 @@ def snapshot(cache: hostkv.HostKVCache) -> Snapshot:
     return seg.run_locked(capture)
 
 
+def lru_state(seg) -> tuple:
+    """The LRU clock and every cached node's last-access stamp, read from the raw bytes
+    (call with the lock held). A node is named by its first page (a page is in one node at
+    most), not by its record. Each round of a crash test's setup touches the tree (moving
+    the clock) the same way, so absolute stamps differ from round to round; what is
+    compared is the order of the stamps (each node's dense rank, oldest 0) and how far the
+    clock is ahead of the newest stamp: a crash that left the clock moved without the
+    touch, or a touch without the clock, changes one of them."""
+    info = seg.header_info()
+    start = info["regions"]["reg_radix_nodes"]
+    slab, node = LAYOUT["slab"], LAYOUT["radix_node"]
+    with RawSegment(seg.name) as raw:
+        head = np.frombuffer(raw.read(start, start + LAYOUT["sizes"]["HkvSlab"]), np.int32)
+        capacity = int(head[slab["sl_capacity"] // 4])
+        size = int(head[slab["sl_record_size"] // 4])
+        records = raw.read(start + LAYOUT["sizes"]["HkvSlab"],
+                           start + LAYOUT["sizes"]["HkvSlab"] + capacity * size)
+    nodes = set()
+    in_use_at = node["rn_slab"] + 4                     # HkvSlabRecord.sr_in_use
+    for i in range(capacity):
+        rec = records[i * size:(i + 1) * size]
+        if int.from_bytes(rec[in_use_at:in_use_at + 4], "little") != 1:
+            continue
+
+        def field(name, width):
+            at = node[name]
+            return int.from_bytes(rec[at:at + width], "little", signed=True)
+
+        nodes.add((field("rn_first_page", 4), field("rn_num_pages", 4),
+                   field("rn_last_access", 8)))
+    stamps = sorted({stamp for _, _, stamp in nodes})
+    rank = {stamp: i for i, stamp in enumerate(stamps)}
+    ahead = info["radix"]["rt_tick"] - (stamps[-1] if stamps else 0)
+    return (ahead, frozenset((first, count, rank[stamp]) for first, count, stamp in nodes))
+
+
+def unreaped_snapshot(name: str) -> tuple:
+    """The state as a dead process left it, before anyone reaps it: an observer (which never
+    sweeps) takes the lock, recovering a dead holder's log, checks every invariant (exact
+    references where OPTIONS says so), and captures the free count, how many leases are
+    taken, the tree, the LRU ages and the sequences of every lease, the dead one's
+    included. Each round of a crash test's setup is handed other page numbers (reaping
+    returns pages to the free stack in another order), so the sequences are compared by
+    (id, namespace, own pages' count) and the refcounts as a sorted multiset; the check
+    ties them to the pages. Lease slots and generations differ from one child to the next,
+    so only their number is compared."""
+    observer = hostkv.HostKVCache.attach(name, lease=False)
+    try:
+        return observer._segment.run_locked(capture_unreaped, observer)
+    finally:
+        observer.close()
+
+
+def capture_unreaped(cache: hostkv.HostKVCache) -> tuple:
+    """unreaped_snapshot's capture, for a caller that holds the lock already."""
+    seg = cache._segment
+    cache._check_locked(OPTIONS["exact_references"])
+    info = seg.header_info()
+    sequences = frozenset((s[2], s[3], len(s[4])) for s in _sequences.live_sequences(seg))
+    return (tuple(sorted(_pages.refcounts(seg).tolist())), info["free_pages"],
+            len(seg.leases()), frozenset(_radix.tree_contents(seg)), lru_state(seg), sequences)
+
+
 def run_in_child(name: str, op: Optional[Callable], ctx, crash_at: int, env_crash: bool = False,
                  setup: Optional[Callable] = None) -> int:
     """Forks; the child attaches, runs setup(cache) unarmed (its result replaces ctx), arms
@@ -113,6 +178,31 @@ def run_in_child(name: str, op: Optional[Callable], ctx, crash_at: int, env_cras
     return os.waitstatus_to_exitcode(status)
 
 
+def run_observer_in_child(name: str, action: Callable, crash_at: int) -> int:
+    """Forks; the child attaches as an observer (no lease taken, no sweep on its own), arms
+    the crash point through _arm_crash_point and runs action(segment): the steps counted
+    are action's alone (a sweep by seg.reap(), a registration by seg._register_lease()).
+    Returns its exit status."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        status = 1
+        try:
+            observer = hostkv.HostKVCache.attach(name, lease=False)
+            observer._segment._arm_crash_point(crash_at)
+            action(observer._segment)
+            observer._segment._arm_crash_point(0)
+            status = 0
+        except BaseException:  # noqa: BLE001 - report through the exit status
+            import traceback
+
+            traceback.print_exc()
+            status = 2
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
 def crash_every_step(
     cache: hostkv.HostKVCache,
     op: Callable,
@@ -120,6 +210,7 @@ def crash_every_step(
     expect_after: Optional[Callable[[Snapshot, Snapshot], Optional[str]]] = None,
     env_crash: bool = False,
     setup: Optional[Callable] = None,
+    unreaped: bool = False,
 ) -> int:
     """Crashes `op` at step 1, 2, ... until it completes; returns how many steps it crashed at.
 
@@ -128,13 +219,22 @@ def crash_every_step(
     state "before" is then that of a child that ran setup and died (and was reaped).
     expect_after(before, after) returns None if the completed operation's result is right,
     else a description of what is wrong.
+
+    With unreaped, each crashed child's state is also compared before it is reaped (the
+    sequences it held, as setup left them): reaping releases whatever a dead process held,
+    so after the reap a record the recovery left wrong could look the same as a right one.
     """
-    if setup is not None:
+    before_unreaped = None
+    if setup is not None or unreaped:
         assert run_in_child(cache.name, None, None, 0, setup=setup) == 0
+        if unreaped:
+            before_unreaped = unreaped_snapshot(cache.name)
     before = snapshot(cache)
     recoveries = cache.stats().recoveries
     for step in range(1, MAX_STEPS):
         status = run_in_child(cache.name, op, ctx, step, env_crash=env_crash, setup=setup)
+        if before_unreaped is not None and status == CRASH_STATUS:
+            after_crash_unreaped = unreaped_snapshot(cache.name)
         state = snapshot(cache)
         if status == 0:
             if expect_after is not None:
@@ -143,6 +243,10 @@ def crash_every_step(
             return step - 1
         assert status == CRASH_STATUS, f"child exited with {status} at step {step}"
         assert state == before, f"{op.__name__} crashed at step {step}: {before.differences(state)}"
+        if before_unreaped is not None:
+            assert after_crash_unreaped == before_unreaped, (
+                f"{op.__name__} crashed at step {step}: the dead process's state before reaping "
+                "differs from what setup left")
         assert cache.stats().recoveries >= recoveries
     raise AssertionError(f"{op.__name__} never completed within {MAX_STEPS} steps")
 

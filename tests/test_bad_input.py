@@ -14,6 +14,7 @@ Non-contiguous token arrays are accepted (copied), and tested as such below.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from hostkv import (
     ConfigError,
     HostKVCache,
     IncompatibleSegmentError,
+    OutOfPagesError,
     SegmentExistsError,
     SegmentNotFoundError,
     SequenceError,
@@ -77,13 +79,14 @@ class Case:
     exc: type
     call: Callable[[Env], Any] = None          # called under pytest.raises
     prepare: Callable[[Env], Callable[[], Any]] = None   # setup, returns the call
+    match: str = None                          # a regex the message must contain
 
 
 CASES = []
 
 
-def case(id: str, exc: type, call=None, prepare=None) -> None:
-    CASES.append(Case(id, exc, call, prepare))
+def case(id: str, exc: type, call=None, prepare=None, match=None) -> None:
+    CASES.append(Case(id, exc, call, prepare, match))
 
 
 # -- token ids ------------------------------------------------------------------------------
@@ -113,7 +116,21 @@ BAD_TOKENS = {
     "mixed-str": [1, "a", 3, 4],
     "mixed-None": [1, None, 3, 4],
     "dict": {1: 2},
+    # Issue 10: each of these was accepted, or refused with a misleading message.
+    "bool-among-ints": [1, True, 2, 3],
+    "numpy-bool-among-ints": [1, 2, np.False_, 3],
+    "bytearray": bytearray(b"abcd"),
+    "memoryview": memoryview(b"abcd"),
+    "memoryview-of-int32": memoryview(np.array([1, 2, 3, 4], dtype=np.int32)),
+    "set": {1, 2, 3, 4},
+    "dict-of-four": {1: 2, 3: 4, 5: 6, 7: 8},
+    "frozenset": frozenset({1, 2}),
+    "nested-ragged": [[1, 2], [3]],
 }
+TOKEN_MESSAGES = {"bool-among-ints": "not bools", "numpy-bool-among-ints": "not bools",
+                  "set": "sequence of integer ids.*got set", "dict": "got dict",
+                  "dict-of-four": "got dict", "bytearray": "got bytearray",
+                  "memoryview": "got memoryview"}
 if torch is not None:
     BAD_TOKENS["torch-negative"] = torch.tensor([1, -1, 2, 3])
     BAD_TOKENS["torch-floats"] = torch.tensor([1.0, 2.0, 3.0, 4.0])
@@ -121,12 +138,14 @@ if torch is not None:
 
 for key, tokens in BAD_TOKENS.items():
     case(f"match_prefix-tokens-{key}", ValueError,
-         lambda env, t=tokens: env.cache.match_prefix(t))
+         lambda env, t=tokens: env.cache.match_prefix(t), match=TOKEN_MESSAGES.get(key))
 
-for key in ("negative", "2**31", "tuple-negative", "2**80", "python-floats", "numpy-floats", "2-D-numpy", "str", "None"):
+for key in ("negative", "2**31", "tuple-negative", "2**80", "python-floats", "numpy-floats",
+            "2-D-numpy", "str", "None", "bool-among-ints", "numpy-bool-among-ints", "bytearray",
+            "memoryview", "memoryview-of-int32", "set", "dict", "nested-ragged"):
     case(f"allocate-tokens-{key}", ValueError,
          lambda env, t=BAD_TOKENS[key]: env.view.allocate_pages_for_sequences_with_prefix(
-             [R(50, SYS + [1]), R(51, t)]))
+             [R(50, SYS + [1]), R(51, t)]), match=TOKEN_MESSAGES.get(key))
 
 # -- namespaces -----------------------------------------------------------------------------
 
@@ -156,6 +175,12 @@ case("allocate-duplicate-ids", SequenceError,
          [R(50, SYS + [1]), R(51, [1, 2]), R(50, SYS + [2])]))
 case("allocate-live-id", SequenceError,
      lambda env: env.view.allocate_pages_for_sequences_with_prefix([R(50, SYS), R(1, SYS)]))
+# A request that can never fit says so (and is refused before the lock): the pool has 32
+# pages, none held by live sequences but the fixture's few.
+case("allocate-more-pages-than-the-pool", OutOfPagesError,
+     lambda env: env.view.allocate_pages_for_sequences_with_prefix(
+         [R(50, SYS + [1]), R(51, list(range(33 * PAGE)))]),
+     match=r"needs 33 pages, more than the pool's 32 pages in all")
 for key, seq_id in {"str": "50", "float": 50.0, "bool": True, "2**63": 2**63,
                     "-2**63-1": -2**63 - 1, "None": None}.items():
     case(f"allocate-seq-id-{key}", SequenceError,
@@ -178,7 +203,22 @@ for key, token in {"negative": -1, "2**31": 2**31, "float": 1.5, "bool": True, "
     # sequence 2's would, so a half-done step would show.
     case(f"append-token-{key}", ValueError,
          lambda env, t=token: env.view.append_tokens([2, 1], [5, t]))
+for key, token_ids in {"None": None, "int": 5, "bytes": b"\x05\x06",
+                       "bytearray": bytearray(b"\x05\x06"), "memoryview": memoryview(b"\x05\x06"),
+                       "str": "56"}.items():
+    case(f"append-token-ids-{key}", ValueError,
+         lambda env, t=token_ids: env.view.append_tokens([2, 1], t))
+case("append-ids-bytearray", SequenceError,
+     lambda env: env.view.append_tokens(bytearray(b"\x01\x02"), [5, 6]))
+case("append-ids-memoryview", SequenceError,
+     lambda env: env.view.append_tokens(memoryview(b"\x01\x02"), [5, 6]))
 case("commit-unknown-id", SequenceError, lambda env: env.view.commit([1, 77]))
+for key, num_tokens in {"float": 1.5, "True": True, "numpy-bool": np.True_, "[None]": [None],
+                        "[7.9]": [7.9], "[8.0]": [8.0], '["8"]': ["8"], "str": "8",
+                        "[True]": [True], "numpy-floats": np.array([7.9]),
+                        "2-D-numpy": np.array([[8]]), "bytes": b"\x08"}.items():
+    case(f"commit-num-tokens-{key}", SequenceError,
+         lambda env, n=num_tokens: env.view.commit([1], num_tokens=n))
 case("commit-released-id", SequenceError, lambda env: env.view.commit([9]))
 case("commit-negative-num-tokens", SequenceError,
      lambda env: env.view.commit([1, 2], num_tokens=-1))
@@ -187,6 +227,10 @@ case("commit-num-tokens-length", SequenceError,
 case("release-unknown-id", SequenceError, lambda env: env.view.release([1, 77]))
 case("release-released-id", SequenceError, lambda env: env.view.release([9]))
 case("release-twice-in-one-call", SequenceError, lambda env: env.view.release([2, 2]))
+for key, commit in {"str-no": "no", "None": None, "int-1": 1, "int-0": 0,
+                    "list": [True]}.items():
+    case(f"release-commit-{key}", ValueError,
+         lambda env, c=commit: env.view.release([1, 2], commit=c), match="True or False")
 case("release-then-release-again", SequenceError,
      prepare=lambda env: (env.view.release([2]), lambda: env.view.release([2]))[1])
 case("append-after-release", SequenceError,
@@ -220,13 +264,14 @@ case("attach-other-expected-page-size", IncompatibleSegmentError,
      lambda env: HostKVCache.attach(env.name, expected_config=small_config(page_size=8)))
 
 BAD_TIMEOUTS = {"negative": -1.0, "zero": 0, "nan": math.nan, "inf": math.inf, "str": "a",
-                "None": None}
+                "None": None, "numeric-str": "1", "True": True, "bytes": b"1",
+                "list": [1.0]}
 for key, timeout in BAD_TIMEOUTS.items():
     case(f"create-lock-timeout-{key}", ValueError,
          lambda env, t=timeout: HostKVCache.create(env.new_name(), small_config(), lock_timeout=t))
     case(f"attach-lock-timeout-{key}", ValueError,
          lambda env, t=timeout: HostKVCache.attach(env.name, lock_timeout=t))
-for key in ("negative", "zero", "nan"):
+for key in ("negative", "zero", "nan", "numeric-str", "True"):
     case(f"attach-ready-timeout-{key}", ValueError,
          lambda env, t=BAD_TIMEOUTS[key]: HostKVCache.attach(env.name, ready_timeout=t))
 
@@ -285,6 +330,11 @@ case("WorkerView-not-a-cache", TypeError, lambda env: WorkerView(env.name))
 
 case("evict-negative", ValueError, lambda env: env.cache.evict(-1))
 case("evict-str", ValueError, lambda env: env.cache.evict("a"))
+# Issue 10: each of these was accepted (int() of it) or raised TypeError / OverflowError.
+for key, count in {"None": None, "2**70": 2**70, "2**63": 2**63, "0.9": 0.9, "2.9": 2.9,
+                   "numeric-str": "3", "True": True, "numpy-bool": np.True_,
+                   "numpy-float": np.float64(2.0), "list": [1]}.items():
+    case(f"evict-{key}", ValueError, lambda env, c=count: env.cache.evict(c))
 
 if torch is not None:
     for key, kwargs in {
@@ -321,6 +371,8 @@ def test_bad_input_raises_and_changes_nothing(env, bad):
     with pytest.raises(Exception) as info:
         call()
     assert type(info.value) is bad.exc, f"{bad.id}: {type(info.value).__name__}: {info.value}"
+    if bad.match is not None:
+        assert re.search(bad.match, str(info.value)), f"{bad.id}: {info.value}"
     after = snap.take()
     assert not snap.diff(before, after), f"{bad.id}: {snap.diff(before, after)}"
     # The view's own bookkeeping did not move either.
@@ -367,3 +419,42 @@ def test_non_contiguous_tokens_are_accepted_by_copying(env):
     assert env.view.state(60).tokens.tolist() == strided32.tolist()
     env.view.release([60, 61])
     env.cache.check()
+
+
+def test_out_of_pages_messages_say_what_holds_the_pages(env):
+    """Issue 10: an empty pool short for a batch said "every other page is held by live
+    sequences" though none were. These batches take the lock (they evict before they know),
+    so they are not in the byte-for-byte table; they still change nothing."""
+    before = {s: env.view.state(s).pages.tolist() for s in env.view.live_sequences}
+    with pytest.raises(OutOfPagesError, match=r"more than the pool's 32 pages in all"):
+        env.view.allocate_pages_for_sequences_with_prefix(
+            [R(50, list(range(20 * PAGE))), R(51, list(range(5000, 5000 + 20 * PAGE)))])
+    held = 32 - env.cache.stats().free_pages - env.cache.stats().evictable_pages
+    with pytest.raises(OutOfPagesError, match=rf"the other {held} pages are held by live "
+                                              r"sequences \(their own pages, and the cached"):
+        env.view.allocate_pages_for_sequences_with_prefix([R(50, list(range((32 - held + 1) * PAGE)))])
+    assert {s: env.view.state(s).pages.tolist() for s in env.view.live_sequences} == before
+    env.cache.check()
+
+
+def test_the_issues_65_pages_on_an_empty_64_page_pool(segment_name):
+    """The exact case from issue 10: nothing is held, so the message must not blame live
+    sequences; and the request is refused before the lock (the segment is unchanged)."""
+    with HostKVCache.create(segment_name, small_config(num_pages=64, page_size=PAGE)) as cache:
+        view = WorkerView(cache)
+        cache.reap()
+        snap = MetadataSnapshot(cache)
+        before = snap.take()
+        with pytest.raises(OutOfPagesError) as info:
+            view.allocate_pages_for_sequences_with_prefix([R(1, list(range(65 * PAGE)))])
+        assert "needs 65 pages, more than the pool's 64 pages in all" in str(info.value)
+        assert "live sequences" not in str(info.value)
+        assert (info.value.needed, info.value.available) == (65, 64)
+        assert not snap.diff(before, snap.take())
+        # Two requests that fit alone but not together: the batch says the same.
+        with pytest.raises(OutOfPagesError, match="more than the pool's 64 pages in all") as info:
+            view.allocate_pages_for_sequences_with_prefix(
+                [R(1, list(range(40 * PAGE))), R(2, list(range(9000, 9000 + 30 * PAGE)))])
+        assert "live sequences" not in str(info.value)
+        view.close()
+        cache.check()

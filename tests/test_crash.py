@@ -10,7 +10,8 @@ import hostkv
 from hostkv import _pages
 
 from conftest import small_config
-from crashlib import CRASH_STATUS, crash_every_step, raise_every_step, run_in_child, snapshot
+from crashlib import (CRASH_STATUS, crash_every_step, raise_every_step, run_in_child,
+                      run_observer_in_child, snapshot)
 
 
 # -- the operations: op(cache, ctx) performs one mutation ------------------------------------
@@ -94,26 +95,25 @@ def test_lease_release_crash_at_every_step(crash_cache):
 
 
 def test_reap_crash_at_every_step(crash_cache):
-    # Every round needs a dead lease to reap, and crash_every_step reaps before it compares,
-    # so this loop is written out: a dead child, then an armed child whose attach sweeps it.
+    """A dead lease, reaped by a sweep crashed at every step: after the parent's own reap
+    the whole state (refcounts, free pages, leases, counters) is as before the dead child.
+    Every round needs a dead lease to reap, so this loop is written out; the sweeping child
+    is an observer armed through _arm_crash_point (its attach sweeps nothing)."""
+    before = snapshot(crash_cache)
     for step in range(1, 50):
         _dead_child(crash_cache.name)
         seg = crash_cache._segment
         assert len(seg.leases()) == 2
-        status = run_in_child(crash_cache.name, lambda c, _: None, None, step, env_crash=True)
-        # The armed child's attach sweeps (and reaps) the dead lease: it crashed in there,
-        # or completed it.
-        crash_cache.check(exact_references=False)
+        status = run_observer_in_child(crash_cache.name, lambda s: s.reap(), step)
+        state = snapshot(crash_cache)
+        assert state == before, f"reap crashed at step {step}: {before.differences(state)}"
+        assert len(seg.leases()) == 1
         if status == 0:
             break
         assert status == CRASH_STATUS
-        crash_cache.reap()
-        crash_cache.check(exact_references=False)
-        assert len(seg.leases()) == 1
     else:
-        raise AssertionError("attach with a sweep never completed")
-    crash_cache.reap()
-    assert len(crash_cache._segment.leases()) == 1
+        raise AssertionError("the sweep never completed")
+    assert step > 3
 
 
 def test_crash_during_recovery_is_recovered(crash_cache):

@@ -117,6 +117,8 @@ EXPECTED_LAYOUT = {
         "sq_first_page": 40,
         "sq_last_page": 44,
         "sq_lock_node": 48,
+        "sq_view": 52,
+        "sq_generation": 56,
     },
     "sequence_page": {
         "sp_slab": 0,

@@ -17,10 +17,12 @@ PAGE = 4
 
 @pytest.fixture(autouse=True)
 def tree_in_snapshots(monkeypatch):
-    """Crash snapshots include the whole tree: every path, its pages and its locks."""
+    """Crash snapshots include the whole tree: every path, its pages and its locks, the
+    header's radix state (the LRU clock among it) and the order of the last-access stamps."""
     monkeypatch.setitem(crashlib.EXTRA_STATE, "tree", lambda seg: frozenset(_radix.tree_contents(seg)))
     monkeypatch.setitem(crashlib.EXTRA_STATE, "radix",
                         lambda seg: tuple(sorted(seg.header_info()["radix"].items())))
+    monkeypatch.setitem(crashlib.EXTRA_STATE, "lru", crashlib.lru_state)   # last-access stamps
 
 
 @pytest.fixture

@@ -288,8 +288,11 @@ def test_out_of_pages_after_evicting_everything_evictable(make):
     st = cache.stats()
     assert (st.free_pages, st.evictable_pages) == (POOL - 8, 8)
     before = snapshot(cache, view, quiet=True)
-    with pytest.raises(OutOfPagesError):
-        view.allocate_pages_for_sequences_with_prefix([R(1, list(range(PS * (POOL + 1))))])
+    # Each request fits the pool alone, the batch does not: it evicts everything, then
+    # gives up. (A single request bigger than the pool is refused before the lock.)
+    with pytest.raises(OutOfPagesError, match="more than the pool's 32 pages in all"):
+        view.allocate_pages_for_sequences_with_prefix(
+            [R(1, list(range(PS * (POOL - 4)))), R(2, list(range(5000, 5000 + PS * 5)))])
     assert_unchanged(before, snapshot(cache, view), rolled_back=True)
     # A batch of exactly every free and evictable page fits, evicting the whole tree.
     allocs = view.allocate_pages_for_sequences_with_prefix(
@@ -1131,12 +1134,13 @@ def test_batch_borrows_every_prefix_before_evicting_for_any(make):
 
 def test_out_of_pages_says_where_the_pages_are(make):
     cache, view = make(num_pages=16)
-    with pytest.raises(hostkv.OutOfPagesError, match="the pool has only 16 pages in all"):
+    with pytest.raises(hostkv.OutOfPagesError, match="more than the pool's 16 pages in all"):
         view.allocate_pages_for_sequences_with_prefix([R(1, list(range(17 * PS)))])
     view.allocate_pages_for_sequences_with_prefix([R(2, list(range(10 * PS)))])
     with pytest.raises(hostkv.OutOfPagesError,
-                       match="needs 7 new pages, but only 6 are free or evictable: 10 pages are "
-                             "live sequences' own and 0 cached pages are borrowed"):
+                       match=r"needs 7 new pages, the other 10 pages are held by live "
+                             r"sequences \(their own pages, and the cached prefixes they "
+                             r"borrow\); only 6 are free or evictable"):
         view.allocate_pages_for_sequences_with_prefix([R(3, list(range(9000, 9000 + 7 * PS)))])
     view.release([2])
     cache.check()
