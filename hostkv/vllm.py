@@ -44,7 +44,6 @@ import dataclasses
 import hashlib
 import itertools
 import logging
-import re
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
@@ -60,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from hostkv._units import parse_size
 from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig, KVLayout
 from hostkv.errors import (
@@ -90,33 +90,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("hostkv.vllm")
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
-          "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
-          "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4}
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from an int or a string such as ``"4GiB"``, ``"512MB"`` or ``"1000000"``.
-
-    Raises:
-        ValueError: not a positive size.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"size must be bytes or a string like '4GiB', got {value!r}")
-    if isinstance(value, int):
-        size = value
-    else:
-        match = _SIZE_RE.match(str(value))
-        if not match:
-            raise ValueError(f"size must be bytes or a string like '4GiB', got {value!r}")
-        size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
-    if size <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
-    return size
-
 
 @dataclasses.dataclass(frozen=True)
 class HostKVSettings:

