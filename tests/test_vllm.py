@@ -301,3 +301,88 @@ def test_namespaces_separate_models_salts_and_loras():
     assert len(seen) == 6
     assert ns(base, "s", None) == ns(base, "s", None)
     assert ns(base, None, None) == ns(base, "", None)   # no salt is the empty salt
+
+
+def _scheduler_side(hv, segment: str, num_pages: int = 64):
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    settings = hv.HostKVSettings(segment=segment, num_pages=num_pages)
+    cache = hv.open_segment(settings, layout, BLOCK_SIZE)
+    return hv._SchedulerSide(cache, settings, BLOCK_SIZE, b"model", hv._Failures(),
+                             hv._Counters())
+
+
+def _vllm_request(req_id: str, tokens: Sequence[int]):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, list(tokens), SamplingParams(max_tokens=4), None)
+
+
+def _vllm_blocks(ids: Sequence[int]):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
+
+
+def _seed(sched, hv, tokens: Sequence[int]) -> None:
+    """Commits pages for tokens in the scheduler side's namespace, as an engine would."""
+    with hostkv.WorkerView(sched.cache) as view:
+        view.allocate_pages_for_sequences_with_prefix(
+            [hostkv.SequenceRequest(1, tokens, hv._namespace(b"model", None, None))])
+        view.release([1])
+
+
+@pytest.mark.parametrize("evicted_pages, local_tokens", [(0, 0), (6, 0), (2, 0), (2, 64)])
+def test_evicted_between_lookup_and_borrow_is_never_loaded(segment_name, evicted_pages,
+                                                           local_tokens):
+    """Pages evicted after the lookup promised them are reported as load errors (vLLM
+    recomputes them); only what the request borrowed is loaded, and none of its KV of that
+    step is saved (it rests on the missing blocks)."""
+    hv = _vllm_module()
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    sched = _scheduler_side(hv, segment_name)
+    try:
+        rng = random.Random(7)
+        history = _tokens(rng, 200)                  # 6 full pages cached
+        _seed(sched, hv, history)
+        request = _vllm_request("r1", history + _tokens(rng, 60))
+        offered, asynchronous = sched.get_num_new_matched_tokens(request, local_tokens)
+        assert (offered, asynchronous) == (192 - local_tokens, False)
+        assert sched.cache.evict(evicted_pages) == evicted_pages
+        blocks = list(range(10, 19))                 # 260 tokens: 9 blocks
+        sched.update_state_after_alloc(request, _vllm_blocks(blocks), offered)
+        # vLLM schedules the request: its computed tokens, then the rest of the prompt.
+        from vllm.v1.core.sched.output import NewRequestData
+
+        request.num_computed_tokens = local_tokens + offered
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = [NewRequestData.from_request(request, (blocks,))]
+        out.num_scheduled_tokens = {"r1": 260 - request.num_computed_tokens}
+        meta = sched.build_connector_meta(out)
+        held = 6 - evicted_pages
+        first = local_tokens // BLOCK_SIZE
+        loaded = [b for _, _, bs in meta.loads for b in bs]
+        assert loaded == blocks[first:max(first, held)]
+        assert meta.bad_blocks == blocks[max(first, held):6]
+        # Blocks 6 and 7 fill this step and go to the request's own pages, unless the
+        # step's KV rests on blocks that failed to load.
+        saved = [b for _, bs, _ in meta.saves for b in bs]
+        assert saved == ([] if meta.bad_blocks else blocks[6:8])
+        stats = sched.cache.stats()
+        assert stats.borrowed_pages == held
+        sched.request_finished(request)
+        # The sequence lives on until the workers confirm the step that copies its pages.
+        assert sched.cache.stats().active_sequences == (1 if loaded or saved else 0)
+        from vllm.v1.outputs import KVConnectorOutput
+
+        sched.update_connector_output(KVConnectorOutput(
+            kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=[(meta.step, [])])))
+        stats = sched.cache.stats()
+        assert stats.active_sequences == 0
+        # The confirmed saves are committed: cached, beside what stayed cached.
+        assert stats.cached_pages == held + len(saved)
+        sched.cache.check()
+    finally:
+        sched.shutdown()
