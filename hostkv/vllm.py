@@ -964,8 +964,12 @@ class HostKVConnector(KVConnectorBase_V1):
         sched = self._sched
         if sched is None or not sched.events:
             return ()
-        with sched.lock:
+        if not sched.lock.acquire(timeout=self._settings.lock_timeout):
+            return ()                     # they wait for the next call
+        try:
             return sched.take_events()
+        finally:
+            sched.lock.release()
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         """Hits, pages and bytes loaded and saved, copy time and failures since last time."""

@@ -8,7 +8,8 @@ the engines with the connector).
 
 The engines of the module are shared by its tests, in order (each start costs ~30 s):
   baseline (no connector) -> A -> B (started after A served) -> A and B at once ->
-  kill -9 of A mid-generation -> B alone -> an engine of another layout, refused.
+  the segment's lock stuck -> kill -9 of A mid-generation -> B alone -> an engine of
+  another layout, refused.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import threading
 import time
 import warnings
 from typing import Dict, List, Sequence, Tuple
@@ -71,6 +73,7 @@ class Plan:
         self.s1 = first_turns(3)                 # at once: A serves S1, B serves S2, ...
         self.s2 = first_turns(3)
         self.s3 = first_turns(3)                 # ... and both serve S3 at the same time
+        self.s5 = first_turns(3)                 # A serves S5, B its next turns, lock stuck
         self.kill_turns: List[List[int]] = []
         self.expected: Dict[str, Tuple[List[List[int]], int]] = {}
 
@@ -94,8 +97,15 @@ def _run_baseline(base: Engine, plan: Plan) -> Dict[str, List[List[int]]]:
     out["s3"] = base.generate(plan.s3, MAX_TOKENS)[0]
     plan.s1_next = plan.second_turns(plan.s1, out["s1"])
     plan.s2_next = plan.second_turns(plan.s2, out["s2"])
+    plan.s3_next = plan.second_turns(plan.s3, out["s3"])
     out["s1_next"] = base.generate(plan.s1_next, MAX_TOKENS)[0]
     out["s2_next"] = base.generate(plan.s2_next, MAX_TOKENS)[0]
+    out["s3_next"] = base.generate(plan.s3_next, MAX_TOKENS)[0]
+    out["s5"] = base.generate(plan.s5, MAX_TOKENS)[0]
+    plan.s5_next = plan.second_turns(plan.s5, out["s5"])
+    out["s5_next"] = base.generate(plan.s5_next, MAX_TOKENS)[0]
+    # The same, computed from scratch (a salt of its own keeps vLLM's prefix cache out).
+    out["s5_next_cold"] = base.generate(plan.s5_next, MAX_TOKENS, salts=["cold"] * 3)[0]
     # Third turns of S1 and S2 that A serves long when it is killed, then B serves short.
     plan.kill_turns = plan.second_turns(plan.s1_next + plan.s2_next,
                                         out["s1_next"] + out["s2_next"])
@@ -209,6 +219,41 @@ def test_a_and_b_at_once(world):
                         for p, o, q in zip(plan.s1, expected["s1"], plan.s1_next)]
     with hostkv.HostKVCache.attach(world["segment"], lease=False) as cache:
         cache.check()
+
+
+def test_fails_open_while_the_lock_is_stuck(world):
+    """A process that holds the segment's lock far longer than lock_timeout (stopped, say)
+    must not stall B or make it fail: its lookups and allocations give up after the
+    timeout, the requests are computed without the cache, correctly, and the cause is
+    logged once. Once the lock is free, B uses the cache again."""
+    plan, expected = world["plan"], world["expected"]
+    b = world["engines"]["B"]
+    holding = threading.Event()
+    release = threading.Event()
+
+    def hold(cache: hostkv.HostKVCache) -> None:
+        holding.set()
+        release.wait(60)
+
+    a = world["engines"]["A"]
+    assert a.generate(plan.s5, MAX_TOKENS)[0] == expected["s5"]
+    with hostkv.HostKVCache.attach(world["segment"]) as cache:
+        holder = threading.Thread(target=cache._segment.run_locked, args=(hold, cache))
+        holder.start()
+        try:
+            assert holding.wait(30)
+            # Second turns of S5, which A cached: without the lock, no hit.
+            outs, cached, _ = b.generate(plan.s5_next[:2], MAX_TOKENS)
+        finally:
+            release.set()
+            holder.join(60)
+    assert outs == expected["s5_next_cold"][:2]
+    assert cached == [0, 0]
+    log = b.log()
+    assert log.count("hostkv: lookup: LockTimeoutError") == 1
+    outs, cached, _ = b.generate(plan.s5_next[2:], MAX_TOKENS)
+    assert outs == expected["s5_next"][2:]
+    assert cached == [_hit(_cached_by(plan.s5[2], expected["s5"][2]), len(plan.s5_next[2]))]
 
 
 def test_kill_a_mid_generation(world):
