@@ -15,7 +15,7 @@
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from hostkv._layout cimport (
     HkvConfig, HkvHeader, HkvLease, HkvMetrics, HkvRegions, HkvUndoEntry, HKV_UNDO_WIDTH_SHIFT)
-from hostkv.includes.system cimport hkv_compiler_barrier
+from hostkv.includes.system cimport hkv_compiler_barrier, pthread_t
 
 ctypedef int (*rederive_hook)(Segment seg) except -1
 ctypedef int (*dead_lease_hook)(Segment seg, int32_t slot) except -1
@@ -39,7 +39,11 @@ cdef class Segment:
     cdef size_t size
     cdef readonly str name
     cdef readonly bint closed
-    cdef bint locked                    # this object holds hdr_mutex now
+    cdef bint locked                    # a thread of this process holds hdr_mutex through this object
+    cdef pthread_t lock_owner           # ... and this is that thread (valid while locked)
+    cdef int in_flight                  # calls of this process's threads between begin and end
+    cdef readonly bint closing          # close() is waiting for in-flight calls
+    cdef pthread_t closing_thread       # ... in this thread
     cdef bint observer                  # attached without a lease: never sweeps
     cdef int64_t lock_timeout_ns
     cdef int reaped_by_begin            # dead leases the sweep inside the last begin() freed
@@ -60,6 +64,8 @@ cdef class Segment:
     cdef _bind_regions(self)
     cdef _validate(self)
     cdef int begin(self) except -1
+    cdef int _acquire(self) except -1
+    cdef void _unlock(self) noexcept
     cdef int commit(self) except -1
     cdef void end(self) noexcept
     cdef int crash_point(self) except -1

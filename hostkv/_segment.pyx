@@ -165,6 +165,56 @@ cdef int init_robust_mutex(pthread_mutex_t* mutex) except -1:
     return 0
 
 
+cdef extern from *:
+    """
+    #include <stddef.h>
+    /* The mutex's kind word: its type, robust, priority-protocol and process-shared bits.
+       glibc keeps it in __data.__kind and believes it at every lock: another kind read from
+       a segment someone else wrote (PRIO_PROTECT, 0x40, aborts glibc; 0-3 or 0x20/0x30
+       make a lock that is not robust or uses priority inheritance) is refused instead. */
+    #ifdef __GLIBC__
+    static inline int hkv_mutex_kind(pthread_mutex_t* m) {
+        return __atomic_load_n(&m->__data.__kind, __ATOMIC_RELAXED);
+    }
+    #define HKV_MUTEX_KIND_OFFSET ((int)offsetof(pthread_mutex_t, __data.__kind))
+    #else
+    static inline int hkv_mutex_kind(pthread_mutex_t* m) { (void)m; return -1; }
+    #define HKV_MUTEX_KIND_OFFSET (-1)
+    #endif
+    """
+    int hkv_mutex_kind(pthread_mutex_t* m) noexcept nogil
+    int HKV_MUTEX_KIND_OFFSET
+
+
+cdef int reference_mutex_kind() except? -2:
+    """The kind word init_robust_mutex writes (-1 where the libc's layout is unknown)."""
+    cdef pthread_mutex_t m
+    cdef int kind
+    init_robust_mutex(&m)
+    kind = hkv_mutex_kind(&m)
+    pthread_mutex_destroy(&m)
+    return kind
+
+
+cdef int _mutex_kind = reference_mutex_kind()
+MUTEX_KIND = _mutex_kind                     # for tests: what every segment mutex must say
+MUTEX_KIND_OFFSET = HKV_MUTEX_KIND_OFFSET    # ... at this byte offset in pthread_mutex_t
+
+
+cdef int check_mutex(Segment seg, pthread_mutex_t* m, str what) except -1:
+    """Refuses (CorruptionError) a mutex whose kind word is not the one hostkv writes:
+    checked before every lock of a segment mutex, since glibc trusts it."""
+    cdef int kind
+    if _mutex_kind == -1:
+        return 0
+    kind = hkv_mutex_kind(m)
+    if kind != _mutex_kind:
+        seg.corrupt(
+            f"{what} has mutex kind {kind:#x}, not {_mutex_kind:#x} (robust, process-shared, "
+            "normal type, no priority protocol): refusing to lock it")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # The lease thread: holds this process's lease mutex for as long as the process lives.
 #
@@ -660,22 +710,49 @@ cdef class Segment:
             raise IncompatibleSegmentError(
                 f"segment {self.name!r} is {self.size} bytes but its header describes "
                 f"{regions.reg_total_size}")
+        # Every mutex's kind word, before anything locks one (glibc believes it).
+        check_mutex(self, &hdr.hdr_mutex, "the segment lock")
+        for slot in range(c.cfg_max_processes):
+            check_mutex(self, &(<HkvLease*>(self.base + hdr.hdr_regions.reg_leases))[slot].ls_mutex,
+                        f"lease slot {slot}")
         self._bind_regions()
 
     # -- the lock ----------------------------------------------------------------------------
 
     cdef int begin(self) except -1:
-        """Takes the lock and opens a mutation; recovers first if the last holder died."""
-        cdef int rc
-        cdef timespec deadline
-        cdef int64_t deadline_ns, wait_start
-        cdef int spins
+        """Takes the lock and opens a mutation; recovers first if the last holder died.
+
+        Counts the call as in flight until end(), so that close() in another thread waits
+        for it instead of unmapping under it."""
+        cdef pthread_t me = pthread_self()
         if self.closed:
             raise ValueError("the segment is closed")
         if self.fork_epoch != _fork_epoch:
             self._after_fork()
-        if self.locked:
-            raise RuntimeError("hostkv segment lock is not re-entrant")
+        if self.closing and not pthread_equal(self.closing_thread, me):
+            raise ValueError("the segment is closed (another thread is closing it)")
+        # Threads of this process serialise on the mutex like processes do (the kernel
+        # tracks the owning thread); only the thread that holds it must not lock it again:
+        # a normal-type mutex would deadlock, and an error-checking one breaks across PID
+        # namespaces (see _layout.pxd). All of this object's fields are written under the
+        # GIL, so the owner test below sees either this thread's own write or another's.
+        if self.locked and pthread_equal(self.lock_owner, me):
+            raise RuntimeError("hostkv segment lock is not re-entrant: this thread holds it")
+        self.in_flight += 1
+        try:
+            self._acquire()
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        return 0
+
+    cdef int _acquire(self) except -1:
+        """begin()'s work: lock, recover, sweep when due. Raises with the lock not held."""
+        cdef int rc
+        cdef timespec deadline
+        cdef int64_t deadline_ns, wait_start
+        cdef int spins
+        check_mutex(self, &self.hdr.hdr_mutex, "the segment lock")
         wait_start = now_ns(CLOCK_MONOTONIC)
         rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
         if rc == EBUSY:
@@ -707,6 +784,7 @@ cdef class Segment:
         if rc != 0 and rc != EOWNERDEAD:
             raise os_error(rc, "lock segment", self.name)
         self.locked = True
+        self.lock_owner = pthread_self()
         self.locked_at_ns = now_ns(CLOCK_MONOTONIC)
         record_duration(self.metrics.mt_lock_wait_histogram, &self.metrics.mt_lock_wait_ns,
                         self.locked_at_ns - wait_start)
@@ -740,7 +818,7 @@ cdef class Segment:
                 self.reaped_by_begin = self.sweep_leases()
                 self.commit()
         except BaseException:
-            self.end()          # rolls back a half-done sweep and unlocks
+            self._unlock()      # rolls back a half-done sweep and unlocks
             raise
         return 0
 
@@ -754,9 +832,15 @@ cdef class Segment:
         return 0
 
     cdef void end(self) noexcept:
-        """Rolls back what is not committed, then unlocks. Safe to call in any state."""
-        if not self.locked:
+        """Rolls back what is not committed, then unlocks. Safe to call in any state: a
+        thread that does not hold the lock changes nothing."""
+        if not self.locked or not pthread_equal(self.lock_owner, pthread_self()):
             return
+        self._unlock()
+        self.in_flight -= 1
+
+    cdef void _unlock(self) noexcept:
+        """Rolls back what is not committed, then unlocks (the caller holds the lock)."""
         if self.hdr.hdr_undo_count != 0:
             try:
                 self._recover(False)
@@ -908,6 +992,7 @@ cdef class Segment:
                 lease = self.lease_at(slot)
                 if lease.ls_state != HKV_LEASE_FREE:
                     continue
+                check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
                 with nogil:
                     rc = lease_call(holder, LEASE_TAKE, &lease.ls_mutex)
                 if rc == ENOTRECOVERABLE:
@@ -991,6 +1076,7 @@ cdef class Segment:
                 continue
             if lease.ls_state != HKV_LEASE_ACTIVE:
                 self.corrupt(f"lease slot {slot} has state {lease.ls_state}")
+            check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
             rc = pthread_mutex_trylock(&lease.ls_mutex)
             if rc == EBUSY:
                 continue                       # its lease thread holds it: alive
@@ -1022,23 +1108,65 @@ cdef class Segment:
         return reaped
 
     def _after_fork(self):
-        """In a forked child: forget the parent's lease (its thread is not here) and take one."""
+        """In a forked child: forget the parent's lease (its thread is not here) and take
+        one, unless this handle is an observer (it takes none anywhere).
+
+        The export count stays: the child inherited the parent's numpy/torch views of the
+        pool along with everything else, so close() must refuse to unmap under them here
+        as it does in the parent."""
         self.lease_slot = -1
         self.lease_holder = NULL        # the parent's holder; its thread does not exist here
-        self.exports = 0
+        # A parent's thread may have held the lock at fork: that thread is not here (and
+        # the mutex, in shared memory, is still the parent's to unlock).
+        self._forget_parent_threads()
         self.fork_epoch = _fork_epoch
-        self._register_lease()
+        if not self.observer:
+            self._register_lease()
 
     # -- closing -----------------------------------------------------------------------------
 
     def close(self):
-        """Gives the lease up and unmaps. Raises BufferError while pool views are alive."""
+        """Gives the lease up and unmaps.
+
+        Calls that other threads have in flight finish first: new calls are refused
+        (ValueError) while close() waits for them, at most lock_timeout + 1 s (a call waits
+        at most lock_timeout for the lock, then holds it briefly).
+
+        Raises:
+            BufferError: numpy/torch views of the page pool are alive.
+            RuntimeError: called by the thread that holds the lock (from inside a call).
+            LockTimeoutError: other threads' calls were still in flight at the bound; the
+                handle stays open and usable.
+        """
+        cdef pthread_t me = pthread_self()
         if self.closed:
             return
+        if self.fork_epoch != _fork_epoch:
+            self._forget_parent_threads()
         if self.exports:
             raise BufferError(
                 f"segment {self.name!r}: {self.exports} numpy/torch view(s) of the page pool "
                 "are still alive; delete them before close()")
+        if self.locked and pthread_equal(self.lock_owner, me):
+            raise RuntimeError(
+                f"segment {self.name!r}: close() from inside a call on it (this thread holds "
+                "its lock)")
+        if self.closing:
+            if pthread_equal(self.closing_thread, me):
+                raise RuntimeError(f"segment {self.name!r}: close() is already running in this thread")
+            # Another thread is closing it: wait for that close to end, then it is closed
+            # (or that close gave up, and this one tries in its turn).
+            self._wait_until(lambda: not self.closing, "another thread's close()")
+            if self.closed:
+                return
+        self.closing = True
+        self.closing_thread = me
+        try:
+            self._wait_until(lambda: self.in_flight == 0,
+                             "calls that other threads have in flight")
+        except BaseException:
+            self.closing = False
+            raise
         try:
             if self.fork_epoch == _fork_epoch and self.lease_slot >= 0:
                 self._release_lease()
@@ -1048,6 +1176,27 @@ cdef class Segment:
                     lease_holder_stop(<LeaseHolder*>self.lease_holder)
             self.lease_holder = NULL
             self._unmap()
+            self.closing = False
+
+    def _wait_until(self, done, str what):
+        """Sleeps (without the GIL) until done() holds, at most lock_timeout + 1 s."""
+        cdef double bound = self.lock_timeout_ns / 1e9 + 1.0
+        deadline = time.monotonic() + bound
+        delay = 0.0001
+        while not done():
+            if time.monotonic() >= deadline:
+                raise LockTimeoutError(
+                    f"segment {self.name!r}: close() waited {bound:g} s for {what} "
+                    f"({self.in_flight} in flight) to finish; the handle stays open")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def _forget_parent_threads(self):
+        """In a forked child: the parent's other threads, their calls and their close()
+        are not in this process."""
+        self.locked = False
+        self.in_flight = 0
+        self.closing = False
 
     def _unmap(self):
         if self.base != NULL:
@@ -1112,6 +1261,7 @@ cdef class Segment:
             return False
         if slot == self.lease_slot and self.fork_epoch == _fork_epoch:
             return True
+        check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
         rc = pthread_mutex_trylock(&lease.ls_mutex)
         if rc == EBUSY:
             return True

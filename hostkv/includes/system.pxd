@@ -43,6 +43,8 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_create(pthread_t*, const void*, void* (*)(void*) noexcept nogil, void*)
     int pthread_join(pthread_t, void**)
     int pthread_detach(pthread_t)
+    pthread_t pthread_self()
+    int pthread_equal(pthread_t, pthread_t)
 
 
 cdef extern from "<time.h>" nogil:
