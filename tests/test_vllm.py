@@ -318,15 +318,8 @@ def _vllm_module():
     return module
 
 
-def test_parse_size_and_settings():
+def test_settings_from_extra_config():
     hv = _vllm_module()
-    assert hv.parse_size(4096) == 4096
-    assert hv.parse_size("4GiB") == 4 << 30
-    assert hv.parse_size("512MB") == 512 * 10**6
-    assert hv.parse_size(" 1.5 kib ") == 1536
-    for bad in ("", "-1", "4 parsecs", True, 0, "0"):
-        with pytest.raises(ValueError):
-            hv.parse_size(bad)
     s = hv.HostKVSettings.from_extra_config({"segment": "x"})
     assert (s.size, s.num_pages, s.lock_timeout, s.namespace) == (1 << 30, 0, 1.0, "")
     with pytest.raises(ValueError, match="needs 'segment'"):
@@ -335,6 +328,10 @@ def test_parse_size_and_settings():
         hv.HostKVSettings.from_extra_config({"segment": "x", "sise": 3})
     with pytest.raises(ValueError, match="lock_timeout"):
         hv.HostKVSettings.from_extra_config({"segment": "x", "lock_timeout": 0})
+    with pytest.raises(ValueError, match="size"):
+        hv.HostKVSettings.from_extra_config({"segment": "x", "size": "lots"})
+    s = hv.HostKVSettings.from_extra_config({"segment": "x", "size": "2GiB", "num_pages": 8})
+    assert (s.size, s.num_pages) == (2 << 30, 8)
 
 
 def test_namespaces_separate_models_salts_and_loras():
