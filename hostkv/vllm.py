@@ -40,6 +40,7 @@ Only vLLM processes import this module; ``import hostkv`` never needs vLLM or to
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 import itertools
@@ -403,7 +404,11 @@ class _SchedulerSide:
     # -- helpers ---------------------------------------------------------------------------------
 
     def _tokens_and_namespace(self, request: "Request") -> Tuple[np.ndarray, int]:
-        tokens = np.array(request.all_token_ids, dtype=np.int32)
+        ids = request.all_token_ids
+        # vLLM hands tokens as a Python list (inside a ConstantList): array('i') converts
+        # a list faster than numpy does, and the ConstantList's own list faster than the
+        # wrapper's item-by-item protocol. Out-of-range ids raise OverflowError: a miss.
+        tokens = np.frombuffer(array.array("i", getattr(ids, "_x", ids)), dtype=np.int32)
         lora = request.lora_request.lora_name if request.lora_request is not None else None
         return tokens, _namespace(self.namespace_base, request.cache_salt, lora)
 
