@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from hostkv._units import parse_size
 from hostkv.cache import HostKVCache
@@ -417,6 +418,10 @@ class _SchedulerSide:
         if not hashes:
             return
         parent = st.request.block_hashes[start - 1] if start > 0 else None
+        self.stored_hashes.update(hashes)
+        # The form vLLM's own events publish (bytes, or ints when configured so).
+        hashes = [maybe_convert_block_hash(h) for h in hashes]
+        parent = maybe_convert_block_hash(parent) if parent is not None else None
         tokens = [int(t) for t in st.request.all_token_ids[start * self.block_size:
                                                            start * self.block_size +
                                                            len(hashes) * self.block_size]]
@@ -426,7 +431,6 @@ class _SchedulerSide:
             block_size=self.block_size,
             lora_id=lora.lora_int_id if lora is not None else None, medium="CPU",
             lora_name=lora.lora_name if lora is not None else None))
-        self.stored_hashes.update(hashes)
 
     # -- the connector's scheduler methods ------------------------------------------------------
 
@@ -446,7 +450,8 @@ class _SchedulerSide:
                     if h in self.stored_hashes]
             if gone:
                 self.stored_hashes.difference_update(gone)
-                self.events.append(BlockRemoved(block_hashes=gone, medium="CPU"))
+                self.events.append(BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(h) for h in gone], medium="CPU"))
         if match.num_tokens <= num_computed_tokens:
             return 0, False
         self.counters.add("hit_tokens", match.num_tokens - num_computed_tokens)

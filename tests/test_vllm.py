@@ -172,6 +172,8 @@ def test_a_then_b_share_prefixes(world):
     want.append(_hit(100, len(plan.b1[-1])))     # leaves conversation 0 inside block 3
     assert cached == want
     assert all(c > 0 for c in cached)
+    for engine in (a, b):
+        assert "hostkv:" not in engine.log()     # no failure was counted, none logged
 
 
 def test_cache_salts_never_share(world):
@@ -219,6 +221,8 @@ def test_a_and_b_at_once(world):
                         for p, o, q in zip(plan.s1, expected["s1"], plan.s1_next)]
     with hostkv.HostKVCache.attach(world["segment"], lease=False) as cache:
         cache.check()
+    for engine in (a, b):
+        assert "hostkv:" not in engine.log()
 
 
 def test_fails_open_while_the_lock_is_stuck(world):
@@ -355,9 +359,13 @@ def _scheduler_side(hv, segment: str, num_pages: int = 64):
 
 def _vllm_request(req_id: str, tokens: Sequence[int]):
     from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    return Request(req_id, list(tokens), SamplingParams(max_tokens=4), None)
+    init_none_hash(sha256)
+    return Request(req_id, list(tokens), SamplingParams(max_tokens=4), None,
+                   block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
 
 
 def _vllm_blocks(ids: Sequence[int]):
@@ -426,5 +434,14 @@ def test_evicted_between_lookup_and_borrow_is_never_loaded(segment_name, evicted
         # The confirmed saves are committed: cached, beside what stayed cached.
         assert stats.cached_pages == held + len(saved)
         sched.cache.check()
+        # What this engine put in the cache goes to vLLM's KV-events publisher.
+        events = sched.take_events()
+        stored = [h for e in events if type(e).__name__ == "BlockStored"
+                  for h in e.block_hashes]
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        assert stored == [maybe_convert_block_hash(h)
+                          for h in request.block_hashes[6:6 + len(saved)]]
+        assert all(e.medium == "CPU" for e in events)
     finally:
         sched.shutdown()
