@@ -445,3 +445,38 @@ def test_evicted_between_lookup_and_borrow_is_never_loaded(segment_name, evicted
         assert all(e.medium == "CPU" for e in events)
     finally:
         sched.shutdown()
+
+
+def test_engines_starting_at_once_create_or_attach(segment_name):
+    """Four engines starting at the same moment on a segment nobody created: one creates
+    it, every one ends up attached; then one of another layout is refused, by name."""
+    import multiprocessing
+
+    from vllm_engine import open_segment_at_once
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(4)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=open_segment_at_once, args=(segment_name, barrier, results, 2))
+             for _ in range(4)]
+    for proc in procs:
+        proc.start()
+    try:
+        answers = [results.get(timeout=300) for _ in procs]
+        for proc in procs:
+            proc.join(120)
+            assert proc.exitcode == 0
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
+    assert [answer for _, answer in answers] == ["ok"] * 4
+    hv = _vllm_module()
+    layout = hostkv.KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype="float32")
+    with pytest.raises(hostkv.IncompatibleSegmentError, match="holds pages of 2 layers .* "
+                       "is 3 layers"):
+        hv.open_segment(hv.HostKVSettings(segment=segment_name), layout, BLOCK_SIZE)
+    with hostkv.HostKVCache.attach(segment_name) as cache:
+        cache.reap()
+        assert cache.stats().active_processes == 1   # the four let go; this one remains
+        cache.check()

@@ -177,3 +177,26 @@ class Engine:
         # Whatever is left of the group (EngineCore) goes too.
         self.kill()
         self.conn.close()
+
+
+def open_segment_at_once(name: str, barrier: Any, results: Any, num_layers: int) -> None:
+    """In a spawned child: hostkv.vllm.open_segment(name) once every child is ready, as
+    engines starting together do; puts (pid, 'ok' | error text) on results."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import hostkv
+    import hostkv.vllm as hv
+
+    layout = hostkv.KVLayout(num_layers=num_layers, num_kv_heads=2, head_dim=64,
+                             dtype="float32")
+    settings = hv.HostKVSettings(segment=name, num_pages=64)
+    barrier.wait(120)
+    try:
+        cache = hv.open_segment(settings, layout, BLOCK_SIZE)
+    except Exception as exc:                     # noqa: BLE001 - reported to the parent
+        results.put((os.getpid(), f"{type(exc).__name__}: {exc}"))
+        return
+    results.put((os.getpid(), "ok"))
+    barrier.wait(120)                            # all attached at the same time
+    cache.close()
