@@ -60,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from hostkv._units import parse_size
 from hostkv.cache import HostKVCache
@@ -170,12 +171,14 @@ def kv_layout_from_spec(kv_cache_config: "KVCacheConfig") -> Tuple[KVLayout, int
         raise ValueError(f"hostkv holds one KV-cache group (full attention in every layer); "
                          f"this model has {len(groups)}")
     spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    head_size_v = getattr(spec, "head_size_v", spec.head_size)
-    if kind != "FullAttentionSpec" or head_size_v != spec.head_size:
+    # Exactly full attention: its subclasses (MLA, for one) lay blocks out otherwise.
+    if not isinstance(spec, FullAttentionSpec) or type(spec) is not FullAttentionSpec:
         raise ValueError(f"hostkv holds full attention with K and V of one head size; the "
-                         f"model's KV cache is {kind} (head_size {spec.head_size}, "
-                         f"head_size_v {head_size_v})")
+                         f"model's KV cache is {type(spec).__name__}")
+    head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    if head_size_v != spec.head_size:
+        raise ValueError(f"hostkv holds K and V of one head size; the model's are "
+                         f"{spec.head_size} and {head_size_v}")
     layers = list(groups[0].layer_names)
     dtype = str(spec.dtype).replace("torch.", "")
     layout = KVLayout(num_layers=len(layers), num_kv_heads=spec.num_kv_heads,
@@ -783,7 +786,7 @@ class HostKVConnector(KVConnectorBase_V1):
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
+                 kv_cache_config: "KVCacheConfig") -> None:
         """Attaches (or creates) the segment for this engine's scheduler or worker.
 
         Raises:
@@ -791,8 +794,6 @@ class HostKVConnector(KVConnectorBase_V1):
             IncompatibleSegmentError: the segment holds another layout.
         """
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        if kv_cache_config is None:
-            raise ValueError("hostkv: this vLLM passes no KVCacheConfig to connectors")
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
             raise ValueError("hostkv: tensor and pipeline parallelism are not supported yet "
