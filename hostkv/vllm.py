@@ -303,7 +303,7 @@ class HostKVWorkerMetadata(KVConnectorWorkerMetadata):
 
 _COUNTERS = ("lookups", "lookup_tokens", "hit_tokens", "borrowed_tokens", "bad_blocks",
              "loaded_pages", "loaded_bytes", "load_s", "saved_pages", "saved_bytes", "save_s",
-             "committed_pages", "failures")
+             "committed_pages", "preempted", "failures")
 
 
 @dataclasses.dataclass
@@ -547,6 +547,8 @@ class _SchedulerSide:
         for req_id in getattr(out, "preempted_req_ids", None) or ():
             st = self.reqs.pop(req_id, None)
             if st is not None:
+                # vLLM freed its blocks; it comes back through update_state_after_alloc.
+                self.counters.add("preempted", 1)
                 self._retire(st)
         if involved:
             self.steps[step] = list(involved.values())

@@ -295,6 +295,33 @@ def test_kill_a_mid_generation(world):
         assert stats.free_pages + stats.cached_pages == cache.config.num_pages
 
 
+def test_preempted_requests_stay_correct(world):
+    """An engine with few blocks of its own preempts requests mid-decode and resumes them:
+    with hostkv, its outputs equal those of the same engine without it, twice over (the
+    second time from pages the first run cached), and no sequence is left behind."""
+    rng = random.Random(5)
+    prompts = [_tokens(rng, 200 + 9 * i) for i in range(6)]
+    # 48 blocks of 32 tokens: the six prompts fit (7-8 blocks each, 45 in all, and vLLM
+    # admits a request on its prompt alone), their growth to 11-12 blocks each (69) does
+    # not, so vLLM preempts requests while they decode, and resumes them later.
+    small = {"num_gpu_blocks_override": 48, "max_num_seqs": 6, "max_model_len": 1024}
+    root = world["root"]
+    plain = Engine(world["model"], None, str(root / "P-plain.log"), **small)
+    ours = Engine(world["model"], world["extra"], str(root / "P-hostkv.log"), **small)
+    try:
+        plain.ready()
+        ours.ready()
+        for _ in range(2):
+            want = plain.generate(prompts, 128)[0]
+            assert ours.generate(prompts, 128)[0] == want
+        with hostkv.HostKVCache.attach(world["segment"], lease=False) as cache:
+            cache.check()
+            assert cache.stats().active_sequences == 0
+    finally:
+        plain.stop()
+        ours.stop()
+
+
 def test_other_layout_is_refused(world, tmp_path):
     """An engine whose model has another KV layout cannot attach the segment: its start
     fails with an error naming both layouts."""
@@ -480,3 +507,39 @@ def test_engines_starting_at_once_create_or_attach(segment_name):
         cache.reap()
         assert cache.stats().active_processes == 1   # the four let go; this one remains
         cache.check()
+
+
+def test_full_pool_fails_open(segment_name):
+    """A pool too full for the request's pages: no sequence, nothing loaded or saved, the
+    promised blocks go to vLLM as load errors, the failure is counted; the segment is
+    unchanged and checks clean."""
+    hv = _vllm_module()
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    sched = _scheduler_side(hv, segment_name, num_pages=8)
+    try:
+        rng = random.Random(9)
+        history = _tokens(rng, 200)                  # 6 of the 8 pages cached
+        _seed(sched, hv, history)
+        request = _vllm_request("r1", history + _tokens(rng, 100))   # 10 pages: too many
+        offered, _ = sched.get_num_new_matched_tokens(request, 0)
+        assert offered == 192
+        before = sched.cache.stats()
+        blocks = list(range(20, 30))
+        sched.update_state_after_alloc(request, _vllm_blocks(blocks), offered)
+        request.num_computed_tokens = offered
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = [NewRequestData.from_request(request, (blocks,))]
+        out.num_scheduled_tokens = {"r1": 300 - offered}
+        meta = sched.build_connector_meta(out)
+        assert meta.loads == [] and meta.saves == []
+        assert meta.bad_blocks == blocks[:6]
+        assert sched.counters.values["failures"] == 1
+        assert list(sched.failures.counts) == ["allocate: OutOfPagesError"]
+        after = sched.cache.stats()
+        assert (after.free_pages, after.cached_pages, after.active_sequences) == (
+            before.free_pages, before.cached_pages, 0)
+        sched.request_finished(request)
+        sched.cache.check()
+    finally:
+        sched.shutdown()

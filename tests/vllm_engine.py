@@ -54,7 +54,8 @@ def write_model(path: str, num_layers: int = 2, num_kv_heads: int = 2, seed: int
     return path
 
 
-def _engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str) -> None:
+def _engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str,
+                 llm_kwargs: Dict[str, Any]) -> None:
     os.setsid()                                  # the engine's processes form one group
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)
@@ -64,13 +65,13 @@ def _engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_pat
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
 
-        kwargs: Dict[str, Any] = {}
+        kwargs: Dict[str, Any] = {"max_model_len": 2048, **llm_kwargs}
         if extra is not None:
             kwargs["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="HostKVConnector", kv_connector_module_path="hostkv.vllm",
                 kv_role="kv_both", kv_connector_extra_config=extra)
         llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32",
-                  block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=2048, seed=0,
+                  block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
                   **kwargs)
     except BaseException:                        # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
@@ -104,11 +105,14 @@ def _engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_pat
 class Engine:
     """One engine in a spawned child; start() returns at once, ready() waits for it."""
 
-    def __init__(self, model: str, extra: Optional[Dict[str, Any]], log_path: str) -> None:
+    def __init__(self, model: str, extra: Optional[Dict[str, Any]], log_path: str,
+                 **llm_kwargs: Any) -> None:
+        """Starts the engine (LLM(model, ...) plus llm_kwargs); extra: the connector's
+        kv_connector_extra_config, or None for an engine without hostkv."""
         self.log_path = log_path
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_main, args=(child, model, extra, log_path),
+        self.proc = ctx.Process(target=_engine_main, args=(child, model, extra, log_path, llm_kwargs),
                                 daemon=False)
         self.proc.start()
         child.close()
