@@ -250,6 +250,9 @@ def _namespace(base: bytes, cache_salt: Optional[str], lora: Optional[str]) -> i
     return int.from_bytes(digest.digest(), "little")
 
 
+_MAX_REMEMBERED_HASHES = 1 << 20
+
+
 class _Failures:
     """Counts serving-path failures by cause; logs the first of each cause."""
 
@@ -403,7 +406,9 @@ class _SchedulerSide:
         self.pending_loads: List[Tuple[str, List[int], List[int]]] = []
         self.pending_bad: List[int] = []
         self.events: List[KVCacheEvent] = []
-        self.stored_hashes: Set[Any] = set()
+        # Block hashes this engine stored, oldest first (a dict as an ordered set), capped:
+        # a forgotten hash only means no BlockRemoved for it later.
+        self.stored_hashes: Dict[Any, None] = {}
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -421,7 +426,11 @@ class _SchedulerSide:
         if not hashes:
             return
         parent = st.request.block_hashes[start - 1] if start > 0 else None
-        self.stored_hashes.update(hashes)
+        self.stored_hashes.update(dict.fromkeys(hashes))
+        excess = len(self.stored_hashes) - _MAX_REMEMBERED_HASHES
+        if excess > 0:
+            for old in list(itertools.islice(self.stored_hashes, excess)):
+                del self.stored_hashes[old]
         # The form vLLM's own events publish (bytes, or ints when configured so).
         hashes = [maybe_convert_block_hash(h) for h in hashes]
         parent = maybe_convert_block_hash(parent) if parent is not None else None
@@ -449,10 +458,12 @@ class _SchedulerSide:
         hashes = getattr(request, "block_hashes", None)
         if self.stored_hashes and hashes:
             # Blocks this engine stored that the lookup no longer finds left the cache.
-            gone = [h for h in hashes[match.num_tokens // self.block_size:]
+            gone = [h for h in hashes[match.num_tokens // self.block_size:
+                                      limit // self.block_size]
                     if h in self.stored_hashes]
             if gone:
-                self.stored_hashes.difference_update(gone)
+                for h in gone:
+                    del self.stored_hashes[h]
                 self.events.append(BlockRemoved(
                     block_hashes=[maybe_convert_block_hash(h) for h in gone], medium="CPU"))
         if match.num_tokens <= num_computed_tokens:

@@ -470,6 +470,14 @@ def test_evicted_between_lookup_and_borrow_is_never_loaded(segment_name, evicted
         assert stored == [maybe_convert_block_hash(h)
                           for h in request.block_hashes[6:6 + len(saved)]]
         assert all(e.medium == "CPU" for e in events)
+        # Evicted (by any engine): the next lookup that misses them says they are gone.
+        sched.cache.evict(64)
+        again = _vllm_request("r2", request.all_token_ids)
+        assert sched.get_num_new_matched_tokens(again, 0) == (0, False)
+        removed = [h for e in sched.take_events() if type(e).__name__ == "BlockRemoved"
+                   for h in e.block_hashes]
+        assert removed == stored
+        sched.request_finished(again)
     finally:
         sched.shutdown()
 
