@@ -4,6 +4,8 @@
     python -m hostkv stats NAME [--json | --prometheus]   counters and metrics
     python -m hostkv check NAME               walks every invariant; exit status 1 if broken
     python -m hostkv unlink NAME              removes the segment's name
+    python -m hostkv create NAME --size 8GiB --page-size 16 --layers 32 --kv-heads 8 \
+        --head-dim 128 --dtype bfloat16      sizes a segment up front (engines attach it)
     python -m hostkv bench [--quick] [--json PATH]
 
 inspect, stats and check attach without a lease (observers): they take no lease slot and
@@ -19,7 +21,9 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from hostkv import _radix
+from hostkv._units import parse_size
 from hostkv.cache import HostKVCache
+from hostkv.config import HostKVConfig, KVLayout
 from hostkv.errors import CorruptionError, HostKVError
 
 
@@ -212,6 +216,35 @@ def _print_mapping(title: str, mapping: dict) -> None:
         print(f"  {key:<28} {value}")
 
 
+def _create(args: argparse.Namespace) -> int:
+    layout_args = (args.layers, args.kv_heads, args.head_dim)
+    layout = None
+    if any(value is not None for value in layout_args):
+        if any(value is None for value in layout_args):
+            raise ValueError("a KV layout needs --layers, --kv-heads and --head-dim")
+        layout = KVLayout(num_layers=args.layers, num_kv_heads=args.kv_heads,
+                          head_dim=args.head_dim, dtype=args.dtype)
+        page_bytes = layout.page_bytes(args.page_size)
+    elif args.page_bytes > 0:
+        page_bytes = args.page_bytes
+    else:
+        raise ValueError("give a KV layout (--layers, --kv-heads, --head-dim, --dtype) or "
+                         "--page-bytes")
+    num_pages = args.num_pages if args.num_pages is not None else \
+        parse_size(args.size) // page_bytes
+    if num_pages <= 0:
+        raise ValueError(f"--size {args.size} holds no page of {page_bytes} bytes")
+    config = HostKVConfig(num_pages=num_pages, page_size=args.page_size,
+                          page_bytes=0 if layout is not None else page_bytes,
+                          kv_layout=layout, max_processes=args.max_processes)
+    with HostKVCache.create(args.name, config) as cache:
+        resolved = cache.config
+    print(f"created {args.name}: {resolved.num_pages} pages of {resolved.page_bytes} bytes "
+          f"({resolved.num_pages * resolved.page_bytes / 2**30:.2f} GiB), "
+          f"{resolved.page_size} tokens a page")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of `python -m hostkv` (and the `hostkv` console script)."""
     parser = argparse.ArgumentParser(prog="python -m hostkv", description=__doc__.splitlines()[0])
@@ -227,6 +260,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         if command == "stats":
             p.add_argument("--prometheus", action="store_true",
                            help="print Prometheus text exposition format")
+    create = sub.add_parser("create", help="create a segment for engines to attach")
+    create.add_argument("name")
+    size = create.add_mutually_exclusive_group(required=True)
+    size.add_argument("--size", help="pool size in bytes, or like 8GiB / 500MB")
+    size.add_argument("--num-pages", type=int, help="pool size in pages")
+    create.add_argument("--page-size", type=int, default=16,
+                        help="tokens a page (vLLM: the engine's block size); default 16")
+    create.add_argument("--layers", type=int, help="KV layout: layers")
+    create.add_argument("--kv-heads", type=int, help="KV layout: KV heads per layer")
+    create.add_argument("--head-dim", type=int, help="KV layout: elements per head")
+    create.add_argument("--dtype", default="bfloat16", help="KV layout: dtype; default bfloat16")
+    create.add_argument("--page-bytes", type=int, default=0,
+                        help="bytes a page, instead of a KV layout")
+    create.add_argument("--max-processes", type=int, default=0,
+                        help="lease slots (processes attached at once); default 64")
     bench = sub.add_parser("bench", help="run the benchmark", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args, unknown = parser.parse_known_args(argv)
@@ -236,6 +284,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        if args.command == "create":
+            return _create(args)
         if args.command == "unlink":
             HostKVCache.unlink_segment(args.name)
             print(f"unlinked {args.name}")

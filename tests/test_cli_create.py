@@ -1,0 +1,55 @@
+"""`python -m hostkv create`: an operator sizes a segment up front; engines attach it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import hostkv
+from hostkv._units import parse_size
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hostkv", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_create_with_a_kv_layout(segment_name):
+    done = run_cli("create", segment_name, "--size", "8MiB", "--page-size", "32",
+                   "--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert "128 pages of 65536 bytes" in done.stdout
+    with hostkv.HostKVCache.attach(segment_name) as cache:
+        assert cache.config.num_pages == 128 and cache.config.page_size == 32
+        assert cache.config.kv_layout == hostkv.KVLayout(2, 2, 64, "float32")
+        assert cache.stats().active_sequences == 0
+    again = run_cli("create", segment_name, "--num-pages", "4", "--page-bytes", "64")
+    assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_create_with_page_bytes_and_bad_arguments(segment_name):
+    done = run_cli("create", segment_name, "--num-pages", "16", "--page-bytes", "256",
+                   "--page-size", "4")
+    assert done.returncode == 0, done.stderr
+    with hostkv.HostKVCache.attach(segment_name) as cache:
+        assert (cache.config.num_pages, cache.config.page_bytes) == (16, 256)
+    for args in (["--size", "10"],                                      # no layout
+                 ["--size", "10", "--page-bytes", "256"],               # under one page
+                 ["--size", "lots", "--page-bytes", "256"],
+                 ["--size", "1MiB", "--layers", "2"]):                  # half a layout
+        bad = run_cli("create", segment_name + "-x", *args)
+        assert bad.returncode == 2, (args, bad.stdout)
+    with pytest.raises(hostkv.SegmentNotFoundError):
+        hostkv.HostKVCache.attach(segment_name + "-x")
+
+
+def test_parse_size():
+    assert parse_size(4096) == 4096
+    assert parse_size("4GiB") == 4 << 30
+    assert parse_size("512MB") == 512 * 10**6
+    assert parse_size(" 1.5 kib ") == 1536
+    for bad in ("", "-1", "4 parsecs", True, 0, "0", None):
+        with pytest.raises(ValueError):
+            parse_size(bad)

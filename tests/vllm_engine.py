@@ -1,0 +1,206 @@
+"""A real vLLM engine in a spawned child process, driven over a pipe (tests/test_vllm.py).
+
+vLLM starts its own processes with spawn, so an engine cannot live in the pytest process
+(nor in a forked child). Each engine here runs in a spawned child that makes itself a
+process-group leader, so that kill() takes the engine's EngineCore process with it
+(kill -9 of the whole engine, as an OOM killer or an operator would).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+BLOCK_SIZE = 32
+START_TIMEOUT = 400.0      # an engine takes ~20-30 s to start, more on a loaded machine
+CALL_TIMEOUT = 300.0
+
+
+def _set_env() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"          # nothing is downloaded
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of vLLM's own KV cache per engine
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _write_model(path: str, num_layers: int, num_kv_heads: int, seed: int) -> None:
+    _set_env()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    # head_dim 64: vLLM's CPU attention refuses 16. 2 layers, random weights: tiny and fast.
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=num_layers, num_attention_heads=2,
+                         num_key_value_heads=num_kv_heads, head_dim=64,
+                         max_position_embeddings=4096, torch_dtype="float32")
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def write_model(path: str, num_layers: int = 2, num_kv_heads: int = 2, seed: int = 0) -> str:
+    """Writes a tiny random-weight Llama with transformers' save_pretrained (in a spawned
+    child, so the caller never imports transformers). Returns path."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_write_model, args=(path, num_layers, num_kv_heads, seed))
+    proc.start()
+    proc.join(300)
+    if proc.exitcode != 0:
+        proc.kill()
+        raise RuntimeError(f"writing the model to {path} failed (exit {proc.exitcode})")
+    return path
+
+
+def _engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str,
+                 llm_kwargs: Dict[str, Any]) -> None:
+    os.setsid()                                  # the engine's processes form one group
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    _set_env()
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+
+        kwargs: Dict[str, Any] = {"max_model_len": 2048, **llm_kwargs}
+        if extra is not None:
+            kwargs["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="HostKVConnector", kv_connector_module_path="hostkv.vllm",
+                kv_role="kv_both", kv_connector_extra_config=extra)
+        llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32",
+                  block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
+                  **kwargs)
+    except BaseException:                        # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        message = conn.recv()
+        if message[0] == "exit":
+            break
+        _, prompts, max_tokens, salts = message
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            inputs = []
+            for tokens, salt in zip(prompts, salts):
+                item: Dict[str, Any] = {"prompt_token_ids": list(tokens)}
+                if salt is not None:
+                    item["cache_salt"] = salt
+                inputs.append(item)
+            start = time.perf_counter()
+            outs = llm.generate(inputs, params, use_tqdm=False)
+            wall = time.perf_counter() - start
+            conn.send(("ok", ([list(o.outputs[0].token_ids) for o in outs],
+                              [int(o.num_cached_tokens or 0) for o in outs], wall)))
+        except BaseException:                    # noqa: BLE001 - reported to the parent
+            conn.send(("error", traceback.format_exc()))
+    conn.send(("bye", None))
+    del llm
+    sys.stdout.flush()
+
+
+class Engine:
+    """One engine in a spawned child; start() returns at once, ready() waits for it."""
+
+    def __init__(self, model: str, extra: Optional[Dict[str, Any]], log_path: str,
+                 **llm_kwargs: Any) -> None:
+        """Starts the engine (LLM(model, ...) plus llm_kwargs); extra: the connector's
+        kv_connector_extra_config, or None for an engine without hostkv."""
+        self.log_path = log_path
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine_main, args=(child, model, extra, log_path, llm_kwargs),
+                                daemon=False)
+        self.proc.start()
+        child.close()
+        self.pending = False
+
+    def log(self) -> str:
+        """What the engine wrote (its last 20,000 characters)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-20000:]
+        except OSError:
+            return ""
+
+    def _receive(self, timeout: float) -> Tuple[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"engine gave no answer in {timeout} s; log:\n{self.log()}")
+        return self.conn.recv()
+
+    def ready(self, timeout: float = START_TIMEOUT) -> None:
+        """Waits for the engine to start. Raises RuntimeError with its error if it failed."""
+        kind, value = self._receive(timeout)
+        if kind != "ready":
+            raise RuntimeError(f"engine failed to start:\n{value}\nlog:\n{self.log()}")
+
+    def submit(self, prompts: Sequence[Sequence[int]], max_tokens: int,
+               salts: Optional[Sequence[Optional[str]]] = None) -> None:
+        """Sends a generate call without waiting for it (see result())."""
+        salts = list(salts) if salts is not None else [None] * len(prompts)
+        self.conn.send(("generate", [list(p) for p in prompts], max_tokens, salts))
+        self.pending = True
+
+    def result(self, timeout: float = CALL_TIMEOUT) -> Tuple[List[List[int]], List[int], float]:
+        """(generated tokens per prompt, cached prompt tokens per prompt, wall seconds)."""
+        kind, value = self._receive(timeout)
+        self.pending = False
+        if kind != "ok":
+            raise RuntimeError(f"generate failed:\n{value}")
+        return value
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
+                 salts: Optional[Sequence[Optional[str]]] = None
+                 ) -> Tuple[List[List[int]], List[int], float]:
+        """submit() then result()."""
+        self.submit(prompts, max_tokens, salts)
+        return self.result()
+
+    def kill(self) -> None:
+        """kill -9 of the engine's whole process group (its EngineCore included)."""
+        if self.proc.pid is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.join(30)
+
+    def stop(self) -> None:
+        """Asks the engine to exit; kills it if it does not within a minute."""
+        if self.proc.is_alive() and not self.pending:
+            try:
+                self.conn.send(("exit",))
+                if self.conn.poll(60):
+                    self.conn.recv()
+            except (OSError, EOFError):
+                pass
+            self.proc.join(60)
+        # Whatever is left of the group (EngineCore) goes too.
+        self.kill()
+        self.conn.close()
+
+
+def open_segment_at_once(name: str, barrier: Any, results: Any, num_layers: int) -> None:
+    """In a spawned child: hostkv.vllm.open_segment(name) once every child is ready, as
+    engines starting together do; puts (pid, 'ok' | error text) on results."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import hostkv
+    import hostkv.vllm as hv
+
+    layout = hostkv.KVLayout(num_layers=num_layers, num_kv_heads=2, head_dim=64,
+                             dtype="float32")
+    settings = hv.HostKVSettings(segment=name, num_pages=64)
+    barrier.wait(120)
+    try:
+        cache = hv.open_segment(settings, layout, BLOCK_SIZE)
+    except Exception as exc:                     # noqa: BLE001 - reported to the parent
+        results.put((os.getpid(), f"{type(exc).__name__}: {exc}"))
+        return
+    results.put((os.getpid(), "ok"))
+    barrier.wait(120)                            # all attached at the same time
+    cache.close()
