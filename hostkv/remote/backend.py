@@ -1,0 +1,174 @@
+"""The store interface the remote tier needs, and its Redis/Valkey implementation.
+
+A backend is four batched calls on opaque byte keys and values; everything hostkv-specific
+(keys, value format, checks, threads, breaker) lives above it, so another store (Mooncake
+Store, a file system) needs only these. Every call either returns or raises RemoteError
+within the configured timeouts; none may block forever.
+
+redis-py is imported here only, when a Redis backend is built: ``import hostkv`` (and
+``import hostkv.remote``) work without it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, List, Optional, Sequence, Tuple
+
+from hostkv.errors import ConfigError, HostKVError
+from hostkv.remote.config import RemoteConfig
+
+__all__ = ["RedisBackend", "RemoteBackend", "RemoteError", "backend_for"]
+
+
+class RemoteError(HostKVError):
+    """The remote store failed: unreachable, timed out, refused, or answered nonsense.
+
+    The tier counts it and carries on from host memory; it never reaches the engine from
+    the background paths. The message names the server with its password masked.
+    """
+
+
+class RemoteBackend(abc.ABC):
+    """A key-value store under the host tier. Implementations must be thread-safe."""
+
+    @abc.abstractmethod
+    def get_many(self, keys: Sequence[bytes]) -> List[Optional[bytes]]:
+        """The values of keys, None for a missing one, in one round trip (per server node)."""
+
+    @abc.abstractmethod
+    def put_many(self, items: Sequence[Tuple[bytes, bytes]], ttl_seconds: int) -> None:
+        """Stores every (key, value), each atomically (a reader sees all of a value or none
+        of it), expiring after ttl_seconds (0: never). Pipelined, not one round trip each."""
+
+    @abc.abstractmethod
+    def touch_many(self, keys: Sequence[bytes], ttl_seconds: int) -> List[bool]:
+        """For each key, whether it exists; existing ones get their expiry renewed."""
+
+    @abc.abstractmethod
+    def ping(self) -> None:
+        """Raises RemoteError unless the store answers."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Drops connections. Idempotent."""
+
+
+class RedisBackend(RemoteBackend):
+    """Redis or Valkey through redis-py (hiredis parses when installed): a single node or a
+    cluster, as the config's URL says.
+
+    On a cluster the keys of one call spread over the nodes by hash slot; redis-py sends
+    each node its commands in one pipeline, writing to every node before reading any reply.
+    """
+
+    def __init__(self, config: RemoteConfig) -> None:
+        """Builds the client (connects lazily, on the first call).
+
+        Raises:
+            ConfigError: redis-py is not installed.
+        """
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError:
+            raise ConfigError("the Redis remote tier needs redis-py: "
+                              "pip install 'hostkv[remote]'") from None
+        self._redis = redis
+        self._config = config
+        self._where = config.redacted_url
+        parsed = config.parsed
+        common: dict = dict(
+            username=parsed.username, password=parsed.password,
+            socket_timeout=config.socket_timeout,
+            socket_connect_timeout=config.connect_timeout,
+            # The tier retries on its own terms (breaker, backoff); redis-py's own retries
+            # would multiply the worst-case wait.
+            retry=Retry(NoBackoff(), 0),
+        )
+        if parsed.tls:
+            common["ssl"] = True
+            common.update(parsed.tls_options)
+        if parsed.cluster:
+            from redis.cluster import ClusterNode, RedisCluster
+            self._cluster = True
+            self._client: Any = RedisCluster(
+                startup_nodes=[ClusterNode(host, port) for host, port in parsed.nodes],
+                # A dead node must fail its own keys, not every call.
+                require_full_coverage=False,
+                cluster_error_retry_attempts=1,
+                **common)
+        else:
+            self._cluster = False
+            if parsed.path is not None:
+                common.pop("ssl", None)
+                self._client = redis.Redis(unix_socket_path=parsed.path, db=parsed.db, **common)
+            else:
+                host, port = parsed.nodes[0]
+                self._client = redis.Redis(host=host, port=port, db=parsed.db, **common)
+
+    def _fail(self, exc: BaseException, what: str) -> RemoteError:
+        # redis-py's messages name host:port at most; say which server by its redacted URL.
+        return RemoteError(f"{what} on {self._where}: {type(exc).__name__}: {exc}")
+
+    def get_many(self, keys: Sequence[bytes]) -> List[Optional[bytes]]:
+        """One MGET (single node) or one pipeline per node (cluster)."""
+        if not keys:
+            return []
+        try:
+            if self._cluster:
+                return list(self._client.mget_nonatomic(list(keys)))
+            return list(self._client.mget(list(keys)))
+        except self._redis.RedisError as exc:
+            raise self._fail(exc, f"MGET of {len(keys)} keys") from None
+
+    def put_many(self, items: Sequence[Tuple[bytes, bytes]], ttl_seconds: int) -> None:
+        """One pipeline of SETs (SET is atomic: a reader never sees half a value)."""
+        if not items:
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, value in items:
+                pipe.set(key, value, ex=ttl_seconds or None)
+            results = pipe.execute(raise_on_error=True)
+        except self._redis.RedisError as exc:
+            raise self._fail(exc, f"SET of {len(items)} values") from None
+        if not all(results):
+            raise RemoteError(f"SET of {len(items)} values on {self._where}: refused")
+
+    def touch_many(self, keys: Sequence[bytes], ttl_seconds: int) -> List[bool]:
+        """One pipeline of EXPIRE (or EXISTS when values never expire)."""
+        if not keys:
+            return []
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                if ttl_seconds:
+                    pipe.expire(key, ttl_seconds)
+                else:
+                    pipe.exists(key)
+            return [bool(r) for r in pipe.execute(raise_on_error=True)]
+        except self._redis.RedisError as exc:
+            raise self._fail(exc, f"EXPIRE of {len(keys)} keys") from None
+
+    def ping(self) -> None:
+        """PING (every node of a cluster)."""
+        try:
+            self._client.ping()
+        except self._redis.RedisError as exc:
+            raise self._fail(exc, "PING") from None
+
+    def close(self) -> None:
+        """Closes the client's connections."""
+        try:
+            self._client.close()
+        except Exception:   # closing a broken connection may raise; it is closed either way
+            pass
+
+    def __repr__(self) -> str:
+        return f"<RedisBackend {self._where}>"
+
+
+def backend_for(config: RemoteConfig) -> RemoteBackend:
+    """The backend the config's URL names (today: Redis/Valkey for every scheme)."""
+    return RedisBackend(config)
