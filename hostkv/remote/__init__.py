@@ -15,7 +15,13 @@ Off unless an engine makes a RemoteTier: hostkv alone stays the default, and nei
 does). See tier.py for the read and write paths and codec.py for keys and values.
 """
 
-from hostkv.remote.backend import RedisBackend, RemoteBackend, RemoteError, backend_for
+from hostkv.remote.backend import (
+    RedisBackend,
+    RemoteBackend,
+    RemoteError,
+    RemoteFullError,
+    backend_for,
+)
 from hostkv.remote.codec import chain_keys, decode_value, encode_value, layout_fingerprint
 from hostkv.remote.config import ParsedURL, RemoteConfig, parse_url
 from hostkv.remote.tier import RemoteLookup, RemoteStats, RemoteTier
@@ -26,6 +32,7 @@ __all__ = [
     "RemoteBackend",
     "RemoteConfig",
     "RemoteError",
+    "RemoteFullError",
     "RemoteLookup",
     "RemoteStats",
     "RemoteTier",

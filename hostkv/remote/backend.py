@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from hostkv.errors import ConfigError, HostKVError
 from hostkv.remote.config import RemoteConfig
 
-__all__ = ["RedisBackend", "RemoteBackend", "RemoteError", "backend_for"]
+__all__ = ["RedisBackend", "RemoteBackend", "RemoteError", "RemoteFullError", "backend_for"]
 
 
 class RemoteError(HostKVError):
@@ -26,6 +26,11 @@ class RemoteError(HostKVError):
     The tier counts it and carries on from host memory; it never reaches the engine from
     the background paths. The message names the server with its password masked.
     """
+
+
+class RemoteFullError(RemoteError):
+    """The store answered but refused to store (out of memory, read-only replica): it is
+    up, so reads go on; the refused writes are dropped."""
 
 
 class RemoteBackend(abc.ABC):
@@ -38,7 +43,8 @@ class RemoteBackend(abc.ABC):
     @abc.abstractmethod
     def put_many(self, items: Sequence[Tuple[bytes, bytes]], ttl_seconds: int) -> None:
         """Stores every (key, value), each atomically (a reader sees all of a value or none
-        of it), expiring after ttl_seconds (0: never). Pipelined, not one round trip each."""
+        of it), expiring after ttl_seconds (0: never). Pipelined, not one round trip each.
+        Raises RemoteFullError when the store is up but refuses (full)."""
 
     @abc.abstractmethod
     def touch_many(self, keys: Sequence[bytes], ttl_seconds: int) -> List[bool]:
@@ -131,6 +137,9 @@ class RedisBackend(RemoteBackend):
             for key, value in items:
                 pipe.set(key, value, ex=ttl_seconds or None)
             results = pipe.execute(raise_on_error=True)
+        except self._redis.ResponseError as exc:
+            raise RemoteFullError(f"SET of {len(items)} values on {self._where}: "
+                                  f"refused: {exc}") from None
         except self._redis.RedisError as exc:
             raise self._fail(exc, f"SET of {len(items)} values") from None
         if not all(results):

@@ -12,9 +12,9 @@ then allocates as usual. No network wait and no copy ever happens under the segm
 the lock is held only inside the core's allocate/commit/release calls.
 
 Write path: write-through on commit. ``publish``/``commit``/``release`` queue the token ids
-of newly committed pages (nothing else on the engine's thread). The writer thread skips
-pages it knows the store has, asks the store which of the rest exist (one pipeline of
-EXPIRE, which also renews their TTL), borrows the missing ones by allocating their prefix
+of newly committed pages (nothing else on the engine's thread). The writer thread asks the
+store which of them exist (one pipeline of EXPIRE, which also renews their TTL: no local
+"already sent" memory, so a flushed or restarted store is refilled), borrows the missing ones by allocating their prefix
 plus one token (a borrowed page cannot be evicted or rewritten while it copies the bytes),
 releases them, and sends the values in one pipeline. Write-on-evict is not offered: eviction
 happens inside the core's allocation, under the lock, and the page's bytes are handed to
@@ -50,7 +50,7 @@ from hostkv._tokens import as_namespace, as_tokens
 from hostkv.cache import HostKVCache
 from hostkv.errors import CapacityError, ConfigError, HostKVError, OutOfPagesError
 from hostkv.remote import codec
-from hostkv.remote.backend import RemoteBackend, RemoteError, backend_for
+from hostkv.remote.backend import RemoteBackend, RemoteError, RemoteFullError, backend_for
 from hostkv.remote.config import RemoteConfig
 from hostkv.worker_view import SequenceRequest, WorkerView
 
@@ -58,7 +58,6 @@ __all__ = ["RemoteLookup", "RemoteStats", "RemoteTier"]
 
 log = logging.getLogger("hostkv.remote")
 
-_KNOWN_KEYS = 1 << 16          # keys remembered as present in the store (per process)
 _HISTOGRAM_BUCKETS = 32
 
 
@@ -261,6 +260,8 @@ class RemoteTier:
         self._min_reuse = cfg.prefix_min_reuse_pages
         self._fingerprint = codec.layout_fingerprint(cfg)
         self._prefix = config.key_prefix.encode()
+        self._write_limit = max(1, min(config.write_batch_pages,
+                                       config.max_bytes_in_flight // cfg.page_bytes))
         self._backend = backend if backend is not None else backend_for(config)
         # The tier's own handle: the engine's thread never waits for the tier's calls on a
         # shared handle, and the tier's sequences belong to this lease (reaped if we die).
@@ -271,11 +272,9 @@ class RemoteTier:
         self._seq_ids = itertools.count(1)
         self._pid = os.getpid()
         self._breaker = _Breaker(config)
-        self._known: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
-        self._known_lock = threading.Lock()
         self._cond = threading.Condition()
         self._lookups: Deque[RemoteLookup] = collections.deque()
-        self._writes: Deque[Tuple[int, np.ndarray]] = collections.deque()
+        self._writes: Deque[Tuple[int, np.ndarray, int]] = collections.deque()
         self._writing = False
         self._closed = False
         self._counts: Dict[str, Any] = collections.Counter()
@@ -363,47 +362,68 @@ class RemoteTier:
             item.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return [item.inserted_pages if item.done() else 0 for item in lookups]
 
-    def publish(self, tokens: Any, namespace: int = 0, num_pages: Optional[int] = None) -> None:
-        """Queues the write of the leading full pages of tokens that the host has committed
-        (num_pages of them; default all full pages). Pages not cached locally any more by
-        the time the writer gets to them are skipped (counted)."""
+    def publish(self, tokens: Any, namespace: int = 0, num_pages: Optional[int] = None,
+                first_page: int = 0) -> None:
+        """Queues the write of pages [first_page, num_pages) of tokens, which the host has
+        committed (num_pages default: every full page). Pages no longer cached locally by
+        the time the writer gets to them are skipped (counted in writes_dropped)."""
         self._check_open()
         arr = as_tokens(tokens)
         full = len(arr) // self._page_size
         pages = full if num_pages is None else min(int(num_pages), full)
-        if pages <= 0:
+        first = max(0, int(first_page))
+        if pages <= first:
             return
-        job = (as_namespace(namespace), arr[:pages * self._page_size].copy())
-        self._count(published_pages=pages)
+        ns = as_namespace(namespace)
+        ps = self._page_size
+        # Jobs of at most one write batch each: the writer never holds more than that.
+        jobs = [(ns, arr[:min(pages, start + self._write_limit) * ps].copy(), start)
+                for start in range(first, pages, self._write_limit)]
+        self._count(published_pages=pages - first)
+        dropped = 0
         with self._cond:
-            if self._breaker.is_open and not self._breaker_probe_due():
-                dropped = True
-            else:
-                dropped = len(self._lookups) + len(self._writes) >= self._config.max_queue
-            if not dropped:
-                self._writes.append(job)
-                self._cond.notify_all()
+            for job in jobs:
+                if (self._breaker.is_open and not self._breaker_probe_due()) or (
+                        len(self._lookups) + len(self._writes) >= self._config.max_queue):
+                    dropped += self._job_pages(job)
+                else:
+                    self._writes.append(job)
+            self._cond.notify_all()
         if dropped:
-            self._count(writes_dropped=pages)
+            self._count(writes_dropped=dropped)
 
     def commit(self, view: WorkerView, seq_ids: Sequence[Any],
                num_tokens: Union[None, int, Sequence[int]] = None) -> List[int]:
-        """view.commit(seq_ids, num_tokens), then publish the sequences' committed pages."""
+        """view.commit(seq_ids, num_tokens), then publish the pages it newly committed.
+
+        A sequence's first publish includes the prefix it borrowed: the writer's EXPIRE
+        then renews the TTL of prefixes every host keeps reusing locally, and refills a
+        store that was flushed or restarted (the values it has cost one small command)."""
+        before = [self._published_from(view.state(seq_id)) for seq_id in seq_ids]
         counts = view.commit(seq_ids, num_tokens)
-        for seq_id, pages in zip(seq_ids, counts):
-            if pages:
+        for seq_id, first, pages in zip(seq_ids, before, counts):
+            if pages > first:
                 state = view.state(seq_id)
-                self.publish(state.tokens, state.namespace, pages)
+                self.publish(state.tokens, state.namespace, pages, first)
         return counts
 
     def release(self, view: WorkerView, seq_ids: Sequence[Any], commit: bool = True) -> List[int]:
-        """view.release(seq_ids, commit), then publish the pages the cache held for them."""
+        """view.release(seq_ids, commit), then publish the pages it newly committed (see
+        commit)."""
         states = [view.state(seq_id) for seq_id in seq_ids] if commit else []
         counts = view.release(seq_ids, commit)
         for state, pages in zip(states, counts):
-            if pages:
-                self.publish(state.tokens, state.namespace, pages)
+            first = self._published_from(state)
+            if pages > first:
+                self.publish(state.tokens, state.namespace, pages, first)
         return counts
+
+    def _published_from(self, state: Any) -> int:
+        """The first page of a sequence not published yet: 0 until it committed a page of
+        its own (its borrowed prefix goes once), then its committed pages."""
+        if state.committed_tokens <= state.reused_tokens:
+            return 0
+        return state.committed_tokens // self._page_size
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Waits until every queued lookup and write is done; False on timeout."""
@@ -532,8 +552,6 @@ class RemoteTier:
                 item._finish("miss")
                 continue
             inserted = self._insert(item, start, kvs)
-            if inserted:
-                self._remember(keys[:inserted])
             item._finish("hit" if inserted else "miss", inserted)
 
     def _insert(self, item: RemoteLookup, start: int, kvs: List[memoryview]) -> int:
@@ -580,17 +598,8 @@ class RemoteTier:
 
     # -- the writer thread -----------------------------------------------------------------------
 
-    def _remember(self, keys: Sequence[bytes]) -> None:
-        with self._known_lock:
-            for key in keys:
-                self._known[key] = None
-                self._known.move_to_end(key)
-            while len(self._known) > _KNOWN_KEYS:
-                self._known.popitem(last=False)
-
     def _write_loop(self) -> None:
-        limit = max(1, min(self._config.write_batch_pages,
-                           self._config.max_bytes_in_flight // self._page_bytes))
+        limit = self._write_limit
         while True:
             with self._cond:
                 while not self._writes and not self._closed:
@@ -598,14 +607,14 @@ class RemoteTier:
                 if self._closed:
                     return
                 batch = [self._writes.popleft()]
-                pages = len(batch[0][1]) // self._page_size
-                while self._writes and pages + len(self._writes[0][1]) // self._page_size <= limit:
+                pages = self._job_pages(batch[0])
+                while self._writes and pages + self._job_pages(self._writes[0]) <= limit:
                     job = self._writes.popleft()
                     batch.append(job)
-                    pages += len(job[1]) // self._page_size
+                    pages += self._job_pages(job)
                 self._writing = True
             try:
-                self._write(batch, limit)
+                self._write(batch)
             except Exception:
                 log.exception("hostkv remote tier: write failed")
                 self._count(errors=1)
@@ -614,20 +623,17 @@ class RemoteTier:
                     self._writing = False
                     self._cond.notify_all()
 
-    def _write(self, batch: List[Tuple[int, np.ndarray]], limit: int) -> None:
+    def _job_pages(self, job: Tuple[int, np.ndarray, int]) -> int:
+        return len(job[1]) // self._page_size - job[2]
+
+    def _write(self, batch: List[Tuple[int, np.ndarray, int]]) -> None:
         ps = self._page_size
         jobs = []             # (namespace, tokens, keys, pages to send)
-        for namespace, tokens in batch:
+        for namespace, tokens, first in batch:
             num_pages = len(tokens) // ps
             keys = codec.chain_keys(self._prefix, namespace, self._fingerprint, tokens, ps,
                                     num_pages)
-            with self._known_lock:
-                wanted = [p for p in range(num_pages) if keys[p] not in self._known]
-            self._count(present_pages=num_pages - len(wanted))
-            if wanted:
-                jobs.append((namespace, tokens, keys, wanted))
-        if not jobs:
-            return
+            jobs.append((namespace, tokens, keys, list(range(first, num_pages))))
         total = sum(len(w) for _, _, _, w in jobs)
         if not self._breaker.allow():
             self._count(writes_dropped=total)
@@ -645,9 +651,8 @@ class RemoteTier:
         for namespace, tokens, keys, wanted in jobs:
             flags = present[offset:offset + len(wanted)]
             offset += len(wanted)
-            self._remember([keys[p] for p, there in zip(wanted, flags) if there])
             self._count(present_pages=sum(flags))
-            missing = [p for p, there in zip(wanted, flags) if not there][:limit]
+            missing = [p for p, there in zip(wanted, flags) if not there]
             if missing:
                 todo.append((namespace, tokens, keys, missing))
         if not todo:
@@ -657,12 +662,17 @@ class RemoteTier:
             return
         try:
             self._backend.put_many(items, self._config.ttl_seconds)
+        except RemoteFullError as exc:
+            # The store answered (out of memory, say): reads may still work, so the breaker
+            # stays closed; the pages are dropped and counted.
+            log.debug("hostkv remote tier: the store refused %d values: %s", len(items), exc)
+            self._count(errors=1, writes_dropped=len(items))
+            return
         except RemoteError as exc:
             self._breaker.failure(self._config.redacted_url, exc)
             self._count(errors=1, writes_dropped=len(items))
             return
         self._breaker.success()
-        self._remember([key for key, _ in items])
         self._count(written_pages=len(items), bytes_up=sum(len(v) for _, v in items))
 
     def _borrow_and_encode(self, todo: List[Tuple[int, np.ndarray, List[bytes], List[int]]]
@@ -716,7 +726,7 @@ class RemoteTier:
             self._closed = True
             pending = list(self._lookups)
             self._lookups.clear()
-            dropped = sum(len(t) // self._page_size for _, t in self._writes)
+            dropped = sum(self._job_pages(job) for job in self._writes)
             self._writes.clear()
             self._cond.notify_all()
         for item in pending:
