@@ -25,11 +25,28 @@ CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 START_TIMEOUT = 20.0
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now (the server binds it a moment later)."""
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(cluster: bool = False) -> int:
+    """A TCP port nobody listens on now (the server binds it a moment later). A cluster
+    node also binds port + 10000 for its bus, so its port must be at most 55535."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not cluster:
+            return port
+        if port > 55535:
+            port = 20000 + port % 30000
+        if _bindable(port) and _bindable(port + 10000):
+            return port
 
 
 def _answers(port: int) -> bool:
@@ -45,7 +62,7 @@ class RedisServer:
     """One redis-server process (start() / stop() / kill() / pause() / resume())."""
 
     def __init__(self, directory: str, port: int = 0, cluster: bool = False) -> None:
-        self.port = port or free_port()
+        self.port = port or free_port(cluster)
         self.cluster = cluster
         self.directory = os.path.join(directory, str(self.port))
         os.makedirs(self.directory, exist_ok=True)

@@ -102,7 +102,6 @@ class RedisBackend(RemoteBackend):
                 startup_nodes=[ClusterNode(host, port) for host, port in parsed.nodes],
                 # A dead node must fail its own keys, not every call.
                 require_full_coverage=False,
-                cluster_error_retry_attempts=1,
                 **common)
         else:
             self._cluster = False
