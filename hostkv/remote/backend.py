@@ -91,6 +91,9 @@ class RedisBackend(RemoteBackend):
             # The tier retries on its own terms (breaker, backoff); redis-py's own retries
             # would multiply the worst-case wait.
             retry=Retry(NoBackoff(), 0),
+            # Pages are tens of KiB to MiB: read the socket in 1 MiB gulps, not redis-py's
+            # 64 KiB (a third fewer recv calls and parser passes on a fetch).
+            socket_read_size=1 << 20,
         )
         if parsed.tls:
             common["ssl"] = True
