@@ -18,6 +18,7 @@ import pytest
 
 import hostkv
 from hostkv.remote import (
+    RedisBackend,
     RemoteConfig,
     RemoteTier,
     chain_keys,
@@ -77,16 +78,33 @@ def test_host_b_reuses_host_a_pages_byte_identical(redis_server, new_name, procs
             cache.close()
 
 
+class CountingBackend(RedisBackend):
+    """The real Redis backend, counting the tier's calls into it."""
+
+    def __init__(self, config: RemoteConfig) -> None:
+        super().__init__(config)
+        self.streamed = 0
+
+    def get_streamed(self, groups):
+        self.streamed += 1
+        return super().get_streamed(groups)
+
+
 def test_a_batch_of_lookups_is_one_round_trip_and_pollable(redis_server, make_host):
     a = make_host(fast_config(redis_server.url))
     b = make_host(fast_config(redis_server.url))
+    b.tier.close()
+    backend = CountingBackend(fast_config(redis_server.url))
+    b.tier = RemoteTier(b.cache, fast_config(redis_server.url), backend=backend)
     prompts = [prompt(PAGE_SIZE * 6 + 1, seed) for seed in range(4)]
     written = [a.compute(p, seed) for seed, p in enumerate(prompts)]
     before = commandstat(redis_server, "mget")
     lookups = b.tier.lookup_many(prompts)
     for look in lookups:
         assert look.wait(WAIT) == 6 and look.done() and look.status == "hit"
-    assert commandstat(redis_server, "mget") - before == 1
+    # One call: one MGET per prompt, all sent in one write, their replies read in turn.
+    assert backend.streamed == 1
+    assert commandstat(redis_server, "mget") - before == 4
     for p, pages in zip(prompts, written):
         assert b.reuse(p) == (6 * PAGE_SIZE, pages)
     stats = b.tier.stats()
@@ -95,6 +113,22 @@ def test_a_batch_of_lookups_is_one_round_trip_and_pollable(redis_server, make_ho
     # Nothing left to ask for: the host has every reusable page now.
     assert b.tier.lookup(prompts[0]).wait(WAIT) == 0
     assert b.tier.stats().fetches == 1
+
+
+def test_a_stream_left_half_read_does_not_poison_the_connection(redis_server):
+    import redis
+    client = redis.Redis(port=redis_server.port)
+    client.mset({b"k1": b"one", b"k2": b"two", b"k3": b"three"})
+    backend = RedisBackend(fast_config(redis_server.url))
+    try:
+        stream = backend.get_streamed([[b"k1"], [b"k2"], [b"k3", b"nope"]])
+        assert next(stream) == [b"one"]
+        stream.close()                       # two replies never read
+        assert backend.get_many([b"k3", b"k2"]) == [b"three", b"two"]
+        assert list(backend.get_streamed([[b"k2"], [], [b"k1"]])) == [[b"two"], [], [b"one"]]
+    finally:
+        backend.close()
+        client.close()
 
 
 def test_only_pages_after_the_local_prefix_are_asked_for(redis_server, make_host):

@@ -12,7 +12,7 @@ redis-py is imported here only, when a Redis backend is built: ``import hostkv``
 from __future__ import annotations
 
 import abc
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from hostkv.errors import ConfigError, HostKVError
 from hostkv.remote.config import RemoteConfig
@@ -39,6 +39,16 @@ class RemoteBackend(abc.ABC):
     @abc.abstractmethod
     def get_many(self, keys: Sequence[bytes]) -> List[Optional[bytes]]:
         """The values of keys, None for a missing one, in one round trip (per server node)."""
+
+    def get_streamed(self, groups: Sequence[Sequence[bytes]]) -> Iterator[List[Optional[bytes]]]:
+        """The values of several groups of keys, group by group, in one round trip: a
+        caller can check and copy one group while the next is still arriving. The default
+        fetches everything with get_many, then yields."""
+        flat = self.get_many([key for group in groups for key in group])
+        offset = 0
+        for group in groups:
+            yield flat[offset:offset + len(group)]
+            offset += len(group)
 
     @abc.abstractmethod
     def put_many(self, items: Sequence[Tuple[bytes, bytes]], ttl_seconds: int) -> None:
@@ -129,6 +139,49 @@ class RedisBackend(RemoteBackend):
             return list(self._client.mget(list(keys)))
         except self._redis.RedisError as exc:
             raise self._fail(exc, f"MGET of {len(keys)} keys") from None
+
+    def get_streamed(self, groups: Sequence[Sequence[bytes]]) -> Iterator[List[Optional[bytes]]]:
+        """One MGET per group, all sent at once (one round trip), each reply handed over as
+        soon as it is parsed. On a cluster: get_many's per-node pipelines, then yields."""
+        if self._cluster or len(groups) < 2:
+            yield from super().get_streamed(groups)
+            return
+        redis = self._redis
+        pool = self._client.connection_pool
+        try:
+            try:
+                conn = pool.get_connection()
+            except TypeError:                       # redis-py < 5.3 wants a command name
+                conn = pool.get_connection("MGET")
+        except redis.RedisError as exc:
+            raise self._fail(exc, "connect") from None
+        unread = len(groups)
+        try:
+            try:
+                conn.send_packed_command(conn.pack_commands(
+                    [("MGET", *group) for group in groups if group]))
+                unread = sum(1 for group in groups if group)
+            except redis.RedisError as exc:
+                raise self._fail(exc, f"MGET of {len(groups)} groups") from None
+            for group in groups:
+                if not group:
+                    yield []
+                    continue
+                try:
+                    reply = conn.read_response()
+                except redis.RedisError as exc:
+                    raise self._fail(exc, f"MGET of {len(group)} keys") from None
+                unread -= 1
+                if isinstance(reply, redis.ResponseError) or not isinstance(reply, list) \
+                        or len(reply) != len(group):
+                    raise RemoteError(f"MGET on {self._where}: unexpected reply")
+                yield reply
+        finally:
+            if unread:
+                # Replies left unread (an error, or the caller stopped): the connection's
+                # stream is out of step, so it must not go back into the pool as it is.
+                conn.disconnect()
+            pool.release(conn)
 
     def put_many(self, items: Sequence[Tuple[bytes, bytes]], ttl_seconds: int) -> None:
         """One pipeline of SETs (SET is atomic: a reader never sees half a value)."""

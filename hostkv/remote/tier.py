@@ -274,7 +274,8 @@ class RemoteTier:
         self._breaker = _Breaker(config)
         self._cond = threading.Condition()
         self._lookups: Deque[RemoteLookup] = collections.deque()
-        self._writes: Deque[Tuple[int, np.ndarray, int]] = collections.deque()
+        # (namespace, tokens, first page, first page this host computed itself)
+        self._writes: Deque[Tuple[int, np.ndarray, int, int]] = collections.deque()
         self._writing = False
         self._closed = False
         self._counts: Dict[str, Any] = collections.Counter()
@@ -363,10 +364,15 @@ class RemoteTier:
         return [item.inserted_pages if item.done() else 0 for item in lookups]
 
     def publish(self, tokens: Any, namespace: int = 0, num_pages: Optional[int] = None,
-                first_page: int = 0) -> None:
+                first_page: int = 0, computed_from: Optional[int] = None) -> None:
         """Queues the write of pages [first_page, num_pages) of tokens, which the host has
         committed (num_pages default: every full page). Pages no longer cached locally by
-        the time the writer gets to them are skipped (counted in writes_dropped)."""
+        the time the writer gets to them are skipped (counted in writes_dropped).
+
+        computed_from: pages from this one on were computed here, so the store is unlikely
+        to have them: they are sent without asking first. Pages before it (a borrowed
+        prefix) are sent only if the store lacks them, and get their TTL renewed. Default:
+        ask for every page."""
         self._check_open()
         arr = as_tokens(tokens)
         full = len(arr) // self._page_size
@@ -376,8 +382,9 @@ class RemoteTier:
             return
         ns = as_namespace(namespace)
         ps = self._page_size
+        computed = pages if computed_from is None else max(0, int(computed_from))
         # Jobs of at most one write batch each: the writer never holds more than that.
-        jobs = [(ns, arr[:min(pages, start + self._write_limit) * ps].copy(), start)
+        jobs = [(ns, arr[:min(pages, start + self._write_limit) * ps].copy(), start, computed)
                 for start in range(first, pages, self._write_limit)]
         self._count(published_pages=pages - first)
         dropped = 0
@@ -404,7 +411,8 @@ class RemoteTier:
         for seq_id, first, pages in zip(seq_ids, before, counts):
             if pages > first:
                 state = view.state(seq_id)
-                self.publish(state.tokens, state.namespace, pages, first)
+                self.publish(state.tokens, state.namespace, pages, first,
+                             state.reused_tokens // self._page_size)
         return counts
 
     def release(self, view: WorkerView, seq_ids: Sequence[Any], commit: bool = True) -> List[int]:
@@ -415,7 +423,8 @@ class RemoteTier:
         for state, pages in zip(states, counts):
             first = self._published_from(state)
             if pages > first:
-                self.publish(state.tokens, state.namespace, pages, first)
+                self.publish(state.tokens, state.namespace, pages, first,
+                             state.reused_tokens // self._page_size)
         return counts
 
     def _published_from(self, state: Any) -> int:
@@ -483,7 +492,6 @@ class RemoteTier:
     def _fetch(self, batch: List[RemoteLookup]) -> None:
         ps = self._page_size
         plans = []            # (lookup, start page, keys of the pages asked for)
-        all_keys: List[bytes] = []
         budget = max(1, self._config.max_bytes_in_flight // self._page_bytes)
         for item in batch:
             with self._segment_lock:
@@ -500,7 +508,6 @@ class RemoteTier:
             keys = codec.chain_keys(self._prefix, item.namespace, self._fingerprint,
                                     item.tokens, ps, stop)
             plans.append((item, start, keys[start:]))
-            all_keys.extend(keys[start:])
         if not plans:
             return
         if not self._breaker.allow():
@@ -509,50 +516,59 @@ class RemoteTier:
             self._count(lookups_skipped=len(plans))
             return
         began = time.perf_counter()
+        stream = self._backend.get_streamed([keys for _, _, keys in plans])
+        done = 0
         try:
-            values = self._backend.get_many(all_keys)
-            if len(values) != len(all_keys):
-                raise RemoteError(f"asked for {len(all_keys)} values, got {len(values)}")
+            for (item, start, keys), values in zip(plans, stream):
+                if len(values) != len(keys):
+                    raise RemoteError(f"asked for {len(keys)} values, got {len(values)}")
+                if done == 0:
+                    self._breaker.success()
+                self._take(item, start, keys, values)
+                done += 1
         except RemoteError as exc:
             self._breaker.failure(self._config.redacted_url, exc)
             self._count(errors=1)
-            for item, _, _ in plans:
+            for item, _, _ in plans[done:]:
                 item._finish("error")
             return
-        self._breaker.success()
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
         elapsed = time.perf_counter() - began
         with self._stats_lock:
             self._counts["fetches"] += 1
             self._fetch_seconds += elapsed
             self._histogram[min(int(elapsed * 1e6).bit_length(), _HISTOGRAM_BUCKETS - 1)] += 1
-        offset = 0
-        for item, start, keys in plans:
-            mine = values[offset:offset + len(keys)]
-            offset += len(keys)
-            kvs = []
-            for index, value in enumerate(mine):
-                page = start + index
-                kv, reason = codec.decode_value(
-                    value, self._fingerprint, item.namespace,
-                    item.tokens[page * ps:(page + 1) * ps], self._page_bytes)
-                if kv is None:
-                    # The chain stops at the first page not usable: later pages need it.
-                    if reason == "missing":
-                        self._count(miss_pages=len(keys) - index)
-                    else:
-                        with self._stats_lock:
-                            self._invalid[reason] += 1
-                        log.warning("hostkv remote tier: a value failed its %s check; "
-                                    "treated as a miss", reason)
-                    break
-                kvs.append(kv)
-            self._count(hit_pages=len(kvs),
-                        bytes_down=sum(len(v) for v in mine if v is not None))
-            if not kvs:
-                item._finish("miss")
-                continue
-            inserted = self._insert(item, start, kvs)
-            item._finish("hit" if inserted else "miss", inserted)
+
+    def _take(self, item: RemoteLookup, start: int, keys: List[bytes],
+              values: List[Optional[bytes]]) -> None:
+        """Checks one lookup's values and inserts the valid leading run of them."""
+        ps = self._page_size
+        kvs = []
+        for index, value in enumerate(values):
+            page = start + index
+            kv, reason = codec.decode_value(
+                value, self._fingerprint, item.namespace,
+                item.tokens[page * ps:(page + 1) * ps], self._page_bytes)
+            if kv is None:
+                # The chain stops at the first page not usable: later pages need it.
+                if reason == "missing":
+                    self._count(miss_pages=len(keys) - index)
+                else:
+                    with self._stats_lock:
+                        self._invalid[reason] += 1
+                    log.warning("hostkv remote tier: a value failed its %s check; "
+                                "treated as a miss", reason)
+                break
+            kvs.append(kv)
+        self._count(hit_pages=len(kvs), bytes_down=sum(len(v) for v in values if v is not None))
+        if not kvs:
+            item._finish("miss")
+            return
+        inserted = self._insert(item, start, kvs)
+        item._finish("hit" if inserted else "miss", inserted)
 
     def _insert(self, item: RemoteLookup, start: int, kvs: List[memoryview]) -> int:
         """Copies fetched pages [start, start + len(kvs)) into fresh local pages and commits
@@ -623,36 +639,40 @@ class RemoteTier:
                     self._writing = False
                     self._cond.notify_all()
 
-    def _job_pages(self, job: Tuple[int, np.ndarray, int]) -> int:
+    def _job_pages(self, job: Tuple[int, np.ndarray, int, int]) -> int:
         return len(job[1]) // self._page_size - job[2]
 
-    def _write(self, batch: List[Tuple[int, np.ndarray, int]]) -> None:
+    def _write(self, batch: List[Tuple[int, np.ndarray, int, int]]) -> None:
         ps = self._page_size
-        jobs = []             # (namespace, tokens, keys, pages to send)
-        for namespace, tokens, first in batch:
+        jobs = []             # (namespace, tokens, keys, pages to ask about, pages to send)
+        for namespace, tokens, first, computed in batch:
             num_pages = len(tokens) // ps
             keys = codec.chain_keys(self._prefix, namespace, self._fingerprint, tokens, ps,
                                     num_pages)
-            jobs.append((namespace, tokens, keys, list(range(first, num_pages))))
-        total = sum(len(w) for _, _, _, w in jobs)
+            split = min(max(first, computed), num_pages)
+            jobs.append((namespace, tokens, keys, list(range(first, split)),
+                         list(range(split, num_pages))))
+        total = sum(len(ask) + len(send) for _, _, _, ask, send in jobs)
         if not self._breaker.allow():
             self._count(writes_dropped=total)
             return
-        try:
-            present = self._backend.touch_many([k[p] for _, _, k, w in jobs for p in w],
-                                               self._config.ttl_seconds)
-        except RemoteError as exc:
-            self._breaker.failure(self._config.redacted_url, exc)
-            self._count(errors=1, writes_dropped=total)
-            return
-        self._breaker.success()
+        asking = [keys[p] for _, _, keys, ask, _ in jobs for p in ask]
+        present: List[bool] = []
+        if asking:
+            try:
+                present = self._backend.touch_many(asking, self._config.ttl_seconds)
+            except RemoteError as exc:
+                self._breaker.failure(self._config.redacted_url, exc)
+                self._count(errors=1, writes_dropped=total)
+                return
+            self._breaker.success()
         offset = 0
         todo = []
-        for namespace, tokens, keys, wanted in jobs:
-            flags = present[offset:offset + len(wanted)]
-            offset += len(wanted)
+        for namespace, tokens, keys, ask, send in jobs:
+            flags = present[offset:offset + len(ask)]
+            offset += len(ask)
             self._count(present_pages=sum(flags))
-            missing = [p for p, there in zip(wanted, flags) if not there]
+            missing = [p for p, there in zip(ask, flags) if not there] + send
             if missing:
                 todo.append((namespace, tokens, keys, missing))
         if not todo:
