@@ -12,6 +12,8 @@ redis-py is imported here only, when a Redis backend is built: ``import hostkv``
 from __future__ import annotations
 
 import abc
+import contextlib
+import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from hostkv.errors import ConfigError, HostKVError
@@ -73,8 +75,10 @@ class RedisBackend(RemoteBackend):
     """Redis or Valkey through redis-py (hiredis parses when installed): a single node or a
     cluster, as the config's URL says.
 
-    On a cluster the keys of one call spread over the nodes by hash slot; redis-py sends
-    each node its commands in one pipeline, writing to every node before reading any reply.
+    On a cluster the keys of one call spread over the nodes by hash slot; each node gets
+    its commands in one pipeline, written to every node before any reply is read. The
+    cluster client is built on first use (redis-py's connects to the seeds at once), so an
+    unreachable cluster is a counted RemoteError on a call, never an error at startup.
     """
 
     def __init__(self, config: RemoteConfig) -> None:
@@ -108,10 +112,12 @@ class RedisBackend(RemoteBackend):
         if parsed.tls:
             common["ssl"] = True
             common.update(parsed.tls_options)
+        self._lock = threading.Lock()
+        self._cluster_client: Any = None
         if parsed.cluster:
             from redis.cluster import ClusterNode, RedisCluster
             self._cluster = True
-            self._client: Any = RedisCluster(
+            self._make_cluster = lambda: RedisCluster(
                 startup_nodes=[ClusterNode(host, port) for host, port in parsed.nodes],
                 # A dead node must fail its own keys, not every call.
                 require_full_coverage=False,
@@ -120,10 +126,24 @@ class RedisBackend(RemoteBackend):
             self._cluster = False
             if parsed.path is not None:
                 common.pop("ssl", None)
-                self._client = redis.Redis(unix_socket_path=parsed.path, db=parsed.db, **common)
+                self._single = redis.Redis(unix_socket_path=parsed.path, db=parsed.db, **common)
             else:
                 host, port = parsed.nodes[0]
-                self._client = redis.Redis(host=host, port=port, db=parsed.db, **common)
+                self._single = redis.Redis(host=host, port=port, db=parsed.db, **common)
+
+    @property
+    def _client(self) -> Any:
+        """The redis-py client; a cluster's is made on first use (RemoteError if no seed
+        answers)."""
+        if not self._cluster:
+            return self._single
+        with self._lock:
+            if self._cluster_client is None:
+                try:
+                    self._cluster_client = self._make_cluster()
+                except self._redis.RedisError as exc:
+                    raise self._fail(exc, "connect to the cluster") from None
+            return self._cluster_client
 
     def _fail(self, exc: BaseException, what: str) -> RemoteError:
         # redis-py's messages name host:port at most; say which server by its redacted URL.
@@ -143,7 +163,10 @@ class RedisBackend(RemoteBackend):
     def get_streamed(self, groups: Sequence[Sequence[bytes]]) -> Iterator[List[Optional[bytes]]]:
         """One MGET per group, all sent at once (one round trip), each reply handed over as
         soon as it is parsed. On a cluster: get_many's per-node pipelines, then yields."""
-        if self._cluster or len(groups) < 2:
+        if self._cluster:
+            yield from self._cluster_streamed(groups)
+            return
+        if len(groups) < 2:
             yield from super().get_streamed(groups)
             return
         redis = self._redis
@@ -182,6 +205,60 @@ class RedisBackend(RemoteBackend):
                 # stream is out of step, so it must not go back into the pool as it is.
                 conn.disconnect()
             pool.release(conn)
+
+    def _cluster_streamed(self, groups: Sequence[Sequence[bytes]]
+                          ) -> Iterator[List[Optional[bytes]]]:
+        """A GET per key, each node's sent in one write, every node's before any reply is
+        read; then the replies are read group by group (each node's in the order sent)."""
+        redis = self._redis
+        client = self._client
+        per_node: dict = {}          # node name -> (node, [keys in send order])
+        owners = []                  # per group, per key: its node's name
+        try:
+            for group in groups:
+                names = []
+                for key in group:
+                    node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+                    per_node.setdefault(node.name, (node, []))[1].append(key)
+                    names.append(node.name)
+                owners.append(names)
+        except redis.RedisError as exc:
+            raise self._fail(exc, "route keys") from None
+        conns: dict = {}
+        unread = {name: len(keys) for name, (_, keys) in per_node.items()}
+        try:
+            try:
+                for name, (node, keys) in per_node.items():
+                    pool = client.get_redis_connection(node).connection_pool
+                    try:
+                        conn = pool.get_connection()
+                    except TypeError:                   # redis-py < 5.3
+                        conn = pool.get_connection("GET")
+                    conns[name] = (pool, conn)
+                    conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
+            except redis.RedisError as exc:
+                raise self._fail(exc, f"GET of {sum(map(len, groups))} keys") from None
+            for group, names in zip(groups, owners):
+                values = []
+                for key, name in zip(group, names):
+                    try:
+                        values.append(conns[name][1].read_response())
+                    except redis.ResponseError as exc:
+                        # MOVED, ASK, CLUSTERDOWN: the slot map changed; refresh it for
+                        # the next call, and fail this one.
+                        unread[name] -= 1
+                        with contextlib.suppress(Exception):
+                            client.nodes_manager.initialize()
+                        raise self._fail(exc, "GET") from None
+                    except redis.RedisError as exc:
+                        raise self._fail(exc, "GET") from None
+                    unread[name] -= 1
+                yield values
+        finally:
+            for name, (pool, conn) in conns.items():
+                if unread[name]:
+                    conn.disconnect()           # out of step: never reuse it as it is
+                pool.release(conn)
 
     def put_many(self, items: Sequence[Tuple[bytes, bytes]], ttl_seconds: int) -> None:
         """One pipeline of SETs (SET is atomic: a reader never sees half a value)."""
@@ -224,8 +301,11 @@ class RedisBackend(RemoteBackend):
 
     def close(self) -> None:
         """Closes the client's connections."""
+        client = self._single if not self._cluster else self._cluster_client
+        if client is None:
+            return
         try:
-            self._client.close()
+            client.close()
         except Exception:   # closing a broken connection may raise; it is closed either way
             pass
 
