@@ -411,3 +411,13 @@ def test_import_hostkv_and_hostkv_remote_without_redis():
                            "print('hostkv.remote' in sys.modules, 'redis' in sys.modules)"],
                           capture_output=True, text=True, timeout=60)
     assert core.stdout.strip() == "False False", core.stderr
+
+
+def test_the_remote_benchmark_runs(redis_server):
+    out = subprocess.run(
+        [sys.executable, "-m", "hostkv", "bench", "--remote", redis_server.url, "--pages", "32",
+         "--page-kib", "4", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "fetch into local pages" in out.stdout and "write-behind" in out.stdout
+    assert "ratio" in out.stdout and "engine thread, a miss" in out.stdout
+    assert redis_server.cli("dbsize").strip() == "0"          # the benchmark cleans up
