@@ -131,6 +131,23 @@ def test_a_stream_left_half_read_does_not_poison_the_connection(redis_server):
         client.close()
 
 
+def test_bytes_in_flight_bound_a_fetch_and_the_rest_comes_on_asking_again(redis_server,
+                                                                           make_host):
+    a = make_host(fast_config(redis_server.url))
+    b = make_host(fast_config(redis_server.url, max_bytes_in_flight=3 * PAGE_BYTES))
+    prompts = [prompt(PAGE_SIZE * 4 + 1, seed) for seed in (1, 2)]
+    written = [a.compute(p, seed) for seed, p in zip((1, 2), prompts)]
+    first, second = b.tier.lookup_many(prompts)
+    assert (first.wait(WAIT), first.status) == (3, "hit")
+    assert (second.wait(WAIT), second.status) == (0, "skipped")
+    assert b.tier.fetch(prompts[0], timeout=WAIT) == 1       # the page it could not take
+    assert b.tier.fetch(prompts[1], timeout=WAIT) == 3
+    assert b.reuse(prompts[0]) == (4 * PAGE_SIZE, written[0])
+    b.tier.lookup(prompts[1])
+    assert b.tier.flush(WAIT) and b.tier.stats().queue_depth == 0
+    assert b.reuse(prompts[1]) == (4 * PAGE_SIZE, written[1])
+
+
 def test_only_pages_after_the_local_prefix_are_asked_for(redis_server, make_host):
     a = make_host(fast_config(redis_server.url))
     b = make_host(fast_config(redis_server.url))

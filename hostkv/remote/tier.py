@@ -16,7 +16,9 @@ of newly committed pages (nothing else on the engine's thread). The writer threa
 store which of them exist (one pipeline of EXPIRE, which also renews their TTL: no local
 "already sent" memory, so a flushed or restarted store is refilled), borrows the missing ones by allocating their prefix
 plus one token (a borrowed page cannot be evicted or rewritten while it copies the bytes),
-releases them, and sends the values in one pipeline. Write-on-evict is not offered: eviction
+releases them, and sends the values in one pipeline. (Borrowing is an allocation: it counts
+in the segment's lookup stats and refreshes the pages' recency, as the fetch path's
+inserts do.) Write-on-evict is not offered: eviction
 happens inside the core's allocation, under the lock, and the page's bytes are handed to
 another sequence in the same call, so a tier built on the public core never sees them; it
 would need an eviction hook in the core (a copy under the lock, which the design forbids).
@@ -265,9 +267,15 @@ class RemoteTier:
         self._backend = backend if backend is not None else backend_for(config)
         # The tier's own handle: the engine's thread never waits for the tier's calls on a
         # shared handle, and the tier's sequences belong to this lease (reaped if we die).
+        # It is also needed today: threads sharing one handle fail in the core (issue 10,
+        # item 1: the lock's "held" flag belongs to the handle, not the thread).
         self._handle = HostKVCache.attach(cache.name, expected_config=cfg)
-        self._view = WorkerView(self._handle)
-        self._pool: Optional[np.ndarray] = self._handle.pages_array()
+        try:
+            self._view = WorkerView(self._handle)
+            self._pool: Optional[np.ndarray] = self._handle.pages_array()
+        except BaseException:
+            self._handle.close()
+            raise
         self._segment_lock = threading.Lock()       # the two threads take turns on the handle
         self._seq_ids = itertools.count(1)
         self._pid = os.getpid()
@@ -277,6 +285,7 @@ class RemoteTier:
         # (namespace, tokens, first page, first page this host computed itself)
         self._writes: Deque[Tuple[int, np.ndarray, int, int]] = collections.deque()
         self._writing = False
+        self._fetching = False
         self._closed = False
         self._counts: Dict[str, Any] = collections.Counter()
         self._invalid: Dict[str, int] = collections.Counter()
@@ -438,7 +447,7 @@ class RemoteTier:
         """Waits until every queued lookup and write is done; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._lookups or self._writes or self._writing:
+            while self._lookups or self._writes or self._writing or self._fetching:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -477,6 +486,7 @@ class RemoteTier:
                     return
                 batch = list(self._lookups)
                 self._lookups.clear()
+                self._fetching = True
             try:
                 self._fetch(batch)
             except Exception:    # a bug must not kill the thread and hang every waiter
@@ -487,6 +497,7 @@ class RemoteTier:
                     if not item.done():
                         item._finish("error")
                 with self._cond:
+                    self._fetching = False
                     self._cond.notify_all()
 
     def _fetch(self, batch: List[RemoteLookup]) -> None:
@@ -500,9 +511,14 @@ class RemoteTier:
             # prefix_min_reuse_pages is not borrowed, so fetch from page 0 then.
             stop = (len(item.tokens) - 1) // ps
             start = local if local >= self._min_reuse else 0
-            stop = min(stop, start + self._config.max_fetch_pages, start + budget)
             if stop <= start:
                 item._finish("local")
+                continue
+            stop = min(stop, start + self._config.max_fetch_pages, start + budget)
+            if stop <= start:
+                # This batch already asks for max_bytes_in_flight: the engine may ask again.
+                item._finish("skipped")
+                self._count(lookups_skipped=1)
                 continue
             budget -= stop - start
             keys = codec.chain_keys(self._prefix, item.namespace, self._fingerprint,
