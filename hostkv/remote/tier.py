@@ -329,7 +329,12 @@ class RemoteTier:
 
     def lookup_many(self, prompts: Sequence[Any]) -> List[RemoteLookup]:
         """Queues lookups for a batch: (tokens, namespace) pairs, SequenceRequests, or bare
-        token sequences. Queued together, they share one round trip to the store."""
+        token lists or arrays (a tuple is always read as a (tokens, namespace) pair). Queued
+        together, they share one round trip to the store.
+
+        Raises:
+            ValueError: bad token ids or namespace, or the tier is closed.
+        """
         self._check_open()
         lookups = []
         for prompt in prompts:
