@@ -58,12 +58,46 @@ def _answers(port: int) -> bool:
         return False
 
 
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class TLSFiles:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl, in `directory`)."""
+
+    def __init__(self, directory: str) -> None:
+        self.ca = os.path.join(directory, "ca.crt")
+        self.cert = os.path.join(directory, "server.crt")
+        self.key = os.path.join(directory, "server.key")
+        ca_key = os.path.join(directory, "ca.key")
+        csr = os.path.join(directory, "server.csr")
+        ext = os.path.join(directory, "ext.cnf")
+        with open(ext, "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1\n")
+
+        def openssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out",
+                self.ca, "-days", "1", "-subj", "/CN=hostkv-test-ca")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", self.key, "-out", csr,
+                "-subj", "/CN=127.0.0.1")
+        openssl("x509", "-req", "-in", csr, "-CA", self.ca, "-CAkey", ca_key,
+                "-CAcreateserial", "-out", self.cert, "-days", "1", "-extfile", ext)
+
+
 class RedisServer:
     """One redis-server process (start() / stop() / kill() / pause() / resume())."""
 
-    def __init__(self, directory: str, port: int = 0, cluster: bool = False) -> None:
+    def __init__(self, directory: str, port: int = 0, cluster: bool = False,
+                 tls: "TLSFiles | None" = None) -> None:
         self.port = port or free_port(cluster)
         self.cluster = cluster
+        self.tls = tls
         self.directory = os.path.join(directory, str(self.port))
         os.makedirs(self.directory, exist_ok=True)
         self.process: "subprocess.Popen[bytes] | None" = None
@@ -76,13 +110,17 @@ class RedisServer:
         args = [SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self.directory, "--daemonize", "no",
                 "--protected-mode", "no", "--logfile", os.path.join(self.directory, "log")]
+        if self.tls is not None:
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port)]
+            args += ["--tls-cert-file", self.tls.cert, "--tls-key-file", self.tls.key,
+                     "--tls-ca-cert-file", self.tls.ca, "--tls-auth-clients", "no"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file",
                      os.path.join(self.directory, "nodes.conf"), "--cluster-node-timeout", "1000"]
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT
-        while not _answers(self.port):
+        while not (_accepts(self.port) if self.tls else _answers(self.port)):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 log = self.log()
                 self.stop()

@@ -28,7 +28,7 @@ from hostkv.remote import (
 )
 
 import remote_worker
-from redislib import RedisServer, redis_server  # noqa: F401  (a fixture)
+from redislib import RedisServer, TLSFiles, redis_server  # noqa: F401  (a fixture)
 from remotelib import (  # noqa: F401  (make_host is a fixture)
     PAGE_BYTES,
     PAGE_SIZE,
@@ -407,6 +407,32 @@ def test_passwords_work_and_never_show(new_name, make_host, caplog, tmp_path):
         with pytest.raises(hostkv.ConfigError) as info:
             RemoteConfig(f"redis://u:{secret}@h:99999")
         assert secret not in str(info.value)
+    finally:
+        server.stop()
+
+
+def test_tls_from_the_url(make_host, tmp_path):
+    """rediss:// with the CA from the URL shares pages; a client that cannot verify the
+    server's certificate gets errors (counted, bounded), never pages, and serves locally."""
+    tls = TLSFiles(str(tmp_path))
+    server = RedisServer(str(tmp_path), tls=tls)
+    server.start()
+    try:
+        url = f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={tls.ca}"
+        a = make_host(fast_config(url))
+        b = make_host(fast_config(url))
+        tokens = prompt(PAGE_SIZE * 3 + 1)
+        written = a.compute(tokens, 1)
+        assert a.tier.stats().written_pages == 3
+        assert b.tier.fetch(tokens, timeout=WAIT) == 3
+        assert b.reuse(tokens) == (3 * PAGE_SIZE, written)
+        untrusting = make_host(fast_config(f"rediss://127.0.0.1:{server.port}/0"))
+        assert untrusting.tier.fetch(tokens, timeout=WAIT) == 0
+        assert untrusting.tier.stats().errors == 1
+        plain = make_host(fast_config(f"redis://127.0.0.1:{server.port}/0"))
+        assert plain.tier.fetch(tokens, timeout=WAIT) == 0
+        assert plain.tier.stats().errors == 1
+        assert plain.reuse(tokens)[0] == 0
     finally:
         server.stop()
 
