@@ -222,6 +222,47 @@ def test_a_value_failing_any_check_is_a_counted_miss(redis_server, make_host, ki
     client.close()
 
 
+def test_no_room_locally_is_a_counted_insert_failure(redis_server, make_host):
+    a = make_host(fast_config(redis_server.url))
+    b = make_host(fast_config(redis_server.url), num_pages=8)
+    tokens = prompt(PAGE_SIZE * 4 + 1)
+    written = a.compute(tokens, 1)
+    # Every page of B is held by a live sequence: nothing can be evicted for the fetch.
+    hog = b.view.allocate_pages_for_sequences_with_prefix(
+        [hostkv.SequenceRequest(500, prompt(PAGE_SIZE * 8, 9))])[0]
+    assert b.cache.stats().free_pages == 0
+    assert b.tier.fetch(tokens, timeout=WAIT) == 0
+    stats = b.tier.stats()
+    assert stats.hit_pages == 4 and stats.insert_failed == 4 and stats.inserted_pages == 0
+    b.view.release([hog.seq_id], commit=False)
+    assert b.tier.fetch(tokens, timeout=WAIT) == 4
+    assert b.reuse(tokens) == (4 * PAGE_SIZE, written)
+
+
+def test_engine_threads_share_one_tier(redis_server, make_host):
+    import threading
+    a = make_host(fast_config(redis_server.url), num_pages=256)
+    b = make_host(fast_config(redis_server.url), num_pages=256)
+    prompts = [prompt(PAGE_SIZE * 5 + 1, 40 + seed) for seed in range(16)]
+    written = {i: a.compute(p, i) for i, p in enumerate(prompts)}
+    got: dict = {}
+
+    def engine(first: int) -> None:
+        mine = list(range(first, 16, 4))
+        looks = b.tier.lookup_many([prompts[i] for i in mine])
+        for i, look in zip(mine, looks):
+            got[i] = look.wait(WAIT)
+
+    threads = [threading.Thread(target=engine, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    assert sorted(got) == list(range(16)) and set(got.values()) == {5}
+    for i, tokens in enumerate(prompts):
+        assert b.reuse(tokens) == (5 * PAGE_SIZE, written[i])
+
+
 # -- a server that fails ----------------------------------------------------------------------
 
 def test_server_killed_then_restarted_empty(redis_server, make_host):
