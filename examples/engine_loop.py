@@ -13,7 +13,15 @@ forward pass runs over whole page-aligned chunks of page_size rows, so a token's
 computed with the same shapes, hence the same floating-point operations, whether its page
 was prefilled, decoded, or reused from another process.
 
+With ``--remote URL`` (a Redis/Valkey server or cluster: ``redis://host:6379/0``,
+``redis+cluster://h1:p1,h2:p2``), the reuse run spreads the chats over ``--hosts`` hosts
+(default 2), one after another: each host is a segment of its own with its own workers, as
+separate machines would be, and they share pages only through the remote tier. Before each
+batch a worker asks the tier for the pages its local cache lacks; its commits are written
+behind. The generated tokens must still match the no-reuse run exactly.
+
     python examples/engine_loop.py [--workers 2] [--requests 48] [--seed 0] [--no-reuse]
+                                   [--remote URL [--hosts 2]]
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ except ImportError:  # pragma: no cover - the message is the point
     sys.exit("engine_loop.py needs torch: pip install torch==2.13.0 (the CPU build)")
 
 import hostkv
+import hostkv.remote          # needs redis-py only when --remote is used
 
 PAGE_SIZE = 16
 VOCAB = 32_000
@@ -163,15 +172,23 @@ def make_chats(seed: int, num_requests: int) -> List[Dict]:
 # -- a worker process -----------------------------------------------------------------------------
 
 def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], seed: int,
-               events) -> None:
-    """One engine worker: its share of the chats, BATCH conversations at a time, turn by turn."""
+               events, remote: Optional[Tuple[str, str]] = None) -> None:
+    """One engine worker: its share of the chats, BATCH conversations at a time, turn by turn.
+
+    remote: (URL, key prefix) of the remote tier, or None for the host tier alone.
+    """
     torch.set_num_threads(1)
     cache = hostkv.HostKVCache.attach(name)
     view = hostkv.WorkerView(cache)
+    tier = None
+    if remote is not None:
+        tier = hostkv.remote.RemoteTier(
+            cache, hostkv.remote.RemoteConfig(remote[0], key_prefix=remote[1]))
     model = TinyDecoder(seed, cache.pages_tensor())
-    mine = [chat for chat in chats if chat["chat_id"] % num_workers == worker_id]
+    mine = [chat for index, chat in enumerate(chats) if index % num_workers == worker_id]
     outputs: Dict[Tuple[int, int], List[int]] = {}
-    figures = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "prefill_tokens": 0}
+    figures = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "prefill_tokens": 0,
+               "remote_pages": 0}
     start = time.perf_counter()
     for first in range(0, len(mine), BATCH):
         group = mine[first:first + BATCH]
@@ -182,6 +199,11 @@ def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], s
                                                         chat["user_turns"][turn]])
                        for chat in active}
             seq_ids = [chat["chat_id"] * 100 + turn for chat in active]
+            if tier is not None:
+                # One round trip for the batch; an engine that can defer a request would
+                # poll lookup.done() and schedule others meanwhile instead of waiting.
+                lookups = tier.lookup_many([prompts[chat["chat_id"]] for chat in active])
+                figures["remote_pages"] += sum(look.wait(30.0) for look in lookups)
             allocations = view.allocate_pages_for_sequences_with_prefix([
                 hostkv.SequenceRequest(seq_id, prompts[chat["chat_id"]])
                 for seq_id, chat in zip(seq_ids, active)])
@@ -202,7 +224,11 @@ def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], s
                 figures["prompt_tokens"] += len(prompt)
                 figures["reused_tokens"] += alloc.reused_tokens
                 figures["prefill_tokens"] += len(prompt) - alloc.reused_tokens
-            view.commit(seq_ids, num_tokens=[len(prompts[c["chat_id"]]) for c in active])
+            prompt_lengths = [len(prompts[c["chat_id"]]) for c in active]
+            if tier is not None:        # commit, and write the new pages behind
+                tier.commit(view, seq_ids, num_tokens=prompt_lengths)
+            else:
+                view.commit(seq_ids, num_tokens=prompt_lengths)
             answers = {seq_id: [] for seq_id in seq_ids}
             for step in range(max(chat["answer_tokens"][turn] for chat in active)):
                 decoding = [(seq_id, chat) for seq_id, chat in zip(seq_ids, active)
@@ -218,8 +244,14 @@ def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], s
                                              position % PAGE_SIZE + 1)
                     hidden[seq_id] = out[position % PAGE_SIZE]
                 # Every appended token's KV is written now: publish what filled a page.
-                view.commit([seq_id for seq_id, _ in decoding])
-            view.release(seq_ids)
+                if tier is not None:
+                    tier.commit(view, [seq_id for seq_id, _ in decoding])
+                else:
+                    view.commit([seq_id for seq_id, _ in decoding])
+            if tier is not None:
+                tier.release(view, seq_ids)
+            else:
+                view.release(seq_ids)
             working.clear()
             for seq_id, chat in zip(seq_ids, active):
                 outputs[(chat["chat_id"], turn)] = answers[seq_id]
@@ -227,6 +259,11 @@ def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], s
                     [prompts[chat["chat_id"]], np.array(answers[seq_id], dtype=np.int32)])
                 events.put(("progress", 1))
     figures["seconds"] = time.perf_counter() - start
+    if tier is not None:
+        tier.flush(60.0)              # the next host finds every page this one computed
+        stats = tier.stats()
+        figures["remote_written"] = stats.written_pages
+        tier.close()
     del model
     view.close()
     cache.close()
@@ -234,8 +271,25 @@ def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], s
 
 
 def run(chats: List[Dict], num_requests: int, workers: int, seed: int, reuse: bool, name: str,
-        label: str) -> Tuple[Dict, List[Dict], hostkv.CacheStats, float]:
-    """Runs every chat on `workers` processes over a fresh segment; returns the outputs."""
+        label: str, remote: Optional[Tuple[str, str]] = None, hosts: int = 1
+        ) -> Tuple[Dict, List[Dict], hostkv.CacheStats, float]:
+    """Runs every chat on `workers` processes over a fresh segment; returns the outputs.
+
+    With hosts > 1, host h runs the chats with chat_id % hosts == h on a segment of its
+    own (`workers` processes each), the hosts one after another, sharing the remote tier."""
+    if hosts > 1:
+        outputs: Dict = {}
+        per_worker: List[Dict] = []
+        elapsed = 0.0
+        for host in range(hosts):
+            mine = [chat for chat in chats if chat["chat_id"] % hosts == host]
+            count = sum(len(chat["user_turns"]) for chat in mine)
+            host_out, host_workers, stats, host_elapsed = run(
+                mine, count, workers, seed, reuse, f"{name}-h{host}", f"{label} h{host}", remote)
+            outputs.update(host_out)
+            per_worker += [{**w, "worker": f"h{host}.{w['worker']}"} for w in host_workers]
+            elapsed += host_elapsed
+        return outputs, per_worker, stats, elapsed
     total_tokens = sum(len(c["system"]) + sum(map(len, c["user_turns"])) + sum(c["answer_tokens"])
                        for c in chats)
     config = hostkv.HostKVConfig(
@@ -245,10 +299,11 @@ def run(chats: List[Dict], num_requests: int, workers: int, seed: int, reuse: bo
     cache = hostkv.HostKVCache.create(name, config)
     context = multiprocessing.get_context("spawn")
     events = context.Queue()
-    processes = [context.Process(target=run_worker, args=(name, w, workers, chats, seed, events))
+    processes = [context.Process(target=run_worker,
+                                 args=(name, w, workers, chats, seed, events, remote))
                  for w in range(workers)]
-    outputs: Dict = {}
-    per_worker: List[Dict] = []
+    outputs = {}
+    per_worker = []
     start = time.perf_counter()
     try:
         for p in processes:
@@ -322,6 +377,11 @@ def print_report(reuse_run, baseline_run, identical: Optional[bool]) -> None:
     print(f"\ncache ({'with reuse' if reuse_run else 'no reuse'}): {stats.lookups} lookups, "
           f"{stats.hit_tokens} hit tokens, {stats.cached_pages} pages cached, "
           f"{stats.evicted_pages} evicted, {stats.free_pages} free at the end")
+    if reuse_run is not None and any("remote_written" in w for w in reuse_run[1]):
+        fetched = sum(w["remote_pages"] for w in reuse_run[1])
+        written = sum(w.get("remote_written", 0) for w in reuse_run[1])
+        print(f"remote tier: {fetched} pages fetched ({fetched * PAGE_SIZE} tokens), "
+              f"{written} pages written")
     if identical is not None:
         print("generated tokens identical with and without reuse: "
               + ("yes" if identical else "NO - outputs differ"))
@@ -335,15 +395,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-reuse", action="store_true",
                         help="only run without prefix reuse (no comparison)")
     parser.add_argument("--segment-name", default=f"hostkv-engine-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    parser.add_argument("--remote", metavar="URL",
+                        help="share pages between hosts through a Redis/Valkey remote tier")
+    parser.add_argument("--hosts", type=int, default=2,
+                        help="hosts (segments) of the reuse run with --remote (default 2)")
     args = parser.parse_args(argv)
-    if args.workers < 1 or args.requests < 1:
-        parser.error("--workers and --requests must be at least 1")
+    if args.workers < 1 or args.requests < 1 or args.hosts < 1:
+        parser.error("--workers, --requests and --hosts must be at least 1")
+    remote = None
+    if args.remote:
+        try:
+            hostkv.remote.RemoteConfig(args.remote)
+        except hostkv.ConfigError as exc:
+            parser.error(str(exc))
+        # A fresh key prefix per run: the pages of another run (other weights) never match.
+        remote = (args.remote, f"hostkv-engine-{uuid.uuid4().hex[:12]}")
     chats = make_chats(args.seed, args.requests)
     try:
         reuse_run = None
         if not args.no_reuse:
             reuse_run = run(chats, args.requests, args.workers, args.seed, True,
-                            args.segment_name, "reuse")
+                            args.segment_name, "reuse", remote,
+                            args.hosts if remote else 1)
         baseline_run = run(chats, args.requests, args.workers, args.seed, False,
                            args.segment_name + "-base", "no reuse")
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@
     python -m hostkv create NAME --size 8GiB --page-size 16 --layers 32 --kv-heads 8 \
         --head-dim 128 --dtype bfloat16      sizes a segment up front (engines attach it)
     python -m hostkv bench [--quick] [--json PATH]
+    python -m hostkv bench --remote URL [--quick]   the remote tier against plain redis-py
 
 inspect, stats and check attach without a lease (observers): they take no lease slot and
 reap nobody, so they can be pointed at a production segment.
@@ -279,8 +280,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args, unknown = parser.parse_known_args(argv)
     if args.command == "bench":
+        rest = unknown + args.rest
+        if any(arg == "--remote" or arg.startswith("--remote=") for arg in rest):
+            from hostkv.remote import bench as remote_bench
+            return remote_bench.main(rest)
         from hostkv import bench as bench_module
-        return bench_module.main(unknown + args.rest)
+        return bench_module.main(rest)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
