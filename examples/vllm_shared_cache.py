@@ -200,7 +200,7 @@ def microbench(segment: str) -> None:
                         SamplingParams(max_tokens=1), None) for i in range(1001)]
         times = {"tokens": 0.0, "lookup": 0.0, "borrow": 0.0, "release": 0.0}
         hit = 0
-        import array
+        from hostkv._tokens import as_tokens
 
         # The system prompt is cached, as an engine that served it before would leave it.
         with hostkv.WorkerView(cache) as view:
@@ -209,7 +209,7 @@ def microbench(segment: str) -> None:
             view.release([1])
         for i, req in enumerate(reqs):
             t0 = time.perf_counter()
-            array.array("i", req.all_token_ids._x)       # the conversion lookup starts with
+            as_tokens(req.all_token_ids._x)              # the conversion lookup starts with
             t1 = time.perf_counter()
             hit, _ = sched.get_num_new_matched_tokens(req, 0)
             t2 = time.perf_counter()

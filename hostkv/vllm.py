@@ -40,7 +40,6 @@ Only vLLM processes import this module; ``import hostkv`` never needs vLLM or to
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import hashlib
 import itertools
@@ -62,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from hostkv._tokens import as_tokens
 from hostkv._units import parse_size
 from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig, KVLayout
@@ -414,10 +414,10 @@ class _SchedulerSide:
 
     def _tokens_and_namespace(self, request: "Request") -> Tuple[np.ndarray, int]:
         ids = request.all_token_ids
-        # vLLM hands tokens as a Python list (inside a ConstantList): array('i') converts
-        # a list faster than numpy does, and the ConstantList's own list faster than the
-        # wrapper's item-by-item protocol. Out-of-range ids raise OverflowError: a miss.
-        tokens = np.frombuffer(array.array("i", getattr(ids, "_x", ids)), dtype=np.int32)
+        # vLLM hands tokens as a Python list (inside a ConstantList): hostkv reads the
+        # ConstantList's own list in one C loop (~1 ns a token), faster than the wrapper's
+        # item-by-item protocol. Out-of-range ids raise ValueError: a miss.
+        tokens = as_tokens(getattr(ids, "_x", ids))
         lora = request.lora_request.lora_name if request.lora_request is not None else None
         return tokens, _namespace(self.namespace_base, request.cache_salt, lora)
 
