@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import uuid
+from typing import Callable
 
 import posix_ipc
 import pytest
@@ -76,6 +77,26 @@ def fork_quietly() -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return os.fork()
+
+
+def run_in_fork(body: Callable[[], int]) -> int:
+    """Runs body() in a forked child and returns the child's exit code: what body returned,
+    2 if it raised (its traceback printed), negative if a signal killed it. The child never
+    returns into pytest."""
+    pid = fork_quietly()
+    if pid == 0:
+        status = 2
+        try:
+            status = body()
+        except BaseException:  # noqa: BLE001 - reported through the exit status
+            import traceback
+
+            traceback.print_exc()
+            status = 2
+        finally:
+            os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(wait_status)
 
 
 @pytest.fixture

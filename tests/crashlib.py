@@ -10,7 +10,6 @@ state after it. That is SQLite's and Samba tdb's crash-test method.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
@@ -19,9 +18,14 @@ import numpy as np
 import hostkv
 from hostkv import _pages, _radix, _segment, _sequences
 
+from conftest import run_in_fork
 from rawseg import LAYOUT, RawSegment
 
 CRASH_STATUS = 77
+
+# A forked child's handles live until its os._exit, as a killed process's would: none is
+# closed (no lease given back, no sequence released) on the way out.
+_HELD_BY_CHILD: list = []
 MAX_STEPS = 10_000
 
 
@@ -152,30 +156,20 @@ def run_in_child(name: str, op: Optional[Callable], ctx, crash_at: int, env_cras
     With env_crash every new handle of the child is armed (_segment._arm_new_segments)
     before attach, so the steps of attach itself (registration, recovery, sweep) count too.
     """
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        status = 1
-        try:
-            if env_crash:
-                _segment._arm_new_segments(crash_at)
-            cache = hostkv.HostKVCache.attach(name)
-            if setup is not None:
-                ctx = setup(cache)
-            if not env_crash:
-                cache._segment._arm_crash_point(crash_at)
-            if op is not None:
-                op(cache, ctx)
-            cache._segment._arm_crash_point(0)
-            status = 0
-        except BaseException:  # noqa: BLE001 - report through the exit status
-            import traceback
+    def child() -> int:
+        if env_crash:
+            _segment._arm_new_segments(crash_at)
+        cache = hostkv.HostKVCache.attach(name)
+        context = setup(cache) if setup is not None else ctx
+        if not env_crash:
+            cache._segment._arm_crash_point(crash_at)
+        _HELD_BY_CHILD.append((cache, context))
+        if op is not None:
+            op(cache, context)
+        cache._segment._arm_crash_point(0)
+        return 0
 
-            traceback.print_exc()
-            status = 2
-        finally:
-            os._exit(status)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    return run_in_fork(child)
 
 
 def run_observer_in_child(name: str, action: Callable, crash_at: int) -> int:
@@ -183,24 +177,15 @@ def run_observer_in_child(name: str, action: Callable, crash_at: int) -> int:
     the crash point through _arm_crash_point and runs action(segment): the steps counted
     are action's alone (a sweep by seg.reap(), a registration by seg._register_lease()).
     Returns its exit status."""
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        status = 1
-        try:
-            observer = hostkv.HostKVCache.attach(name, lease=False)
-            observer._segment._arm_crash_point(crash_at)
-            action(observer._segment)
-            observer._segment._arm_crash_point(0)
-            status = 0
-        except BaseException:  # noqa: BLE001 - report through the exit status
-            import traceback
+    def child() -> int:
+        observer = hostkv.HostKVCache.attach(name, lease=False)
+        _HELD_BY_CHILD.append(observer)
+        observer._segment._arm_crash_point(crash_at)
+        action(observer._segment)
+        observer._segment._arm_crash_point(0)
+        return 0
 
-            traceback.print_exc()
-            status = 2
-        finally:
-            os._exit(status)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    return run_in_fork(child)
 
 
 def crash_every_step(

@@ -7,31 +7,12 @@ refuse to unmap under them there as in the parent; and an observer's handle stay
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from hostkv import HostKVCache
 
-from conftest import fork_quietly
-
-
-def _in_child(body) -> int:
-    """Runs body() in a forked child; its return value (an int) is the exit status."""
-    pid = fork_quietly()
-    if pid == 0:                     # the child: never returns into pytest
-        status = 99
-        try:
-            status = body()
-        except BaseException:  # noqa: BLE001 - reported through the status
-            import traceback
-
-            traceback.print_exc()
-            status = 98
-        finally:
-            os._exit(status)
-    _, wait_status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(wait_status)
+from conftest import run_in_fork
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
@@ -55,7 +36,7 @@ def test_forked_child_close_refuses_while_inherited_views_live(cache, kind, call
             return 2
         return 0
 
-    assert _in_child(child) == 0
+    assert run_in_fork(child) == 0
     assert int(view[0, 0]) == 7
     del view
     cache.reap()
@@ -73,7 +54,7 @@ def test_forked_child_closes_once_the_inherited_views_are_gone(cache):
         cache.close()
         return 0 if cache.closed else 1
 
-    assert _in_child(child) == 0
+    assert run_in_fork(child) == 0
     del view
     assert cache.reap() == 0          # the child closed: its lease was given back
     cache.check()
@@ -96,7 +77,7 @@ def test_observer_takes_no_lease_in_a_forked_child(cache):
             observer.close()
             return 0
 
-        assert _in_child(child) == 0
+        assert run_in_fork(child) == 0
         after = cache.stats()
         assert after.active_processes == 1
         assert cache.reap() == 0

@@ -12,14 +12,13 @@ killing pytest.
 
 from __future__ import annotations
 
-import os
 import struct
 
 import pytest
 
 from hostkv import CorruptionError, HostKVCache, _segment
 
-from conftest import fork_quietly, small_config
+from conftest import run_in_fork, small_config
 from rawseg import RawSegment
 
 LAYOUT = _segment.layout_info()
@@ -32,23 +31,14 @@ pytestmark = pytest.mark.skipif(KIND_AT < 0, reason="needs glibc's pthread_mutex
 
 def _outcome_in_child(action) -> int:
     """0: CorruptionError; 1: no error; 2: another exception; negative: killed by a signal."""
-    pid = fork_quietly()
-    if pid == 0:
-        status = 3
+    def body() -> int:
         try:
             action()
-            status = 1
         except CorruptionError:
-            status = 0
-        except BaseException:  # noqa: BLE001
-            import traceback
+            return 0
+        return 1
 
-            traceback.print_exc()
-            status = 2
-        finally:
-            os._exit(status)
-    _, wait_status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(wait_status)
+    return run_in_fork(body)
 
 
 def _mutex_offset(cache: HostKVCache, where: str) -> int:
