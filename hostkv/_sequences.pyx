@@ -303,6 +303,9 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
     cdef list borrowed = []             # per request: (matched pages, locked node, table)
     check_open(seg)
     if seg.lease_slot < 0:
+        if seg.closing:
+            # Another thread's close() has given the lease back and is about to unmap.
+            raise ValueError("the segment is closed (another thread is closing it)")
         raise SequenceError("this handle has no lease (attached with lease=False)")
     results = []
     seg.begin()
