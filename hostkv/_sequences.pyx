@@ -325,7 +325,7 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
         for i in range(n):
             tokens = token_arrays[i]
             total = (tokens.shape[0] + page_size - 1) // page_size
-            table = np.empty(total, dtype=np.int32)
+            table = cnp.PyArray_EMPTY(1, [total], cnp.NPY_INT32, 0)
             matched = 0
             found = 0
             node = -1
@@ -401,7 +401,7 @@ def append_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_ids,
     cdef int32_t* recs = i32(records)
     cdef int64_t* ids
     cdef int64_t* gens
-    cdef cnp.ndarray pages = np.empty(n, dtype=np.int32)
+    cdef cnp.ndarray pages = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
     check_open(seg)
     if (records.dtype != np.int32 or seq_ids.dtype != np.int64 or generations.dtype != np.int64
             or seq_ids.shape[0] != n or generations.shape[0] != n
