@@ -9,7 +9,10 @@
 #                                            the robust mutex, counters, stats
 #   reg_leases          HkvLease[max_processes]      one slot per attached process
 #   reg_metrics         HkvMetrics           lock histograms, miss reasons, per-namespace hits
-#   reg_undo            HkvUndoEntry[undo_log_capacity]  the undo log of the open mutation
+#   reg_undo            HkvUndoEntry[undo_log_capacity]  the undo log of the open mutation: a
+#                                            ring; each lease starts its mutations at its own
+#                                            home in it, so that a lock hand-over between two
+#                                            processes does not move the log's cache lines
 #   reg_page_refcounts  int32[num_pages]     references to each page (tree + sequences); 0 = free
 #   reg_page_free_stack int32[num_pages]     free page indexes; entries [0, hdr_free_pages) valid
 #   reg_page_tokens     int32[num_pages * page_size]  the token ids whose KV each page holds
@@ -40,7 +43,7 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 5u
+    #define HKV_LAYOUT_VERSION 6u
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
 
@@ -147,7 +150,8 @@ cdef extern from *:
                                                     INITIALISING, for attachers that wait */
         int64_t hdr_free_pages;                  /* valid entries of the page free stack */
         int32_t hdr_active_leases;
-        int32_t hdr_reserved0;
+        int32_t hdr_undo_start;                  /* where the open mutation's undo log starts in
+                                                    the ring of entries: its holder's home */
         int64_t hdr_undo_count;                  /* entries of the open mutation's undo log; 0 = none open */
         HkvStats hdr_stats;
         HkvRadixState hdr_radix;
@@ -371,7 +375,7 @@ cdef extern from *:
         int64_t hdr_reserved_bytes
         int64_t hdr_free_pages
         int32_t hdr_active_leases
-        int32_t hdr_reserved0
+        int32_t hdr_undo_start
         int64_t hdr_undo_count
         HkvStats hdr_stats
         HkvRadixState hdr_radix

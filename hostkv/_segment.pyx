@@ -977,6 +977,7 @@ cdef class Segment:
                 raise CorruptionError(f"segment {self.name!r} is marked corrupt; unlink it")
             if self.hdr.hdr_undo_count != 0:
                 self._recover(True)
+            self._start_undo_log()
             self.reaped_by_begin = 0
             # The stamp is this handle's own: CLOCK_MONOTONIC differs between time
             # namespaces, so it is never compared with another process's (issue 10).
@@ -986,6 +987,23 @@ cdef class Segment:
         except BaseException:
             self._unlock()      # rolls back a half-done sweep and unlocks
             raise
+        return 0
+
+    cdef int _start_undo_log(self) except -1:
+        """Starts this holder's undo log at its home in the ring: lease slot k's home is
+        entry (k + 1) * capacity / (max_processes + 1), rounded to a cache line; handles
+        without a lease start at 0. Two processes taking turns at the lock then write their
+        own logs' cache lines, not each other's (the log was half of the lines a request
+        wrote, issue 12). Called with the lock held and the log empty, so a death right
+        here leaves nothing to replay, wherever the start points."""
+        cdef int64_t stride = (self.undo_capacity // (self.hdr.hdr_config.cfg_max_processes + 1)) & ~(<int64_t>3)
+        cdef int64_t home = 0
+        if self.lease_slot >= 0:
+            home = (self.lease_slot + 1) * stride
+            if home >= self.undo_capacity:
+                home = 0
+        self.hdr.hdr_undo_start = <int32_t>home
+        self.undo_start = home
         return 0
 
     cdef int commit(self) except -1:
@@ -1037,9 +1055,13 @@ cdef class Segment:
         limit = self.hdr.hdr_regions.reg_pool
         if n < 0 or n > self.undo_capacity:
             self.corrupt(f"undo log count {n} is outside [0, {self.undo_capacity}]")
+        if n and not 0 <= self.hdr.hdr_undo_start < self.undo_capacity:
+            self.corrupt(f"undo log start {self.hdr.hdr_undo_start} is outside "
+                         f"[0, {self.undo_capacity})")
+        self.undo_start = self.hdr.hdr_undo_start     # the log's holder's, maybe a dead one's
         i = n - 1
         while i >= 0:
-            entry = self.undo + i
+            entry = undo_entry(self, i)
             where = entry.ue_where & HKV_UNDO_OFFSET_MASK
             width = entry.ue_where >> HKV_UNDO_WIDTH_SHIFT
             # Only metadata is ever logged: an entry pointing at the header's own lock and
@@ -1074,7 +1096,7 @@ cdef class Segment:
         if mark < 0 or mark > self.hdr.hdr_undo_count:
             self.corrupt(f"savepoint {mark} outside the undo log [0, {self.hdr.hdr_undo_count}]")
         while i >= mark:
-            entry = self.undo + i
+            entry = undo_entry(self, i)
             where = entry.ue_where & HKV_UNDO_OFFSET_MASK
             width = entry.ue_where >> HKV_UNDO_WIDTH_SHIFT
             if width == 4:
@@ -1653,6 +1675,7 @@ def layout_info():
         ("hdr_reserved_bytes", <size_t>&h.hdr_reserved_bytes),
         ("hdr_free_pages", <size_t>&h.hdr_free_pages),
         ("hdr_active_leases", <size_t>&h.hdr_active_leases),
+        ("hdr_undo_start", <size_t>&h.hdr_undo_start),
         ("hdr_undo_count", <size_t>&h.hdr_undo_count),
         ("hdr_stats", <size_t>&h.hdr_stats),
         ("st_recoveries", <size_t>&h.hdr_stats.st_recoveries),

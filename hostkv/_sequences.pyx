@@ -276,8 +276,8 @@ cdef int64_t* i64(cnp.ndarray arr) noexcept:
     return <int64_t*>cnp.PyArray_DATA(arr)
 
 
-def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespaces,
-             cnp.ndarray reuse_pages, int32_t min_reuse_pages, int32_t view):
+def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
+             list reuse_pages, int32_t min_reuse_pages, int32_t view):
     """Allocates a batch of sequences under one lock, all or nothing.
 
     For request i: borrows up to reuse_pages[i] cached pages (kept only if at least
@@ -285,8 +285,10 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
     (evicting as needed), and records the sequence, stamped with the caller's view number.
     Every request borrows its prefix before anything is evicted for the batch, so one
     request's eviction never takes the prefix another request of the same batch matched.
+    seq_ids and reuse_pages are lists of Python ints (int64, and >= 0), one per request.
     Returns a list of (record index, reused pages, page table, record generation): the
-    record, sequence id and generation name the sequence in every later call.
+    record, sequence id and generation name the sequence in every later call. The page
+    tables are read-only arrays.
 
     Raises:
         OutOfPagesError, CapacityError: nothing changed.
@@ -298,10 +300,16 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
     cdef cnp.ndarray tokens, table
     cdef HkvSequence* seq
     cdef HkvHeader* hdr
-    cdef int64_t* ids = <int64_t*>cnp.PyArray_DATA(seq_ids)
-    cdef int64_t* reuse = <int64_t*>cnp.PyArray_DATA(reuse_pages)
+    cdef int64_t reuse
     cdef list borrowed = []             # per request: (matched pages, locked node, table)
     check_open(seg)
+    if len(seq_ids) != n or len(namespaces) != n or len(reuse_pages) != n:
+        raise ValueError("allocate needs one seq id, namespace and reuse count per request")
+    for i in range(n):
+        # Converted (OverflowError, TypeError) before the lock, not half way through the batch.
+        mark = seq_ids[i]
+        if <int64_t>reuse_pages[i] < 0:
+            raise ValueError(f"request {i}: negative reuse count")
     if seg.lease_slot < 0:
         if seg.closing:
             # Another thread's close() has given the lease back and is about to unmap.
@@ -317,20 +325,21 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
         for i in range(n):
             tokens = token_arrays[i]
             total = (tokens.shape[0] + page_size - 1) // page_size
-            table = np.empty(total, dtype=np.int32)
+            table = cnp.PyArray_EMPTY(1, [total], cnp.NPY_INT32, 0)
             matched = 0
             found = 0
             node = -1
-            if reuse[i] > 0:
+            reuse = reuse_pages[i]
+            if reuse > 0:
                 mark = hdr.hdr_undo_count
-                matched = found = tree_borrow(seg, &t, i32(tokens), reuse[i], namespaces[i],
+                matched = found = tree_borrow(seg, &t, i32(tokens), reuse, namespaces[i],
                                               i32(table), &node)
                 if matched < min_reuse_pages:
                     # Too short to be worth it: undo the borrow whole (its split, lock, touch).
                     seg.rollback_to(mark)
                     matched = 0
                     node = -1
-            count_lookup(seg, &t, i32(tokens), tokens.shape[0], namespaces[i], reuse[i], found,
+            count_lookup(seg, &t, i32(tokens), tokens.shape[0], namespaces[i], reuse, found,
                          matched, min_reuse_pages)
             batch_fresh += total - matched
             borrowed.append((matched, node, table))
@@ -356,7 +365,7 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
             log_store_i32(seg, &seq.sq_lease_slot, seg.lease_slot)
             log_store_i32(seg, &seq.sq_num_pages, 0)
             log_store_i64(seg, <int64_t*>&seq.sq_lease_generation, <int64_t>seg.lease_generation)
-            log_store_i64(seg, &seq.sq_seq_id, ids[i])
+            log_store_i64(seg, &seq.sq_seq_id, <int64_t>seq_ids[i])
             log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t><uint64_t>namespaces[i])
             log_store_i32(seg, &seq.sq_first_page, -1)
             log_store_i32(seg, &seq.sq_last_page, -1)
@@ -371,6 +380,7 @@ def allocate(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespace
             pages_alloc(seg, fresh, i32(table) + matched)
             for j in range(matched, total):
                 append_page(seg, seq, i32(table)[j])
+            cnp.PyArray_CLEARFLAGS(table, cnp.NPY_ARRAY_WRITEABLE)
             results.append((record, matched, table, seq.sq_generation))
         seg.commit()
     finally:
@@ -391,7 +401,7 @@ def append_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_ids,
     cdef int32_t* recs = i32(records)
     cdef int64_t* ids
     cdef int64_t* gens
-    cdef cnp.ndarray pages = np.empty(n, dtype=np.int32)
+    cdef cnp.ndarray pages = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
     check_open(seg)
     if (records.dtype != np.int32 or seq_ids.dtype != np.int64 or generations.dtype != np.int64
             or seq_ids.shape[0] != n or generations.shape[0] != n

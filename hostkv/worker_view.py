@@ -162,18 +162,19 @@ class _Sequence:
                  "cacheable_tokens", "reused_tokens", "committed_pages", "pages", "num_pages")
 
     def __init__(self, seq_id: int, record: int, generation: int, namespace: int,
-                 tokens: np.ndarray, reused_pages: int, pages: np.ndarray,
-                 page_size: int) -> None:
+                 tokens: np.ndarray, reused_tokens: int, reused_pages: int,
+                 pages: np.ndarray) -> None:
         self.seq_id = seq_id
         self.record = record
         self.generation = generation      # the record's, at allocation: names this use of it
         self.namespace = namespace
-        # Exact-size arrays: the first decode step grows them (doubling), most sequences
-        # of a prefill-heavy load never pay for room they do not use.
-        self.tokens = np.array(tokens, dtype=np.int32)      # a copy: the caller's may change
+        # Exact-size arrays, the view's own (never the caller's): the first decode step
+        # grows them (doubling), most sequences of a prefill-heavy load never pay for room
+        # they do not use.
+        self.tokens = tokens
         self.num_tokens = len(tokens)
-        self.cacheable_tokens = len(tokens)
-        self.reused_tokens = reused_pages * page_size
+        self.cacheable_tokens = self.num_tokens
+        self.reused_tokens = reused_tokens
         self.committed_pages = reused_pages
         self.pages = pages                                   # read-only, shared with the result
         self.num_pages = len(pages)
@@ -326,7 +327,12 @@ class WorkerView:
 
     def _live(self, seq_ids: Iterable[Any], what: str) -> List[_Sequence]:
         """The live sequences of seq_ids, each once; SequenceError names the first bad id."""
-        if type(seq_ids) not in (list, tuple) and (
+        if (type(seq_ids) is list or type(seq_ids) is tuple) and len(seq_ids) == 1:
+            # One request per call, the engines' common case: one dict lookup.
+            seq = self._sequences.get(seq_ids[0]) if type(seq_ids[0]) is int else None
+            if seq is not None:
+                return [seq]
+        elif type(seq_ids) not in (list, tuple) and (
                 isinstance(seq_ids, _BYTES_LIKE) or not isinstance(seq_ids, Iterable)):
             raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}")
         out = []
@@ -343,24 +349,23 @@ class WorkerView:
             out.append(seq)
         return out
 
-    def _reaping_if_short(self, operation: Any, *args: Any) -> Any:
-        """Runs a batch operation; if it was short of pages while a dead process still held
-        some (it then changed nothing), reaps the dead and runs it again. Processes that
-        keep dying in between get it a few tries, then the shortage (an OutOfPagesError)."""
-        for attempt in range(3):
-            try:
-                return operation(*args)
-            except _sequences.SweepNeeded:
-                if attempt == 2:
-                    raise
-                self._cache.reap()
-
     def _change(self, in_flight: _InFlight, operation: Any, *args: Any) -> Any:
         """Runs a compiled call that changes shared state, the view marked unsettled until
-        the caller's bookkeeping after it is done (the caller then clears _in_flight)."""
+        the caller's bookkeeping after it is done (the caller then clears _in_flight).
+
+        If the call was short of pages while a dead process still held some (it then changed
+        nothing), reaps the dead and runs it again. Processes that keep dying in between get
+        it a few tries, then the shortage (an OutOfPagesError)."""
         self._in_flight = in_flight
         try:
-            return self._reaping_if_short(operation, *args)
+            for attempt in range(3):
+                if attempt:
+                    self._cache.reap()
+                try:
+                    return operation(*args)
+                except _sequences.SweepNeeded:
+                    if attempt == 2:
+                        raise
         except (HostKVError, ValueError):
             # The compiled calls raise these only having changed nothing (all or nothing):
             # no need to read the segment back.
@@ -386,63 +391,75 @@ class WorkerView:
             CapacityError: sequence or page-list records ran out.
             Nothing changes when any of these is raised.
         """
-        self._check_usable()
+        if self._in_flight is not None or self._closed or self._fork_epoch != _fork_epoch:
+            self._check_usable()
         if type(requests) not in (list, tuple) and (
                 isinstance(requests, SequenceRequest) or not isinstance(requests, Sequence)):
             raise SequenceError("allocate needs a list of SequenceRequest")
-        seq_ids = []
+        page_size = self._page_size
+        pool_pages = self._config.num_pages
+        reuse_enabled = self._config.enable_prefix_reuse
+        live = self._sequences
+        seq_ids: List[int] = []
         token_arrays = []
         namespaces = []
-        seen = set()
-        for index, request in enumerate(requests):
-            if not isinstance(request, SequenceRequest):
+        reuse = []
+        seen: Optional[set] = set() if len(requests) > 1 else None
+        for request in requests:
+            index = len(seq_ids)
+            if type(request) is not SequenceRequest and not isinstance(request, SequenceRequest):
                 raise SequenceError(f"requests[{index}] is a {type(request).__name__}, "
                                     "not a SequenceRequest")
-            seq_id = self._check_seq_id(request.seq_id)
-            if seq_id in seen:
-                raise SequenceError(f"sequence {seq_id} appears twice in the batch")
-            if seq_id in self._sequences:
+            seq_id = request.seq_id
+            if type(seq_id) is not int or not _INT64_MIN <= seq_id <= _INT64_MAX:
+                seq_id = self._check_seq_id(seq_id)
+            if seen is not None:
+                if seq_id in seen:
+                    raise SequenceError(f"sequence {seq_id} appears twice in the batch")
+                seen.add(seq_id)
+            if seq_id in live:
                 raise SequenceError(f"sequence {seq_id} is already live in this view")
-            seen.add(seq_id)
-            tokens = as_tokens(request.tokens, f"requests[{index}].tokens")
-            if len(tokens) == 0:
+            raw = request.tokens
+            tokens = as_tokens(raw, f"requests[{index}].tokens")
+            if type(raw) is not list and type(raw) is not tuple and (
+                    tokens is raw or tokens.base is not None):
+                tokens = tokens.copy()        # the caller's memory (numpy, torch) may change
+            num_tokens = len(tokens)
+            if num_tokens == 0:
                 raise SequenceError(f"sequence {seq_id} has an empty prompt")
-            if -(-len(tokens) // self._page_size) > self._config.num_pages:
+            if -(-num_tokens // page_size) > pool_pages:
                 # Can never fit, whatever is evicted: say so before locking (and evicting).
                 raise OutOfPagesError(
-                    f"sequence {seq_id}'s prompt of {len(tokens)} tokens needs "
-                    f"{-(-len(tokens) // self._page_size)} pages, more than the pool's "
-                    f"{self._config.num_pages} pages in all",
-                    needed=-(-len(tokens) // self._page_size), available=self._config.num_pages)
+                    f"sequence {seq_id}'s prompt of {num_tokens} tokens needs "
+                    f"{-(-num_tokens // page_size)} pages, more than the pool's "
+                    f"{pool_pages} pages in all",
+                    needed=-(-num_tokens // page_size), available=pool_pages)
             seq_ids.append(seq_id)
             token_arrays.append(tokens)
             namespaces.append(as_namespace(request.namespace))
-        if not requests:
-            return []
-        page_size = self._page_size
-        if self._config.enable_prefix_reuse:
             # (n - 1) // page_size full pages at most: the last token is always computed,
             # so the engine has logits to sample from.
-            reuse = np.array([(len(t) - 1) // page_size for t in token_arrays], dtype=np.int64)
-        else:
-            reuse = np.zeros(len(token_arrays), dtype=np.int64)
+            reuse.append((num_tokens - 1) // page_size if reuse_enabled else 0)
+        if not seq_ids:
+            return []
         results = self._change(
             _InFlight(allocating=seq_ids), _sequences.allocate, self._segment, token_arrays,
-            np.array(seq_ids, dtype=np.int64), namespaces, reuse,
-            self._config.prefix_min_reuse_pages, self._number)
+            seq_ids, namespaces, reuse, self._config.prefix_min_reuse_pages, self._number)
         allocations = []
+        prompt_tokens = reused_pages_in_all = 0
         for seq_id, tokens, namespace, (record, reused_pages, table, generation) in zip(
                 seq_ids, token_arrays, namespaces, results):
-            table.flags.writeable = False
-            self._sequences[seq_id] = _Sequence(seq_id, record, generation, namespace, tokens,
-                                                reused_pages, table, page_size)
-            allocations.append(SequenceAllocation(seq_id, reused_pages * page_size, table,
-                                                  page_size))
+            reused_tokens = reused_pages * page_size
+            live[seq_id] = _Sequence(seq_id, record, generation, namespace, tokens,
+                                     reused_tokens, reused_pages, table)
+            allocations.append(SequenceAllocation(seq_id, reused_tokens, table, page_size))
+            prompt_tokens += len(tokens)
+            reused_pages_in_all += reused_pages
         self._in_flight = None
         # The view's own counters, after the bookkeeping: best effort if interrupted here.
         self._requests += len(results)
-        self._prompt_tokens += sum(len(tokens) for tokens in token_arrays)
-        self._reused_tokens += sum(result[1] for result in results) * page_size
+        self._prompt_tokens += prompt_tokens
+        self._reused_tokens += reused_pages_in_all * page_size
         return allocations
 
     def append_tokens(self, seq_ids: Sequence[Any], token_ids: Sequence[Optional[int]]) -> None:
@@ -495,6 +512,18 @@ class WorkerView:
 
     def _commit_plan(self, sequences: List[_Sequence], num_tokens: Any) -> List[int]:
         """What commit would cache: per sequence, its full known pages (0: nothing new)."""
+        if not self._config.enable_prefix_reuse:
+            if num_tokens is None:
+                return [0] * len(sequences)
+        elif num_tokens is None:
+            # Every known token: release's case, on the path of every request.
+            page_size = self._page_size
+            min_store = self._config.prefix_min_store_pages
+            counts = []
+            for seq in sequences:
+                full = seq.cacheable_tokens // page_size
+                counts.append(full if full >= min_store and full > seq.committed_pages else 0)
+            return counts
         limits: List[Optional[int]]
         if num_tokens is None:
             limits = [None] * len(sequences)
@@ -587,22 +616,30 @@ class WorkerView:
                 "undo log"): nothing changed, every sequence is still live; release fewer
                 at a time (close() releases one per mutation).
         """
-        self._check_usable()
-        if not isinstance(commit, (bool, np.bool_)):
+        if self._in_flight is not None or self._closed or self._fork_epoch != _fork_epoch:
+            self._check_usable()
+        if commit is not True and commit is not False and not isinstance(commit, np.bool_):
             # A truthy "no" must not commit.
             raise ValueError(f"commit must be True or False, got {commit!r}")
         sequences = self._live(seq_ids, "release")
         counts = self._commit_plan(sequences, None) if commit else [0] * len(sequences)
-        cached = self._change(
-            _NOTHING_TO_UNDO, _sequences.release, self._segment,
-            [seq.record for seq in sequences], [seq.seq_id for seq in sequences],
-            [seq.generation for seq in sequences], [seq.tokens for seq in sequences],
-            [seq.pages for seq in sequences], counts, [seq.namespace for seq in sequences])
+        records, ids, generations, token_arrays, tables, namespaces = [], [], [], [], [], []
+        for seq in sequences:
+            records.append(seq.record)
+            ids.append(seq.seq_id)
+            generations.append(seq.generation)
+            token_arrays.append(seq.tokens)
+            tables.append(seq.pages)
+            namespaces.append(seq.namespace)
+        cached = self._change(_NOTHING_TO_UNDO, _sequences.release, self._segment, records, ids,
+                              generations, token_arrays, tables, counts, namespaces)
         out = []
+        live = self._sequences
         for seq, pages in zip(sequences, cached):
-            self._note_cached(seq, pages)
+            if pages:
+                self._note_cached(seq, pages)
             out.append(seq.committed_pages)
-            del self._sequences[seq.seq_id]
+            del live[seq.seq_id]
         self._in_flight = None
         return out
 

@@ -10,6 +10,7 @@ import hostkv
 from hostkv import _pages
 
 from conftest import small_config
+from rawseg import LAYOUT, RawSegment
 from crashlib import (CRASH_STATUS, crash_every_step, raise_every_step, run_in_child,
                       run_observer_in_child, snapshot)
 
@@ -152,3 +153,35 @@ def test_undo_log_full_is_capacity_error_and_rolls_back(segment_name):
             _pages.alloc_pages(cache._segment, 300)
         assert info.value.resource == "undo log"
         assert snapshot(cache) == before
+
+
+def alloc_many(cache, ctx):
+    _pages.alloc_pages(cache._segment, 120)
+
+
+def test_undo_log_that_wraps_around_its_ring_is_replayed_at_every_step(segment_name):
+    """Each lease starts its undo log at its own home in the ring of entries (issue 12: two
+    processes taking turns at the lock then write their own cache lines). With 256 entries
+    and 2 lease slots the child's slot 1 starts at entry 168, so allocating 120 pages
+    (about 125 logged stores) wraps past the region's end: a death at any step must still
+    be replayed to the state before."""
+    cfg = small_config(num_pages=512, undo_log_capacity=256, max_processes=2)
+    with hostkv.HostKVCache.create(segment_name, cfg) as cache:
+        before = snapshot(cache)
+        assert run_in_child(cache.name, alloc_many, None, 110) == CRASH_STATUS
+        with RawSegment(cache.name) as raw:       # read before anyone recovers it
+            start = int.from_bytes(raw.read(LAYOUT["header"]["hdr_undo_start"],
+                                            LAYOUT["header"]["hdr_undo_start"] + 4), "little")
+            count = int.from_bytes(raw.read(LAYOUT["header"]["hdr_undo_count"],
+                                            LAYOUT["header"]["hdr_undo_count"] + 8), "little")
+        assert (start, count) == (168, 110)      # the child's home; 110 entries: wrapped
+        assert snapshot(cache) == before
+        steps = crash_every_step(cache, alloc_many, expect_after=expect_allocated(120))
+        assert steps > 256 - 168
+        # The parent's own mutations start at its home, slot 0's: entry 84.
+        _pages.alloc_pages(cache._segment, 1)
+        with RawSegment(cache.name) as raw:
+            start = int.from_bytes(raw.read(LAYOUT["header"]["hdr_undo_start"],
+                                            LAYOUT["header"]["hdr_undo_start"] + 4), "little")
+        assert start == 84
+        cache.check(exact_references=False)       # the test holds raw page references

@@ -18,7 +18,7 @@ from conftest import small_config
 
 # A layout change must bump HKV_LAYOUT_VERSION (hostkv/_layout.pxd), then update these.
 EXPECTED_LAYOUT = {
-    "layout_version": 5,
+    "layout_version": 6,
     "magic": 0x3130564B54534F48,  # "HOSTKV01" read as a little-endian u64
     "sizes": {
         "HkvHeader": 512,
@@ -65,6 +65,7 @@ EXPECTED_LAYOUT = {
         "hdr_reserved_bytes": 256,
         "hdr_free_pages": 264,
         "hdr_active_leases": 272,
+        "hdr_undo_start": 276,
         "hdr_undo_count": 280,
         "hdr_stats": 288,
         "st_recoveries": 304,

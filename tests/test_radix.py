@@ -734,3 +734,17 @@ def test_match_prefix_rejects_bad_torch_tokens(tree):
 def test_match_prefix_rejects_bad_namespaces(tree, namespace):
     with pytest.raises(ValueError):
         tree.match_prefix(toks(1), namespace=namespace)
+
+
+@pytest.mark.parametrize("length", [1, 7, 4095, 4096, 4097, 9000])
+def test_first_bad_token_finds_the_first_negative_id_in_any_block(length):
+    """The check ORs blocks of 4,096 ids: a negative id must be found, and named by its
+    first index, at a block's first and last id and wherever the array ends."""
+    assert _radix.first_bad_token(np.zeros(0, dtype=np.int32)) == -1
+    clean = np.full(length, 2**31 - 1, dtype=np.int32)
+    assert _radix.first_bad_token(clean) == -1
+    for at in sorted({0, length // 2, 4095 % length, 4096 % length, length - 1}):
+        tokens = clean.copy()
+        tokens[at] = -(2**31)
+        tokens[-1] = -1                   # a later bad id never hides the first
+        assert _radix.first_bad_token(tokens) == at

@@ -1071,12 +1071,19 @@ def test_token_and_id_types_are_accepted(make):
         assert alloc.reused_tokens == 12
         assert view.state(i).tokens.tolist() == tokens
     assert sorted(view.live_sequences) == sorted(int(i) for i in ids)
-    # The view keeps its own copy of the prompt.
+    # The view keeps its own copy of the prompt, whatever memory the caller's came in.
     arr = np.array(tokens, dtype=np.int32)
-    view.allocate_pages_for_sequences_with_prefix([R(100, arr)])
+    wide = np.array([7] + tokens, dtype=np.int32)
+    tensor = torch.tensor(tokens, dtype=torch.int32)
+    view.allocate_pages_for_sequences_with_prefix(
+        [R(100, arr), R(101, wide[1:]), R(102, tensor)])
     arr[:] = 0
-    assert view.state(100).tokens.tolist() == tokens
-    view.release([int(i) for i in ids] + [100])
+    wide[:] = 0
+    tensor[:] = 0
+    for seq_id in (100, 101, 102):
+        assert view.state(seq_id).tokens.tolist() == tokens
+    view.release([int(i) for i in ids] + [100, 101, 102])
+    assert cache.match_prefix(tokens).num_tokens == 12
     cache.check()
 
 
