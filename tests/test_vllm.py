@@ -26,6 +26,7 @@ import pytest
 
 import hostkv
 from conftest import unlink_quietly
+from redislib import redis_server  # noqa: F401  (a fixture)
 from vllm_engine import BLOCK_SIZE, Engine, write_model
 
 if importlib.util.find_spec("vllm") is None:
@@ -556,3 +557,152 @@ def test_full_pool_fails_open(segment_name):
         sched.cache.check()
     finally:
         sched.shutdown()
+
+
+# -- the remote tier under the scheduler side, two "hosts", without an engine ---------------------
+
+
+def _remote_side(hv, segment: str, url: str, **extra):
+    """A scheduler side on its own segment (a host of its own) with a remote tier."""
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    settings = hv.HostKVSettings.from_extra_config(
+        {"segment": segment, "num_pages": 64, "remote": url, "remote_key_prefix": "tv",
+         "remote_socket_timeout": 0.3, "remote_connect_timeout": 0.3,
+         "remote_failure_threshold": 1, "remote_backoff_initial": 0.05,
+         "remote_backoff_max": 0.2, **extra})
+    cache = hv.open_segment(settings, layout, BLOCK_SIZE)
+    from hostkv.remote import RemoteTier
+
+    return hv._SchedulerSide(cache, settings, BLOCK_SIZE, b"model", hv._Failures(),
+                             hv._Counters(), RemoteTier(cache, settings.remote))
+
+
+def _ask_until_answered(sched, request, timeout: float = 30.0) -> Tuple[int, int]:
+    """Calls get_num_new_matched_tokens as vLLM's scheduler does, once a step, until it
+    answers; returns (tokens offered, times it said "ask again later")."""
+    deadline = time.monotonic() + timeout
+    waits = 0
+    while True:
+        offered, asynchronous = sched.get_num_new_matched_tokens(request, 0)
+        assert asynchronous is False
+        if offered is not None:
+            return offered, waits
+        waits += 1
+        assert time.monotonic() < deadline, "the connector never answered"
+        time.sleep(0.002)
+
+
+def _serve(sched, hv, request, blocks: List[int], kv_seed: int) -> List[bytes]:
+    """One request through the scheduler side as vLLM drives it, with this test as the
+    worker: loads are checked to name held pages, saves write seeded bytes into their pages
+    and are confirmed. Returns the bytes of the request's full pages (loaded or saved)."""
+    import numpy as np
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    offered, _ = _ask_until_answered(sched, request)
+    sched.update_state_after_alloc(request, _vllm_blocks(blocks), offered)
+    request.num_computed_tokens = offered
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(request, (blocks,))]
+    out.num_scheduled_tokens = {request.request_id: request.num_tokens - offered}
+    meta = sched.build_connector_meta(out)
+    assert meta.bad_blocks == []
+    pool = sched.cache.pages_array()
+    rng = np.random.default_rng(kv_seed)
+    for _, _, pages in meta.saves:
+        for page in pages:
+            pool[page] = rng.integers(0, 256, pool.shape[1], dtype=np.uint8)
+    table = sched.view.page_table(sched.reqs[request.request_id].seq_id)
+    full = request.num_tokens // BLOCK_SIZE
+    kv = [pool[p].tobytes() for p in table[:full]]
+    del pool
+    sched.request_finished(request)
+    sched.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=[(meta.step, [])])))
+    assert sched.cache.stats().active_sequences == 0
+    return kv
+
+
+def test_remote_tier_shares_pages_between_two_hosts(new_name, redis_server):
+    """Host 1's scheduler side asks the tier (a miss: it says "ask again later" until the
+    answer), serves, and its confirmed pages are written behind; host 2, on a segment of
+    its own sharing only the redis-server, waits for the fetch, is offered the pages host 1
+    computed and loads exactly their bytes. Other salts find nothing remote."""
+    hv = _vllm_module()
+    one = _remote_side(hv, new_name(), redis_server.url)
+    two = _remote_side(hv, new_name(), redis_server.url)
+    try:
+        rng = random.Random(11)
+        prompt = _tokens(rng, 200)                        # 6 full blocks, 8 in all
+        kv = _serve(one, hv, _vllm_request("a", prompt), list(range(10, 17)), kv_seed=1)
+        assert one.counters.values["remote_lookups"] == 1
+        assert one.counters.values["remote_hit_tokens"] == 0
+        assert one.tier.flush(30)
+        one.take_tier_stats()
+        assert one.counters.values["remote_published_pages"] == 6
+        assert one.counters.values["remote_written_pages"] == 6
+        assert int(redis_server.cli("dbsize")) == 6
+
+        # Host 2: a second turn of the same conversation.
+        request = _vllm_request("b", prompt + _tokens(rng, 60))
+        offered, waits = _ask_until_answered(two, request)
+        assert offered == 192 and waits >= 1
+        two.update_state_after_alloc(request, _vllm_blocks(list(range(20, 29))), offered)
+        (_, pages, blocks), = two.pending_loads
+        assert blocks == list(range(20, 26))
+        pool = two.cache.pages_array()
+        assert [pool[p].tobytes() for p in pages] == kv
+        del pool
+        two.take_tier_stats()
+        values = two.counters.values
+        assert (values["remote_lookups"], values["remote_hit_tokens"],
+                values["remote_fetched_pages"], values["remote_failed"]) == (1, 192, 6, 0)
+        two.pending_loads.clear()
+        two.request_finished(request)
+        # The same tokens under another cache salt: a namespace of their own, remote too.
+        salted = _vllm_request("c", prompt + _tokens(rng, 60))
+        salted.cache_salt = "tenant-2"
+        assert _ask_until_answered(two, salted)[0] == 0
+        two.request_finished(salted)
+        for sched in (one, two):
+            sched.cache.check()
+    finally:
+        one.shutdown()
+        two.shutdown()
+
+
+def test_remote_tier_paused_fails_open(new_name, redis_server):
+    """A redis-server that stops answering (SIGSTOP): the request waits at most remote_wait
+    and goes on without the tier (counted), the commit's write is dropped (counted), and
+    nothing blocks vLLM's thread beyond queueing."""
+    hv = _vllm_module()
+    one = _remote_side(hv, new_name(), redis_server.url, remote_wait=0.2)
+    try:
+        rng = random.Random(12)
+        redis_server.pause()
+        try:
+            request = _vllm_request("a", _tokens(rng, 200))
+            offered, waits = _ask_until_answered(one, request)
+            assert offered == 0 and waits >= 1
+            assert one.counters.values["remote_timeouts"] == 1
+            one.request_finished(request)
+            # After the breaker opens, a lookup is answered at once: no wait at all.
+            assert one.tier.flush(10)
+            request = _vllm_request("b", _tokens(rng, 200))
+            assert len(_serve(one, hv, request, list(range(10, 17)), kv_seed=2)) == 6
+            assert one.tier.flush(10)
+            one.take_tier_stats()
+            values = one.counters.values
+            assert values["remote_lookups"] == 2
+            assert values["remote_timeouts"] + values["remote_failed"] == 2
+            assert values["remote_hit_tokens"] == 0
+            assert values["remote_errors"] >= 1
+            assert values["remote_published_pages"] == 6
+            assert values["remote_writes_dropped"] == 6
+            assert values["remote_written_pages"] == 0
+        finally:
+            redis_server.resume()
+        one.cache.check()
+    finally:
+        one.shutdown()
