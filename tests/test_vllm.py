@@ -75,6 +75,8 @@ class Plan:
         self.s2 = first_turns(3)
         self.s3 = first_turns(3)                 # ... and both serve S3 at the same time
         self.s5 = first_turns(3)                 # A serves S5, B its next turns, lock stuck
+        self.r1 = first_turns(3)                 # host 1 serves R1 and R3, host 2 their
+        self.r3 = first_turns(4)                 # next turns (R3's with the tier down)
         self.kill_turns: List[List[int]] = []
         self.expected: Dict[str, Tuple[List[List[int]], int]] = {}
 
@@ -111,6 +113,15 @@ def _run_baseline(base: Engine, plan: Plan) -> Dict[str, List[List[int]]]:
     plan.kill_turns = plan.second_turns(plan.s1_next + plan.s2_next,
                                         out["s1_next"] + out["s2_next"])
     out["kill_long"] = base.generate(plan.kill_turns, KILL_MAX_TOKENS)[0]
+    # Two hosts sharing a remote tier: host 2 continues host 1's conversations (R2), with
+    # host 1's KV fetched (as this engine's prefix cache gives it), then R4 while the tier
+    # is down (computed from scratch, as under a salt of its own).
+    out["r1"] = base.generate(plan.r1, MAX_TOKENS)[0]
+    out["r3"] = base.generate(plan.r3, MAX_TOKENS)[0]
+    plan.r2 = plan.second_turns(plan.r1, out["r1"])
+    plan.r4 = plan.second_turns(plan.r3, out["r3"])
+    out["r2"] = base.generate(plan.r2, MAX_TOKENS)[0]
+    out["r4_cold"] = base.generate(plan.r4, MAX_TOKENS, salts=["cold-r4"] * len(plan.r4))[0]
     return out
 
 
@@ -343,6 +354,87 @@ def test_other_layout_is_refused(world, tmp_path):
     # B, on the segment all along, still serves.
     b = world["engines"]["B"]
     assert b.generate([world["plan"].s3[0]], MAX_TOKENS)[0] == [world["expected"]["s3"][0]]
+
+
+def test_two_hosts_share_a_remote_tier(world, redis_server):
+    """Two hosts (each an engine on a segment of its own) share only a redis-server: host 1
+    serves first turns, and its pages are written behind to the tier; host 2 then serves
+    the next turns: it waits for the fetch, its prefill is cut by exactly the pages host 1
+    computed, and it generates what an engine without hostkv generates. With the server
+    paused (SIGSTOP), then killed, host 2 still serves, from scratch and correctly, without
+    hanging; the failures are counted in the connector's stats."""
+    plan, expected = world["plan"], world["expected"]
+    root = world["root"]
+    segments = [f"{world['segment']}-host{i}" for i in (1, 2)]
+    remote = {"size": "96MiB", "remote": redis_server.url, "remote_key_prefix": "vllm-test",
+              "remote_wait": 30.0, "remote_socket_timeout": 0.5,
+              "remote_connect_timeout": 0.5, "remote_failure_threshold": 1,
+              "remote_backoff_initial": 0.2, "remote_backoff_max": 0.5}
+    hosts = [Engine(world["model"], {"segment": segment, **remote},
+                    str(root / f"host{i}.log"), disable_log_stats=False)
+             for i, segment in enumerate(segments, 1)]
+    try:
+        for engine in hosts:
+            engine.ready()
+        one, two = hosts
+
+        def written_behind() -> None:
+            # Every page host 1 cached reaches the store (write-through on commit).
+            with hostkv.HostKVCache.attach(segments[0], lease=False) as cache:
+                want = cache.stats().cached_pages
+            deadline = time.monotonic() + 60
+            while int(redis_server.cli("dbsize")) < want:
+                assert time.monotonic() < deadline, "host 1's pages never reached the store"
+                time.sleep(0.05)
+
+        outs, cached, _ = one.generate(plan.r1, MAX_TOKENS)
+        assert outs == expected["r1"] and cached == [0] * len(plan.r1)
+        outs, cached, _ = one.generate(plan.r3, MAX_TOKENS)
+        assert outs == expected["r3"] and cached == [0] * len(plan.r3)
+        written_behind()
+
+        before = two.metrics()
+        outs, cached, _ = two.generate(plan.r2, MAX_TOKENS)
+        assert outs == expected["r2"]
+        want = [_hit(_cached_by(p, o), len(q))
+                for p, o, q in zip(plan.r1, expected["r1"], plan.r2)]
+        assert cached == want and all(c > 0 for c in cached)
+        after = two.metrics()
+        gained = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert gained["remote_lookups"] == len(plan.r2)
+        assert gained["remote_hit_tokens"] == sum(want)
+        assert gained["remote_fetched_pages"] == sum(want) // BLOCK_SIZE
+        assert gained["loaded_pages"] == sum(want) // BLOCK_SIZE
+        assert gained.get("remote_failed", 0) == gained.get("remote_timeouts", 0) == 0
+
+        # The store stops answering, then dies: host 2 serves R4 from scratch.
+        half = len(plan.r4) // 2
+        before = after
+        redis_server.pause()
+        try:
+            outs, cached, _ = two.generate(plan.r4[:half], MAX_TOKENS)
+        finally:
+            redis_server.resume()
+        assert outs == expected["r4_cold"][:half] and cached == [0] * half
+        redis_server.kill()
+        outs, cached, _ = two.generate(plan.r4[half:], MAX_TOKENS)
+        assert outs == expected["r4_cold"][half:] and cached == [0] * (len(plan.r4) - half)
+        after = two.metrics()
+        gained = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert gained["remote_lookups"] == len(plan.r4)
+        assert gained.get("remote_hit_tokens", 0) == 0
+        assert gained["remote_failed"] + gained.get("remote_timeouts", 0) == len(plan.r4)
+        assert gained["remote_errors"] >= 1
+        for segment in segments:
+            with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+                cache.check()
+        for engine in hosts:
+            assert "hostkv: " not in engine.log()    # the connector itself failed nowhere
+    finally:
+        for engine in hosts:
+            engine.stop()
+        for segment in segments:
+            unlink_quietly(segment)
 
 
 # -- the connector's pure logic, without an engine ---------------------------------------------
