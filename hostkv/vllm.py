@@ -30,10 +30,23 @@ How a request flows (the scheduler side runs in vLLM's engine-core process):
 5. ``update_connector_output``: the scheduler commits the pages whose save a worker
    confirmed (only then do other engines see them) and releases finished requests.
 
+Across hosts (``"remote": URL`` in the extra config): the scheduler runs a
+``hostkv.remote.RemoteTier`` over its segment. In step 1, a prompt that goes beyond what the
+host holds starts a lookup of the rest on the tier's fetch thread, and the answer is None
+(vLLM's "ask again later": the request waits, others are scheduled) until the fetched pages
+are in the host's segment, the lookup failed, or ``remote_wait`` passed; then the lookup
+above runs, and the pages are borrowed and loaded like any others (never wrong KV: the tier
+checks each value's tokens, layout and checksum before inserting it, and a page is loaded
+only if it is held). In step 5, the pages committed are queued to the tier's writer
+(write-through on commit). Remote keys use the request's namespace (model, layout, salt,
+LoRA, ``namespace``), so they separate exactly as the host's pages do.
+
 Fail open: no error of the cache (a lock timeout, a full pool, a corrupt or missing
 segment) leaves a connector method on the serving path; it becomes a miss or a skipped
-save, counted in the stats and logged once per cause. Engine start-up (a bad config, a
-segment of another layout) does raise, with an error that says why.
+save, counted in the stats and logged once per cause; a remote tier down or slow costs a
+request at most ``remote_wait`` (nothing once its circuit breaker is open), counted too.
+Engine start-up (a bad config or remote URL, a segment of another layout) does raise, with
+an error that says why.
 
 Only vLLM processes import this module; ``import hostkv`` never needs vLLM or torch.
 """
@@ -130,6 +143,7 @@ class HostKVSettings:
         remote_wait: Seconds a request whose prompt goes beyond the host's cache waits
             for the remote tier's answer (vLLM schedules other requests meanwhile); past
             it the request goes on without, and what arrives later serves later requests.
+            0: never wait (the lookup still runs, for the requests that follow).
     """
 
     segment: str
@@ -634,6 +648,10 @@ class _SchedulerSide:
             # Answered without asking the store (breaker open, queue full): no wait.
             if look.status in ("error", "skipped"):
                 self.counters.add("remote_failed", 1)
+            self._remote_over(req_id)
+            return False
+        if self.settings.remote_wait == 0:
+            # Prefetch only: this request goes on now; what arrives serves later ones.
             self._remote_over(req_id)
             return False
         now = time.monotonic()

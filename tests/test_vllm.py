@@ -757,6 +757,17 @@ def test_remote_tier_shares_pages_between_two_hosts(new_name, redis_server):
         salted.cache_salt = "tenant-2"
         assert _ask_until_answered(two, salted)[0] == 0
         two.request_finished(salted)
+        # remote_wait 0: never waits; the fetch it starts serves the next request.
+        three = _remote_side(hv, new_name(), redis_server.url, remote_wait=0)
+        try:
+            request = _vllm_request("d", prompt + _tokens(rng, 60))
+            assert _ask_until_answered(three, request) == (0, 0)
+            three.request_finished(request)
+            assert three.tier.flush(30)
+            assert _ask_until_answered(three, _vllm_request("e", request.all_token_ids)) == (
+                192, 0)
+        finally:
+            three.shutdown()
         for sched in (one, two):
             sched.cache.check()
     finally:
