@@ -195,9 +195,10 @@ class HostKVSettings:
         url = extra.get("remote")
         options = {field: extra[key] for key, field in remote_fields.items() if key in extra}
         if url is None or url == "":
-            if options or "remote_wait" in extra:
-                raise ConfigError(f"hostkv: {sorted(set(extra) & (set(remote_fields) | {'remote_wait'}))} "
-                                  "set without 'remote' (the remote tier's URL)")
+            orphans = sorted(set(extra) & (set(remote_fields) | {"remote_wait"}))
+            if orphans:
+                raise ConfigError(f"hostkv: {orphans} set without 'remote' (the remote "
+                                  "tier's URL)")
         else:
             # RemoteConfig checks the URL and every value, naming it (the password masked).
             try:
@@ -448,7 +449,8 @@ class HostKVPromMetrics(KVConnectorPromMetrics):
     when stats are logged)."""
 
     def __init__(self, vllm_config: "VllmConfig", metric_types: Dict[Any, Any],
-                 labelnames: List[str], per_engine_labelvalues: Dict[int, List[object]]) -> None:
+                 labelnames: List[str],
+                 per_engine_labelvalues: Dict[int, List[object]]) -> None:
         """Registers one counter per key of the connector's stats."""
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters = {

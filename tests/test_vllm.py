@@ -461,6 +461,34 @@ def test_settings_from_extra_config():
         hv.HostKVSettings.from_extra_config({"segment": "x", "size": "lots"})
     s = hv.HostKVSettings.from_extra_config({"segment": "x", "size": "2GiB", "num_pages": 8})
     assert (s.size, s.num_pages) == (2 << 30, 8)
+    assert s.remote is None                              # the remote tier is off by default
+
+
+def test_remote_settings_from_extra_config():
+    """The remote tier's keys: the URL and every RemoteConfig field as remote_<field>; a bad
+    URL or value is a ConfigError naming it (never the password); remote_* keys without
+    'remote', or a misspelt one, are refused."""
+    hv = _vllm_module()
+    s = hv.HostKVSettings.from_extra_config(
+        {"segment": "x", "remote": "redis://u:hunter2@kv:6380/2", "remote_key_prefix": "m1",
+         "remote_ttl_seconds": 60, "remote_socket_timeout": 0.25, "remote_wait": 2})
+    assert (s.remote.key_prefix, s.remote.ttl_seconds, s.remote.socket_timeout,
+            s.remote_wait) == ("m1", 60, 0.25, 2.0)
+    assert s.remote.parsed.nodes == (("kv", 6380),) and "hunter2" not in repr(s)
+    assert hv.HostKVSettings.from_extra_config({"segment": "x", "remote": ""}).remote is None
+    for extra, message in [
+            ({"remote": "http://kv:6379"}, "'remote': remote URL http://kv:6379: the scheme"),
+            ({"remote": "redis://u:hunter2@kv:99999"}, r"redis://u:\*\*\*@kv:99999: port"),
+            ({"remote": "redis://kv", "remote_ttl_seconds": -1}, "ttl_seconds"),
+            ({"remote": "redis://kv", "remote_wait": -1}, "remote_wait"),
+            ({"remote": 6379}, "must be a string"),
+            ({"remote_key_prefix": "m1"}, r"\['remote_key_prefix'\] set without 'remote'")]:
+        with pytest.raises(hostkv.ConfigError, match=message) as info:
+            hv.HostKVSettings.from_extra_config({"segment": "x", **extra})
+        assert "hunter2" not in str(info.value)
+    with pytest.raises(ValueError, match="unknown .* keys \\['remote_ttl'\\]"):
+        hv.HostKVSettings.from_extra_config({"segment": "x", "remote": "redis://kv",
+                                             "remote_ttl": 60})
 
 
 def test_namespaces_separate_models_salts_and_loras():
