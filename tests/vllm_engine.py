@@ -81,6 +81,19 @@ def _engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_pat
         message = conn.recv()
         if message[0] == "exit":
             break
+        if message[0] == "metrics":
+            # hostkv's connector counters, from vLLM's Prometheus logger (an engine started
+            # with disable_log_stats=False), summed over engines.
+            try:
+                totals: Dict[str, float] = {}
+                for metric in llm.get_metrics():
+                    if metric.name.startswith("vllm:hostkv_"):
+                        key = metric.name[len("vllm:hostkv_"):]
+                        totals[key] = totals.get(key, 0) + getattr(metric, "value", 0)
+                conn.send(("ok", totals))
+            except BaseException:                # noqa: BLE001 - reported to the parent
+                conn.send(("error", traceback.format_exc()))
+            continue
         _, prompts, max_tokens, salts = message
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -158,6 +171,15 @@ class Engine:
         """submit() then result()."""
         self.submit(prompts, max_tokens, salts)
         return self.result()
+
+    def metrics(self, timeout: float = CALL_TIMEOUT) -> Dict[str, float]:
+        """hostkv's connector counters so far ("lookups", "remote_hit_tokens", ...): the
+        engine must have been started with disable_log_stats=False."""
+        self.conn.send(("metrics",))
+        kind, value = self._receive(timeout)
+        if kind != "ok":
+            raise RuntimeError(f"metrics failed:\n{value}")
+        return value
 
     def kill(self) -> None:
         """kill -9 of the engine's whole process group (its EngineCore included)."""
