@@ -28,9 +28,11 @@ Faults. Every store call is bounded by the socket timeouts. A circuit breaker op
 writes are dropped (both counted), so the host tier serves at full speed; after a backoff
 (doubling up to ``backoff_max``) one probe goes through, and success closes it.
 
-Threads and processes. The tier attaches its own handle on the segment (one lease) for its
-two threads, which take turns on it; the engine's handle is untouched. A process killed
-mid-fetch leaves a live sequence on that lease: the core reaps it like any dead process's,
+Threads and processes. The tier works on the engine's own handle (no lease slot of its
+own): its fetch thread and its writer each have their own WorkerView on it, and the core's
+lock serialises them with the engine's threads as it does processes. Close the tier before
+the cache (the cache refuses to unmap the pool under the tier's threads). A process killed
+mid-fetch leaves a live sequence on its lease: the core reaps it like any dead process's,
 freeing the fresh pages (they were never committed). A tier does not survive fork: make one
 per process.
 """
@@ -230,7 +232,7 @@ class _Breaker:
 class RemoteTier:
     """The remote tier of one process over a HostKVCache (see the module docstring).
 
-    Usable as a context manager; close() stops its threads and gives up its lease.
+    Usable as a context manager; close() stops its threads (the cache stays open).
     """
 
     def __init__(self, cache: HostKVCache, config: Union[RemoteConfig, str], *,
@@ -238,7 +240,8 @@ class RemoteTier:
         """Starts the tier's threads on an open cache.
 
         Args:
-            cache: The host tier; the tier attaches its own handle to the same segment.
+            cache: The host tier; the tier works on this handle (its threads have their
+                own WorkerViews on it) and takes no lease of its own. Close the tier first.
             config: A RemoteConfig, or a URL (all other settings default).
             backend: A store other than the one the URL names (another implementation of
                 RemoteBackend); the URL still identifies it in messages.
@@ -265,18 +268,17 @@ class RemoteTier:
         self._write_limit = max(1, min(config.write_batch_pages,
                                        config.max_bytes_in_flight // cfg.page_bytes))
         self._backend = backend if backend is not None else backend_for(config)
-        # The tier's own handle: the engine's thread never waits for the tier's calls on a
-        # shared handle, and the tier's sequences belong to this lease (reaped if we die).
-        # It is also needed today: threads sharing one handle fail in the core (issue 10,
-        # item 1: the lock's "held" flag belongs to the handle, not the thread).
-        self._handle = HostKVCache.attach(cache.name, expected_config=cfg)
-        try:
-            self._view = WorkerView(self._handle)
-            self._pool: Optional[np.ndarray] = self._handle.pages_array()
-        except BaseException:
-            self._handle.close()
-            raise
-        self._segment_lock = threading.Lock()       # the two threads take turns on the handle
+        # The engine's own handle, shared: the core's lock serialises threads like processes
+        # (each thread its own WorkerView), so the tier takes no lease slot of its own, and
+        # its sequences belong to this process's lease (reaped with it if the process dies).
+        # The fetch thread and the writer each have their own view: they never wait for
+        # each other outside the core's lock.
+        self._handle = cache
+        self._fetch_view = WorkerView(cache)
+        self._write_view = WorkerView(cache)
+        # Held until close(): cache.close() raises BufferError while the tier is open,
+        # rather than unmap the pool under its threads' copies.
+        self._pool: Optional[np.ndarray] = cache.pages_array()
         self._seq_ids = itertools.count(1)
         self._pid = os.getpid()
         self._breaker = _Breaker(config)
@@ -510,8 +512,7 @@ class RemoteTier:
         plans = []            # (lookup, start page, keys of the pages asked for)
         budget = max(1, self._config.max_bytes_in_flight // self._page_bytes)
         for item in batch:
-            with self._segment_lock:
-                local = len(self._handle.match_prefix(item.tokens, item.namespace).pages)
+            local = len(self._handle.match_prefix(item.tokens, item.namespace).pages)
             # Allocation reuses at most (n - 1) // page_size pages; a prefix shorter than
             # prefix_min_reuse_pages is not borrowed, so fetch from page 0 then.
             stop = (len(item.tokens) - 1) // ps
@@ -597,10 +598,10 @@ class RemoteTier:
         ps = self._page_size
         end = start + len(kvs)
         seq_id = next(self._seq_ids)
+        view = self._fetch_view
         try:
-            with self._segment_lock:
-                alloc = self._view.allocate_pages_for_sequences_with_prefix(
-                    [SequenceRequest(seq_id, item.tokens[:end * ps], item.namespace)])[0]
+            alloc = view.allocate_pages_for_sequences_with_prefix(
+                [SequenceRequest(seq_id, item.tokens[:end * ps], item.namespace)])[0]
         except (OutOfPagesError, CapacityError) as exc:
             log.debug("hostkv remote tier: no room for %d fetched pages: %s", len(kvs), exc)
             self._count(insert_failed=len(kvs))
@@ -610,8 +611,7 @@ class RemoteTier:
             if reused < start:
                 # The local prefix was evicted since match_prefix: its fresh pages would hold
                 # no KV. Drop the fetch; the next lookup starts from what is cached then.
-                with self._segment_lock:
-                    self._view.release([seq_id], commit=False)
+                view.release([seq_id], commit=False)
                 self._count(insert_failed=len(kvs))
                 return 0
             pool = self._pool
@@ -622,13 +622,11 @@ class RemoteTier:
                 pool[table[page]] = np.frombuffer(kvs[page - start], dtype=np.uint8)
             if self._hook is not None:
                 self._hook(table[reused:end])
-            with self._segment_lock:
-                self._view.commit([seq_id], end * ps)
-                self._view.release([seq_id], commit=False)
+            view.commit([seq_id], end * ps)
+            view.release([seq_id], commit=False)
         except BaseException:
-            with self._segment_lock:
-                if seq_id in self._view.live_sequences:
-                    self._view.release([seq_id], commit=False)
+            if seq_id in view.live_sequences:
+                view.release([seq_id], commit=False)
             raise
         self._count(inserted_pages=len(kvs))
         return len(kvs)
@@ -727,8 +725,7 @@ class RemoteTier:
             requests.append(SequenceRequest(next(self._seq_ids),
                                             np.append(tokens[:upto], np.int32(0)), namespace))
         try:
-            with self._segment_lock:
-                allocs = self._view.allocate_pages_for_sequences_with_prefix(requests)
+            allocs = self._write_view.allocate_pages_for_sequences_with_prefix(requests)
         except (OutOfPagesError, CapacityError):
             self._count(writes_dropped=sum(len(m) for _, _, _, m in todo))
             return []
@@ -747,8 +744,7 @@ class RemoteTier:
                         items.append((keys[page], codec.encode_value(
                             self._fingerprint, namespace, tokens[page * ps:(page + 1) * ps], kv)))
         finally:
-            with self._segment_lock:
-                self._view.release([r.seq_id for r in requests], commit=False)
+            self._write_view.release([r.seq_id for r in requests], commit=False)
         return items
 
     # -- closing -------------------------------------------------------------------------------
@@ -759,8 +755,8 @@ class RemoteTier:
         return self._closed
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stops the threads (queued lookups resolve as skipped, queued writes are dropped),
-        releases the tier's sequences and gives up its handle on the segment. Idempotent."""
+        """Stops the threads (queued lookups resolve as skipped, queued writes are dropped)
+        and releases the tier's sequences; the cache stays open. Idempotent."""
         if self._closed:
             return
         with self._cond:
@@ -779,11 +775,13 @@ class RemoteTier:
             thread.join(timeout + self._config.socket_timeout + self._config.connect_timeout)
         self._backend.close()
         if any(thread.is_alive() for thread in self._threads):
-            log.warning("hostkv remote tier: a thread did not stop; leaving its handle open")
+            # Its view and the pool stay referenced: cache.close() then refuses to unmap
+            # under it (BufferError) instead of faulting the thread.
+            log.warning("hostkv remote tier: a thread did not stop; leaving its views open")
             return
-        self._view.close()
+        self._fetch_view.close()
+        self._write_view.close()
         self._pool = None
-        self._handle.close()
 
     def __enter__(self) -> "RemoteTier":
         return self
