@@ -56,6 +56,7 @@ from hostkv.errors import CapacityError, ConfigError, HostKVError, OutOfPagesErr
 from hostkv.remote import codec
 from hostkv.remote.backend import RemoteBackend, RemoteError, RemoteFullError, backend_for
 from hostkv.remote.config import RemoteConfig
+from hostkv.remote.shared_stats import SlotWriter, writer_for
 from hostkv.worker_view import SequenceRequest, WorkerView
 
 __all__ = ["RemoteLookup", "RemoteStats", "RemoteTier"]
@@ -63,6 +64,8 @@ __all__ = ["RemoteLookup", "RemoteStats", "RemoteTier"]
 log = logging.getLogger("hostkv.remote")
 
 _HISTOGRAM_BUCKETS = 32
+# Reasons decode_value gives for a value it refuses ("missing" aside); any other is "other".
+INVALID_REASONS = ("truncated", "magic", "format", "layout", "namespace", "tokens", "checksum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +144,17 @@ class RemoteStats:
         return "\n".join(lines) + "\n"
 
 
+# What a tier publishes for `python -m hostkv stats` (shared_stats.py): every counter of
+# RemoteStats by name, the fetch time in ns, and the grouped ones as "group:item".
+SHARED_COUNTERS = tuple(
+    [f.name for f in dataclasses.fields(RemoteStats)
+     if f.name not in ("invalid_pages", "breaker_open", "queue_depth", "fetch_seconds",
+                       "fetch_latency_histogram")]
+    + ["fetch_ns"]
+    + [f"invalid_pages:{reason}" for reason in INVALID_REASONS + ("other",)]
+    + [f"fetch_latency_us:{bucket}" for bucket in range(_HISTOGRAM_BUCKETS)])
+
+
 class RemoteLookup:
     """A queued lookup: poll done(), or wait(). Never raises a store error: a failure is a
     miss (status "error"), the host tier carries on.
@@ -185,8 +199,9 @@ class _Breaker:
     """Closed -> (failure_threshold failures) -> open for a backoff -> one probe -> closed or
     open again for twice as long (up to backoff_max)."""
 
-    def __init__(self, config: RemoteConfig) -> None:
+    def __init__(self, config: RemoteConfig, on_change: Any = None) -> None:
         self._config = config
+        self._on_change = on_change     # (is_open, opened_now), called under the lock
         self._lock = threading.Lock()
         self._failures = 0
         self._open_until = 0.0
@@ -212,14 +227,18 @@ class _Breaker:
             self._probing = False
             self.is_open = False
             self._backoff = self._config.backoff_initial
+            if self._on_change is not None:
+                self._on_change(False, False)
 
     def failure(self, where: str, exc: BaseException) -> None:
         with self._lock:
             self._failures += 1
+            opened = False
             if self._probing or (not self.is_open
                                  and self._failures >= self._config.failure_threshold):
                 if not self.is_open:
                     self.opens += 1
+                    opened = True
                     log.warning("hostkv remote tier: %s failing (%s); serving from host memory "
                                 "only, retrying in %.1f s", where, exc, self._backoff)
                 self.is_open = True
@@ -227,6 +246,8 @@ class _Breaker:
                 self._open_until = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2 or self._config.backoff_initial,
                                     self._config.backoff_max)
+            if self._on_change is not None:
+                self._on_change(self.is_open, opened)
 
 
 class RemoteTier:
@@ -281,7 +302,7 @@ class RemoteTier:
         self._pool: Optional[np.ndarray] = cache.pages_array()
         self._seq_ids = itertools.count(1)
         self._pid = os.getpid()
-        self._breaker = _Breaker(config)
+        self._breaker = _Breaker(config, self._breaker_changed)
         self._cond = threading.Condition()
         self._lookups: Deque[RemoteLookup] = collections.deque()
         # (namespace, tokens, first page, first page this host computed itself)
@@ -295,6 +316,11 @@ class RemoteTier:
         self._fetch_seconds = 0.0
         self._stats_lock = threading.Lock()
         self._hook: Any = None       # tests: called with the fresh pages before their commit
+        # This process's slot in the segment's shared counters (None: not shared), and the
+        # gauges this tier has put there.
+        self._shared: Optional[SlotWriter] = writer_for(cache, SHARED_COUNTERS)
+        self._shared_depth = 0
+        self._shared_breaker = 0
         self._threads = [threading.Thread(target=self._fetch_loop, name="hostkv-remote-fetch",
                                           daemon=True),
                          threading.Thread(target=self._write_loop, name="hostkv-remote-write",
@@ -320,6 +346,22 @@ class RemoteTier:
         with self._stats_lock:
             for key, amount in amounts.items():
                 self._counts[key] += amount
+        if self._shared is not None:
+            self._shared.add(amounts)
+
+    def _depth_changed(self) -> None:
+        """Publishes the queue depth's change (call holding self._cond)."""
+        if self._shared is not None:
+            depth = len(self._lookups) + len(self._writes)
+            self._shared.gauge("queue_depth", depth - self._shared_depth)
+            self._shared_depth = depth
+
+    def _breaker_changed(self, is_open: bool, opened: bool) -> None:
+        if self._shared is not None:
+            if opened:
+                self._shared.add({"breaker_opens": 1})
+            self._shared.gauge("breaker_open", int(is_open) - self._shared_breaker)
+            self._shared_breaker = int(is_open)
 
     def lookup(self, tokens: Any, namespace: int = 0) -> RemoteLookup:
         """Queues a lookup of the prompt's next pages after its local prefix; returns at once.
@@ -356,6 +398,7 @@ class RemoteTier:
                 queued, skipped = [], lookups
             self._lookups.extend(queued)
             if queued:
+                self._depth_changed()
                 self._cond.notify_all()
         for item in skipped:
             item._finish("skipped")
@@ -411,6 +454,7 @@ class RemoteTier:
                     dropped += self._job_pages(job)
                 else:
                     self._writes.append(job)
+            self._depth_changed()
             self._cond.notify_all()
         if dropped:
             self._count(writes_dropped=dropped)
@@ -493,6 +537,7 @@ class RemoteTier:
                     return
                 batch = list(self._lookups)
                 self._lookups.clear()
+                self._depth_changed()
                 self._fetching = True
             try:
                 self._fetch(batch)
@@ -559,10 +604,14 @@ class RemoteTier:
             if close is not None:
                 close()
         elapsed = time.perf_counter() - began
+        bucket = min(int(elapsed * 1e6).bit_length(), _HISTOGRAM_BUCKETS - 1)
         with self._stats_lock:
             self._counts["fetches"] += 1
             self._fetch_seconds += elapsed
-            self._histogram[min(int(elapsed * 1e6).bit_length(), _HISTOGRAM_BUCKETS - 1)] += 1
+            self._histogram[bucket] += 1
+        if self._shared is not None:
+            self._shared.add({"fetches": 1, "fetch_ns": int(elapsed * 1e9),
+                              f"fetch_latency_us:{bucket}": 1})
 
     def _take(self, item: RemoteLookup, start: int, keys: List[bytes],
               values: List[Optional[bytes]]) -> None:
@@ -581,6 +630,9 @@ class RemoteTier:
                 else:
                     with self._stats_lock:
                         self._invalid[reason] += 1
+                    if self._shared is not None:
+                        self._shared.add({f"invalid_pages:"
+                                          f"{reason if reason in INVALID_REASONS else 'other'}": 1})
                     log.warning("hostkv remote tier: a value failed its %s check; "
                                 "treated as a miss", reason)
                 break
@@ -647,6 +699,7 @@ class RemoteTier:
                     job = self._writes.popleft()
                     batch.append(job)
                     pages += self._job_pages(job)
+                self._depth_changed()
                 self._writing = True
             try:
                 self._write(batch)
@@ -759,12 +812,15 @@ class RemoteTier:
         and releases the tier's sequences; the cache stays open. Idempotent."""
         if self._closed:
             return
+        if os.getpid() != self._pid:
+            self._shared = None      # a forked child: that slot is the parent's to write
         with self._cond:
             self._closed = True
             pending = list(self._lookups)
             self._lookups.clear()
             dropped = sum(self._job_pages(job) for job in self._writes)
             self._writes.clear()
+            self._depth_changed()
             self._cond.notify_all()
         for item in pending:
             item._finish("skipped")
@@ -782,6 +838,11 @@ class RemoteTier:
         self._fetch_view.close()
         self._write_view.close()
         self._pool = None
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            # The threads are gone: nothing of this tier writes to the slot any more.
+            shared.gauge("breaker_open", -self._shared_breaker)
+            shared.release()
 
     def __enter__(self) -> "RemoteTier":
         return self
