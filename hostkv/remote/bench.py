@@ -109,7 +109,7 @@ def run(url: str, pages: int, page_kib: int, repeats: int, seed: int) -> Dict[st
             keys += chain_keys(prefix.encode(), 0, layout_fingerprint(b.config), p, PAGE_SIZE,
                                per_prompt)
         fetched = backend.get_many(keys)
-        values = [v for v in fetched if v is not None]
+        values = [v for v in fetched if isinstance(v, bytes)]
         if len(values) != len(keys):
             raise RuntimeError(f"the writer stored {len(values)} of {len(keys)} pages")
         value_bytes = sum(len(v) for v in values)

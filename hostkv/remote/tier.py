@@ -54,7 +54,13 @@ from hostkv._tokens import as_namespace, as_tokens
 from hostkv.cache import HostKVCache
 from hostkv.errors import CapacityError, ConfigError, HostKVError, OutOfPagesError
 from hostkv.remote import codec
-from hostkv.remote.backend import RemoteBackend, RemoteError, RemoteFullError, backend_for
+from hostkv.remote.backend import (
+    UNAVAILABLE,
+    RemoteBackend,
+    RemoteError,
+    RemoteFullError,
+    backend_for,
+)
 from hostkv.remote.config import RemoteConfig
 from hostkv.remote.shared_stats import SlotWriter, writer_for
 from hostkv.worker_view import SequenceRequest, WorkerView
@@ -89,7 +95,10 @@ class RemoteStats:
         present_pages: Pages not sent because the store had them (their TTL renewed).
         writes_dropped: Pages not written: queue full, breaker open, too many bytes in
             flight, a store error, or evicted locally before the writer could borrow them.
-        errors: Store calls that failed (timeouts, refused connections, errors).
+        errors: Store calls that failed (timeouts, refused connections, errors), whole or
+            in part (a cluster node down while the others answered).
+        unavailable_pages: Pages not fetched or written because their cluster node was
+            down while others answered (a lookup's chain stops at the first of them).
         breaker_opens: Times the circuit breaker opened.
         breaker_open: Whether it is open now.
         bytes_up, bytes_down: Value bytes sent and received.
@@ -112,6 +121,7 @@ class RemoteStats:
     present_pages: int
     writes_dropped: int
     errors: int
+    unavailable_pages: int
     breaker_opens: int
     breaker_open: bool
     bytes_up: int
@@ -522,6 +532,7 @@ class RemoteTier:
             insert_failed=get("insert_failed"), published_pages=get("published_pages"),
             written_pages=get("written_pages"), present_pages=get("present_pages"),
             writes_dropped=get("writes_dropped"), errors=get("errors"),
+            unavailable_pages=get("unavailable_pages"),
             breaker_opens=self._breaker.opens, breaker_open=self._breaker.is_open,
             bytes_up=get("bytes_up"), bytes_down=get("bytes_down"), queue_depth=depth,
             fetch_seconds=seconds, fetch_latency_histogram=histogram)
@@ -585,13 +596,17 @@ class RemoteTier:
         began = time.perf_counter()
         stream = self._backend.get_streamed([keys for _, _, keys in plans])
         done = 0
+        answered = False
+        cut = 0
         try:
             for (item, start, keys), values in zip(plans, stream):
                 if len(values) != len(keys):
                     raise RemoteError(f"asked for {len(keys)} values, got {len(values)}")
-                if done == 0:
+                if not answered and any(v is not UNAVAILABLE for v in values):
+                    # Some node answered: the store is up, even if a node of it is not.
+                    answered = True
                     self._breaker.success()
-                self._take(item, start, keys, values)
+                cut += self._take(item, start, keys, values, first_cut=not cut)
                 done += 1
         except RemoteError as exc:
             self._breaker.failure(self._config.redacted_url, exc)
@@ -614,12 +629,20 @@ class RemoteTier:
                               f"fetch_latency_us:{bucket}": 1})
 
     def _take(self, item: RemoteLookup, start: int, keys: List[bytes],
-              values: List[Optional[bytes]]) -> None:
-        """Checks one lookup's values and inserts the valid leading run of them."""
+              values: List[Optional[bytes]], first_cut: bool = True) -> int:
+        """Checks one lookup's values and inserts the valid leading run of them. Returns
+        the pages cut off because their node did not answer (0 if none); the first cut of
+        a call counts its one error (before the lookup finishes)."""
         ps = self._page_size
         kvs = []
+        cut = 0
         for index, value in enumerate(values):
             page = start + index
+            if value is UNAVAILABLE:
+                # Its node is down: the pages before it stand, the chain stops here.
+                cut = len(keys) - index
+                self._count(unavailable_pages=cut, errors=int(first_cut))
+                break
             kv, reason = codec.decode_value(
                 value, self._fingerprint, item.namespace,
                 item.tokens[page * ps:(page + 1) * ps], self._page_bytes)
@@ -637,12 +660,14 @@ class RemoteTier:
                                 "treated as a miss", reason)
                 break
             kvs.append(kv)
-        self._count(hit_pages=len(kvs), bytes_down=sum(len(v) for v in values if v is not None))
+        self._count(hit_pages=len(kvs), bytes_down=sum(
+            len(v) for v in values if v is not None and v is not UNAVAILABLE))
         if not kvs:
-            item._finish("miss")
-            return
+            item._finish("error" if cut else "miss")
+            return cut
         inserted = self._insert(item, start, kvs)
         item._finish("hit" if inserted else "miss", inserted)
+        return cut
 
     def _insert(self, item: RemoteLookup, start: int, kvs: List[memoryview]) -> int:
         """Copies fetched pages [start, start + len(kvs)) into fresh local pages and commits
@@ -729,7 +754,7 @@ class RemoteTier:
             self._count(writes_dropped=total)
             return
         asking = [keys[p] for _, _, keys, ask, _ in jobs for p in ask]
-        present: List[bool] = []
+        present: List[Optional[bool]] = []
         if asking:
             try:
                 present = self._backend.touch_many(asking, self._config.ttl_seconds)
@@ -737,14 +762,22 @@ class RemoteTier:
                 self._breaker.failure(self._config.redacted_url, exc)
                 self._count(errors=1, writes_dropped=total)
                 return
-            self._breaker.success()
+            unknown = sum(1 for flag in present if flag is None)
+            if unknown < len(present):
+                self._breaker.success()
+            if unknown:
+                self._count(errors=1)
         offset = 0
         todo = []
         for namespace, tokens, keys, ask, send in jobs:
             flags = present[offset:offset + len(ask)]
             offset += len(ask)
-            self._count(present_pages=sum(flags))
-            missing = [p for p, there in zip(ask, flags) if not there] + send
+            self._count(present_pages=sum(1 for flag in flags if flag))
+            # A page whose node did not answer (None) is not sent: that node is down.
+            lost = sum(1 for flag in flags if flag is None)
+            if lost:
+                self._count(writes_dropped=lost, unavailable_pages=lost)
+            missing = [p for p, there in zip(ask, flags) if there is False] + send
             if missing:
                 todo.append((namespace, tokens, keys, missing))
         if not todo:
@@ -753,7 +786,7 @@ class RemoteTier:
         if not items:
             return
         try:
-            self._backend.put_many(items, self._config.ttl_seconds)
+            not_stored = self._backend.put_many(items, self._config.ttl_seconds)
         except RemoteFullError as exc:
             # The store answered (out of memory, say): reads may still work, so the breaker
             # stays closed; the pages are dropped and counted.
@@ -764,8 +797,13 @@ class RemoteTier:
             self._breaker.failure(self._config.redacted_url, exc)
             self._count(errors=1, writes_dropped=len(items))
             return
-        self._breaker.success()
-        self._count(written_pages=len(items), bytes_up=sum(len(v) for _, v in items))
+        if not_stored < len(items):
+            self._breaker.success()
+        if not_stored:
+            # A cluster node down (or refusing) while the others stored theirs.
+            self._count(errors=1, writes_dropped=not_stored, unavailable_pages=not_stored)
+        self._count(written_pages=len(items) - not_stored,
+                    bytes_up=sum(len(v) for _, v in items))
 
     def _borrow_and_encode(self, todo: List[Tuple[int, np.ndarray, List[bytes], List[int]]]
                            ) -> List[Tuple[bytes, bytes]]:
