@@ -190,3 +190,31 @@ def test_every_shared_counter_is_a_remote_stats_counter():
     fields = {f.name for f in dataclasses.fields(RemoteStats)}
     plain = [n for n in SHARED_COUNTERS if ":" not in n and n != "fetch_ns"]
     assert set(plain) <= fields and "hit_pages" in plain and "errors" in plain
+
+
+def test_a_segment_created_again_does_not_read_the_old_ones_counters(redis_server,
+                                                                     segment_name):
+    """The side block is named by the segment's inode: a segment removed behind hostkv's
+    back (its side block left over) and created again under the same name starts from
+    nothing; unlinking through hostkv removes the blocks of both."""
+    import posix_ipc
+
+    cache = hostkv.HostKVCache.create(segment_name, host_config())
+    with RemoteTier(cache, fast_config(redis_server.url)) as tier:
+        tier.lookup(prompt(PAGE_SIZE * 2 + 1)).wait(WAIT)
+    assert stats_json(segment_name)["remote"]["lookups"] == 1
+    cache.close()
+    posix_ipc.unlink_shared_memory("/" + segment_name)        # not through hostkv
+    assert len(glob.glob(f"/dev/shm/{segment_name}@*")) == 1
+    cache = hostkv.HostKVCache.create(segment_name, host_config())
+    try:
+        assert "remote" not in stats_json(segment_name)
+        with RemoteTier(cache, fast_config(redis_server.url)) as tier:
+            tier.lookup(prompt(PAGE_SIZE * 2 + 1)).wait(WAIT)
+            tier.lookup(prompt(PAGE_SIZE * 2 + 1)).wait(WAIT)
+        assert stats_json(segment_name)["remote"]["lookups"] == 2
+        assert len(glob.glob(f"/dev/shm/{segment_name}@*")) == 2
+    finally:
+        cache.close()
+    hostkv.HostKVCache.unlink_segment(segment_name)
+    assert glob.glob(f"/dev/shm/{segment_name}@*") == []
