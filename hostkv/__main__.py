@@ -215,7 +215,13 @@ def remote_totals(seg, name: str) -> Optional[dict]:
     ran there), named as in RemoteStats: fetch_seconds, fetch_latency_histogram."""
     from hostkv.remote import shared_stats
 
-    totals = shared_stats.read_totals(seg, name)
+    try:
+        totals = shared_stats.read_totals(seg, name)
+    except (OSError, ValueError) as exc:
+        # A side block of another hostkv version, or damaged: the segment's own stats
+        # still print.
+        print(f"{name}: remote-tier counters not read: {exc}", file=sys.stderr)
+        return None
     if totals is None:
         return None
     totals["fetch_seconds"] = totals.pop("fetch_ns", 0) / 1e9
