@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import posix_ipc
@@ -18,7 +18,7 @@ from hostkv._tokens import as_namespace, as_tokens
 from hostkv.config import HostKVConfig, KVLayout, dtype_from_code
 from hostkv.errors import ConfigError, IncompatibleSegmentError, translate_posix_ipc
 
-__all__ = ["CacheMetrics", "CacheStats", "HostKVCache", "PrefixMatch"]
+__all__ = ["CacheMetrics", "CacheStats", "EvictionCandidate", "HostKVCache", "PrefixMatch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,26 @@ class PrefixMatch:
 
     num_tokens: int
     pages: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionCandidate:
+    """A cached node that eviction would take soon, as eviction_candidates() saw it.
+
+    Attributes:
+        namespace: The node's namespace.
+        tokens: The token ids of its whole path, from the top of the tree to the node's end
+            (np.int32, a multiple of page_size).
+        pages: The pages of that path at the time of the call (np.int32); they may be
+            evicted and reused as soon as the call returns: hold them
+            (WorkerView.hold_cached_pages) before reading their KV.
+        num_pages: The node's own pages: the last num_pages of the path.
+    """
+
+    namespace: int
+    tokens: np.ndarray
+    pages: np.ndarray
+    num_pages: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +352,29 @@ class HostKVCache:
         arr = as_tokens(tokens)
         pages = _radix.match(self._segment, arr, as_namespace(namespace))
         return PrefixMatch(num_tokens=len(pages) * self._config.page_size, pages=pages)
+
+    def eviction_candidates(self, max_pages: int) -> List[EvictionCandidate]:
+        """The cached nodes the next evictions would take, in the order they would go, until
+        they cover max_pages pages (or every evictable page): a pure lookup, like
+        match_prefix (no recency refreshed, nothing held, no stats).
+
+        For a tier that saves pages elsewhere before they are evicted (hostkv.remote's
+        write-on-evict). The order is the core's: least recently used unlocked leaves
+        first, a node whose children all went joining in its turn; pages borrowed by a live
+        sequence are never listed. The last node is listed whole, though eviction may trim
+        only its tail. Token ids and page indices are copied under the lock, KV bytes never.
+
+        Raises:
+            ValueError: max_pages is not an int (a bool, a float, a str) or is outside
+                [0, 2**63).
+        """
+        if isinstance(max_pages, (bool, np.bool_)) or not isinstance(max_pages, numbers.Integral):
+            raise ValueError(f"max_pages must be an int, got {max_pages!r}")
+        if not 0 <= int(max_pages) < 2**63:
+            raise ValueError(f"max_pages must be in [0, 2**63), got {int(max_pages)}")
+        return [EvictionCandidate(int(namespace), tokens, pages, int(num_pages))
+                for namespace, tokens, pages, num_pages
+                in _radix.eviction_candidates(self._segment, int(max_pages))]
 
     def evict(self, num_pages: int) -> int:
         """Evicts up to num_pages cached pages that no borrower holds, least recently used
