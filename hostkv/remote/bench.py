@@ -16,6 +16,15 @@ Three figures, each against a baseline measured in the same run:
    (EXPIRE to find what the store has, borrow, copy, pipelined SET). Baseline: plain
    pipelined SETs of the same values by redis-py.
 
+4. Write policies (``write_policy="through"`` vs ``"evict"``) on one workload: host A, a
+   small segment under eviction pressure, serves multi-turn chats over a few shared system
+   prompts (KV written into every fresh page, released through its tier); then host B, a
+   roomy segment, serves the same requests, fetching from the store before each. Per
+   policy: pages and bytes A sent, how many of the pages A evicted were in the store in
+   time, A's wall time against the same loop with no tier, A's engine thread's time in
+   tier.release, and the prompt pages B got from the store. "evict, pages only" sends the
+   evicted pages without the chain prefix they need (a remote reader walks from page 0).
+
 Keys go under a fresh prefix and are deleted at the end; segments are unlinked.
 """
 
@@ -203,6 +212,170 @@ def run(url: str, pages: int, page_kib: int, repeats: int, seed: int) -> Dict[st
     return out
 
 
+POLICIES = ("none", "through", "evict", "evict, pages only")
+
+
+def _chat_requests(rng: np.random.Generator, count: int, systems: List[np.ndarray]
+                   ) -> List[np.ndarray]:
+    """count prompts: chats of 2-4 turns over the 3 system prompts, each turn resending the
+    chat so far plus 2-6 new pages (an answer and a question); full pages plus one token."""
+    prompts: List[np.ndarray] = []
+    chat = 0
+    while len(prompts) < count:
+        history = systems[chat % 3]
+        for _ in range(int(rng.integers(2, 5))):
+            history = np.concatenate([history, rng.integers(
+                0, 30_000, int(rng.integers(2, 7)) * PAGE_SIZE, dtype=np.int32)])
+            prompts.append(np.append(history, np.int32(1)))
+        chat += 1
+    return prompts[:count]
+
+
+def _serve(cache: hostkv.HostKVCache, tier: Optional[RemoteTier], prompts: List[np.ndarray],
+           fetch: bool, prefill_tokens_per_s: float) -> Dict[str, Any]:
+    """Serves prompts one at a time: (fetch,) allocate, "prefill" (write KV into the fresh
+    pages, and wait as a device computing them at prefill_tokens_per_s would: the engine's
+    thread waits without the GIL), release (through the tier when there is one and not
+    fetching)."""
+    view = hostkv.WorkerView(cache)
+    pool = cache.pages_array()
+    tier_ns = 0
+    prefilled = reused = 0
+    start = time.perf_counter()
+    for seq_id, tokens in enumerate(prompts):
+        if fetch and tier is not None:
+            tier.fetch(tokens, timeout=60)
+        alloc = view.allocate_pages_for_sequences_with_prefix(
+            [hostkv.SequenceRequest(seq_id, tokens)])[0]
+        fresh = alloc.page_table[alloc.num_shared_pages:]
+        pool[fresh] = seq_id & 0xFF                   # "KV": one store per byte, as a prefill
+        time.sleep((len(tokens) - alloc.reused_tokens) / prefill_tokens_per_s)
+        prefilled += len(tokens) - alloc.reused_tokens
+        reused += alloc.reused_tokens
+        began = time.perf_counter_ns()
+        if tier is not None and not fetch:
+            tier.release(view, [seq_id])
+        else:
+            view.release([seq_id])
+        tier_ns += time.perf_counter_ns() - began
+    seconds = time.perf_counter() - start
+    del pool
+    view.close()
+    return {"seconds": seconds, "release_us_per_request": tier_ns / 1e3 / len(prompts),
+            "prefilled_tokens": prefilled, "reused_tokens": reused}
+
+
+def run_policies(url: str, page_kib: int, requests: int, pool_pages: int, seed: int,
+                 prefill_tokens_per_s: float = 100_000.0) -> Dict[str, Any]:
+    """Measurement 4: the write policies side by side on one workload (see the module
+    docstring). Returns per policy: A's and B's figures."""
+    page_bytes = page_kib * 1024
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, 30_000, 16 * PAGE_SIZE, dtype=np.int32) for _ in range(3)]
+    prompts = _chat_requests(rng, requests, systems)
+    # Another host's own traffic: other chats over the same system prompts.
+    others = _chat_requests(np.random.default_rng(seed + 1), requests, systems)
+    root = f"hostkv-bench-{uuid.uuid4().hex[:10]}"
+    probe = RedisBackend(RemoteConfig(url, key_prefix=root))
+    probe.ping()
+    client = probe._client
+    out: Dict[str, Any] = {"requests": len(prompts), "pool_pages": pool_pages,
+                           "prefill_tokens_per_s": prefill_tokens_per_s,
+                           "page_bytes": page_bytes,
+                           "prompt_pages": sum(len(p) // PAGE_SIZE for p in prompts),
+                           "other_prompt_pages": sum(len(p) // PAGE_SIZE for p in others)}
+    try:
+        for policy in POLICIES:
+            prefix = f"{root}-{POLICIES.index(policy)}"
+            config = RemoteConfig(url, key_prefix=prefix, socket_timeout=30.0,
+                                  connect_timeout=5.0, max_queue=1 << 16,
+                                  write_policy="through" if policy == "through" else "evict")
+            names = [f"hostkv-bench-policy-{os.getpid()}-{uuid.uuid4().hex[:6]}-{h}"
+                     for h in "ab"]
+            caches = []
+            try:
+                a = hostkv.HostKVCache.create(names[0], hostkv.HostKVConfig(
+                    num_pages=pool_pages, page_size=PAGE_SIZE, page_bytes=page_bytes,
+                    max_processes=8))
+                caches.append(a)
+                tier_a = RemoteTier(a, config) if policy != "none" else None
+                if tier_a is not None and tier_a._evict_writer is not None:
+                    tier_a._evict_writer.send_prefix = policy == "evict"
+                served = _serve(a, tier_a, prompts, False, prefill_tokens_per_s)
+                row: Dict[str, Any] = {"a_seconds": served["seconds"],
+                                       "a_release_us": served["release_us_per_request"],
+                                       "a_evicted_pages": a.stats().evicted_pages}
+                if tier_a is not None:
+                    assert tier_a.flush(600)
+                    st = tier_a.stats()
+                    row.update(sent_pages=st.written_pages, sent_bytes=st.bytes_up,
+                               writes_dropped=st.writes_dropped)
+                    # Of the distinct pages A evicted, how many the store had in time.
+                    fingerprint = layout_fingerprint(a.config)
+                    local, every = set(), set()
+                    for tokens in prompts:
+                        keys = chain_keys(prefix.encode(), 0, fingerprint, tokens, PAGE_SIZE,
+                                          len(tokens) // PAGE_SIZE)
+                        every.update(keys)
+                        local.update(keys[:len(a.match_prefix(tokens).pages)])
+                    evicted = sorted(every - local)
+                    present = tier_a._backend.touch_many(evicted, 600) if evicted else []
+                    row.update(evicted_distinct=len(evicted), evicted_in_store=sum(present))
+                    tier_a.close()
+                for key, traffic in (("b", prompts), ("c", others)):
+                    # B: A's requests again (a router that moved them); C: other chats.
+                    b = hostkv.HostKVCache.create(names[1], hostkv.HostKVConfig(
+                        num_pages=sum(len(p) // PAGE_SIZE for p in traffic) + 64,
+                        page_size=PAGE_SIZE, page_bytes=page_bytes, max_processes=8))
+                    try:
+                        tier_b = RemoteTier(b, RemoteConfig(
+                            url, key_prefix=prefix, socket_timeout=30.0, connect_timeout=5.0))
+                        served_b = _serve(b, tier_b, traffic, True, prefill_tokens_per_s)
+                        row.update({f"{key}_fetched_pages": tier_b.stats().inserted_pages,
+                                    f"{key}_prefilled_tokens": served_b["prefilled_tokens"]})
+                        tier_b.close()
+                    finally:
+                        b.close()
+                        hostkv.HostKVCache.unlink_segment(names[1])
+                out[policy] = row
+            finally:
+                for cache, name in zip(caches, names):
+                    try:
+                        cache.close()
+                    finally:
+                        hostkv.HostKVCache.unlink_segment(name)
+    finally:
+        try:
+            for key in client.scan_iter(match=f"{root}-*", count=1000):
+                client.delete(key)
+        finally:
+            probe.close()
+    return out
+
+
+def print_policies(result: Dict[str, Any]) -> None:
+    """The write-policy table of measurement 4."""
+    base = result["none"]
+    print(f"  write policies: {result['requests']} chat requests ({result['prompt_pages']} "
+          f"prompt pages) on host A ({result['pool_pages']} pages of "
+          f"{result['page_bytes'] // 1024} KiB, {base['a_evicted_pages']} evicted; prefill "
+          f"{result['prefill_tokens_per_s']:.0f} tokens/s); then host B serves the same "
+          f"requests, host C other chats ({result['other_prompt_pages']} prompt pages) over "
+          "the same system prompts")
+    print(f"    {'policy':<18} {'A sent':>7} {'MiB':>6} {'evicted, in store':>18} "
+          f"{'A wall':>7} {'A release':>10} {'B fetched':>10} {'B prefill':>10} "
+          f"{'C fetched':>10} {'C prefill':>10}")
+    for policy in POLICIES:
+        row = result[policy]
+        saved = (f"{row['evicted_in_store']}/{row['evicted_distinct']}"
+                 if "evicted_distinct" in row else "-")
+        print(f"    {policy:<18} {row.get('sent_pages', 0):>7} "
+              f"{row.get('sent_bytes', 0) / 2**20:>6.1f} {saved:>18} "
+              f"{row['a_seconds'] / base['a_seconds']:>6.2f}x {row['a_release_us']:>7.0f} us "
+              f"{row['b_fetched_pages']:>10} {row['b_prefilled_tokens']:>10} "
+              f"{row['c_fetched_pages']:>10} {row['c_prefilled_tokens']:>10}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of `python -m hostkv bench --remote URL`."""
     parser = argparse.ArgumentParser(prog="python -m hostkv bench --remote",
@@ -214,13 +387,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="256 pages of 64 KiB, best of 5")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--policy-requests", type=int, default=240,
+                        help="requests of the write-policy comparison (default 240; 0 skips it)")
+    parser.add_argument("--policy-pool", type=int, default=512,
+                        help="host A's pages in the write-policy comparison (default 512)")
+    parser.add_argument("--policy-page-kib", type=int, default=32,
+                        help="KiB per page in the write-policy comparison (default 32)")
+    parser.add_argument("--policy-prefill", type=float, default=100_000.0, metavar="TOK_S",
+                        help="the simulated engine's prefill speed, tokens/s (default 100000)")
     args = parser.parse_args(argv)
     if args.quick:
         args.pages, args.page_kib, args.repeats = 256, 64, 5
+        args.policy_requests = min(args.policy_requests, 120)
     if args.pages < 32 or args.page_kib < 1 or args.repeats < 1:
         parser.error("--pages must be at least 32, --page-kib and --repeats at least 1")
+    if args.policy_requests < 0 or args.policy_page_kib < 1 or not (
+            0 < args.policy_prefill < float("inf")) or (
+            args.policy_requests and args.policy_pool < 256):
+        parser.error("--policy-requests must be >= 0, --policy-page-kib >= 1 and "
+                     "--policy-pool >= 256 (one chat's prompt must fit)")
     try:
         result = run(args.remote, args.pages, args.page_kib, args.repeats, args.seed)
+        if args.policy_requests:
+            result["write_policies"] = run_policies(args.remote, args.policy_page_kib,
+                                                    args.policy_requests, args.policy_pool,
+                                                    args.seed, args.policy_prefill)
     except hostkv.ConfigError as exc:
         parser.error(str(exc))
     mb = result["pages"] * result["page_bytes"] / 2**20
@@ -235,6 +426,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"call {m['lookup_call_alone']:.0f} us; queued lookup + allocate "
           f"{m['lookup_queued_then_allocate']:.0f} us (the fetch thread runs beside it); "
           f"blocking fetch + allocate {m['blocking_fetch_then_allocate']:.0f} us (medians)")
+    if "write_policies" in result:
+        print_policies(result["write_policies"])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

@@ -61,6 +61,7 @@ __all__ = ["EvictWriter"]
 log = logging.getLogger("hostkv.remote")
 
 _REMEMBER_MAX_SECONDS = 300.0
+_KEY_MEMO_PATHS = 1024       # paths whose chain keys are kept (a path: tokens + 16 B a page)
 
 
 class EvictWriter:
@@ -85,12 +86,17 @@ class EvictWriter:
         self._known: "collections.OrderedDict[bytes, float]" = collections.OrderedDict()
         self._known_cap = max(1024, 4 * cfg.num_pages)
         self._known_lock = threading.Lock()
+        self._key_memo: "collections.OrderedDict[Tuple[int, bytes], List[bytes]]" = (
+            collections.OrderedDict())
         self._view = WorkerView(tier._handle)
         self._seq_ids = itertools.count(1)
         self._wake = threading.Condition()
         self._kicks = 0             # rounds asked for (flush)
         self._rounds_done = 0       # rounds finished
         self._stop = False
+        # (free pages, evicted pages) at the last look that left nothing to send, and when.
+        self._settled: Tuple[int, int] = (-1, -1)
+        self._settled_at = 0.0
         #: Send a near-eviction page's missing chain prefix too (see the module docstring).
         #: The benchmark turns it off to measure the pages alone.
         self.send_prefix = True
@@ -132,6 +138,22 @@ class EvictWriter:
                 del self._known[key]
                 return False
             return True
+
+    def _keys(self, namespace: int, tokens: np.ndarray, num_pages: int) -> List[bytes]:
+        """The chain keys of a path, memoised: the same cold paths come back at every look,
+        and hashing the raw tokens is ~100x cheaper than a BLAKE2b per page."""
+        memo_key = (namespace, tokens.tobytes())
+        keys = self._key_memo.get(memo_key)
+        if keys is None:
+            tier = self._tier
+            keys = codec.chain_keys(tier._prefix, namespace, tier._fingerprint, tokens,
+                                    self._page_size, num_pages)
+            self._key_memo[memo_key] = keys
+            while len(self._key_memo) > _KEY_MEMO_PATHS:
+                self._key_memo.popitem(last=False)
+        else:
+            self._key_memo.move_to_end(memo_key)
+        return keys
 
     def flush(self, timeout: Optional[float]) -> bool:
         """Runs one full round after this call (sending what is near eviction now) and waits
@@ -178,10 +200,11 @@ class EvictWriter:
                     self._wake.notify_all()
                     return
                 kicks = self._kicks
+                forced = self._rounds_done < kicks
             try:
                 # A round sends at most write_batch_pages: go on while it had work.
-                while self._round() and not self._stop:
-                    pass
+                while self._round(forced) and not self._stop:
+                    forced = True
             except Exception:     # a bug must not kill the thread: the host tier goes on
                 log.exception("hostkv remote tier: write-on-evict round failed")
                 self._tier._count(errors=1)
@@ -189,23 +212,33 @@ class EvictWriter:
                 self._rounds_done = max(self._rounds_done, kicks)
                 self._wake.notify_all()
 
-    def _round(self) -> bool:
+    def _round(self, forced: bool) -> bool:
         """One look at the pool and at most one batch sent. True if it sent or asked about
         pages (there may be more to do), False when nothing near eviction is unsent."""
         tier = self._tier
         handle = tier._handle
         with tier._segment_lock:
-            free = handle.stats().free_pages
-        short = self._headroom - free
+            stats = handle.stats()
+        short = self._headroom - stats.free_pages
+        # The coldest pages change when free pages shrink (more of them are near eviction)
+        # or pages are evicted; a commit adds only the hottest. A busy engine wakes the
+        # writer at every commit: unless one of those changed since the last look that found
+        # everything sent (or flush() asks, or a poll interval passed), one stats() call is
+        # all such a wake costs.
+        state = (stats.free_pages, stats.evicted_pages)
+        now = time.monotonic()
+        if not forced and state == self._settled and now - self._settled_at < self._poll:
+            return False
         if short <= 0:
+            self._settled, self._settled_at = state, now
             return False
         with tier._segment_lock:
             candidates = handle.eviction_candidates(short)
         if not candidates:
+            self._settled, self._settled_at = state, now
             return False
         ps = self._page_size
         limit = tier._write_limit
-        now = time.monotonic()
         # (namespace, tokens of the path up to the last page to send, keys, pages to send)
         jobs: List[Tuple[int, np.ndarray, List[bytes], List[int]]] = []
         chosen: Dict[bytes, bool] = {}
@@ -213,8 +246,7 @@ class EvictWriter:
         for cand in candidates:
             num_path = len(cand.pages)
             first = 0 if self.send_prefix else num_path - cand.num_pages
-            keys = codec.chain_keys(tier._prefix, cand.namespace, tier._fingerprint,
-                                    cand.tokens, ps, num_path)
+            keys = self._keys(cand.namespace, cand.tokens, num_path)
             todo = []
             for page in range(first, num_path):
                 key = keys[page]
@@ -238,6 +270,7 @@ class EvictWriter:
             if total >= limit:
                 break
         if not jobs:
+            self._settled, self._settled_at = state, now
             return False
         self.rounds += 1
         if not tier._breaker.allow():
