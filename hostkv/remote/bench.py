@@ -265,10 +265,79 @@ def _serve(cache: hostkv.HostKVCache, tier: Optional[RemoteTier], prompts: List[
             "prefilled_tokens": prefilled, "reused_tokens": reused}
 
 
+def _host_a(url: str, policy: str, prefix: str, pool_pages: int, page_bytes: int,
+            prompts: List[np.ndarray], prefill_tokens_per_s: float) -> Dict[str, Any]:
+    """Host A under one policy, on a fresh segment and key prefix: its figures."""
+    name = f"hostkv-bench-policy-{os.getpid()}-{uuid.uuid4().hex[:6]}-a"
+    a = hostkv.HostKVCache.create(name, hostkv.HostKVConfig(
+        num_pages=pool_pages, page_size=PAGE_SIZE, page_bytes=page_bytes, max_processes=8))
+    try:
+        tier = None
+        if policy != "none":
+            tier = RemoteTier(a, RemoteConfig(
+                url, key_prefix=prefix, socket_timeout=30.0, connect_timeout=5.0,
+                max_queue=1 << 16, write_policy="through" if policy == "through" else "evict"))
+            if tier._evict_writer is not None:
+                tier._evict_writer.send_prefix = policy == "evict"
+        try:
+            served = _serve(a, tier, prompts, False, prefill_tokens_per_s)
+            row: Dict[str, Any] = {"a_seconds": served["seconds"],
+                                   "a_release_us": served["release_us_per_request"],
+                                   "a_evicted_pages": a.stats().evicted_pages}
+            if tier is not None:
+                assert tier.flush(600)
+                st = tier.stats()
+                row.update(sent_pages=st.written_pages, sent_bytes=st.bytes_up,
+                           writes_dropped=st.writes_dropped)
+                # Of the distinct pages A evicted, how many the store had in time.
+                fingerprint = layout_fingerprint(a.config)
+                local, every = set(), set()
+                for tokens in prompts:
+                    keys = chain_keys(prefix.encode(), 0, fingerprint, tokens, PAGE_SIZE,
+                                      len(tokens) // PAGE_SIZE)
+                    every.update(keys)
+                    local.update(keys[:len(a.match_prefix(tokens).pages)])
+                evicted = sorted(every - local)
+                present = tier._backend.touch_many(evicted, 600) if evicted else []
+                row.update(evicted_distinct=len(evicted), evicted_in_store=sum(present))
+        finally:
+            if tier is not None:
+                tier.close()
+    finally:
+        try:
+            a.close()
+        finally:
+            hostkv.HostKVCache.unlink_segment(name)
+    return row
+
+
+def _other_host(url: str, prefix: str, page_bytes: int, traffic: List[np.ndarray],
+                prefill_tokens_per_s: float) -> Dict[str, Any]:
+    """A roomy host serving traffic, fetching from the store before each request."""
+    name = f"hostkv-bench-policy-{os.getpid()}-{uuid.uuid4().hex[:6]}-b"
+    b = hostkv.HostKVCache.create(name, hostkv.HostKVConfig(
+        num_pages=sum(len(p) // PAGE_SIZE for p in traffic) + 64, page_size=PAGE_SIZE,
+        page_bytes=page_bytes, max_processes=8))
+    try:
+        with RemoteTier(b, RemoteConfig(url, key_prefix=prefix, socket_timeout=30.0,
+                                        connect_timeout=5.0)) as tier:
+            served = _serve(b, tier, traffic, True, prefill_tokens_per_s)
+            return {"fetched_pages": tier.stats().inserted_pages,
+                    "prefilled_tokens": served["prefilled_tokens"]}
+    finally:
+        try:
+            b.close()
+        finally:
+            hostkv.HostKVCache.unlink_segment(name)
+
+
 def run_policies(url: str, page_kib: int, requests: int, pool_pages: int, seed: int,
-                 prefill_tokens_per_s: float = 100_000.0) -> Dict[str, Any]:
+                 prefill_tokens_per_s: float = 100_000.0, repeats: int = 1) -> Dict[str, Any]:
     """Measurement 4: the write policies side by side on one workload (see the module
-    docstring). Returns per policy: A's and B's figures."""
+    docstring). Host A runs `repeats` times per policy, the policies interleaved (each
+    round sees the same machine load), each time on a fresh segment and key prefix; its
+    wall time and release cost are the best of them, the rest from the last round. Then
+    hosts B and C read what the last round wrote."""
     page_bytes = page_kib * 1024
     rng = np.random.default_rng(seed)
     systems = [rng.integers(0, 30_000, 16 * PAGE_SIZE, dtype=np.int32) for _ in range(3)]
@@ -281,69 +350,31 @@ def run_policies(url: str, page_kib: int, requests: int, pool_pages: int, seed: 
     client = probe._client
     out: Dict[str, Any] = {"requests": len(prompts), "pool_pages": pool_pages,
                            "prefill_tokens_per_s": prefill_tokens_per_s,
-                           "page_bytes": page_bytes,
+                           "page_bytes": page_bytes, "repeats": repeats,
                            "prompt_pages": sum(len(p) // PAGE_SIZE for p in prompts),
                            "other_prompt_pages": sum(len(p) // PAGE_SIZE for p in others)}
     try:
+        rows: Dict[str, Dict[str, Any]] = {}
+        prefixes: Dict[str, str] = {}
+        for round_ in range(repeats):
+            for index, policy in enumerate(POLICIES):
+                prefixes[policy] = f"{root}-{index}-{round_}"
+                row = _host_a(url, policy, prefixes[policy], pool_pages, page_bytes, prompts,
+                              prefill_tokens_per_s)
+                best = rows.get(policy)
+                if best is not None:
+                    row["a_seconds"] = min(row["a_seconds"], best["a_seconds"])
+                    row["a_release_us"] = min(row["a_release_us"], best["a_release_us"])
+                rows[policy] = row
         for policy in POLICIES:
-            prefix = f"{root}-{POLICIES.index(policy)}"
-            config = RemoteConfig(url, key_prefix=prefix, socket_timeout=30.0,
-                                  connect_timeout=5.0, max_queue=1 << 16,
-                                  write_policy="through" if policy == "through" else "evict")
-            names = [f"hostkv-bench-policy-{os.getpid()}-{uuid.uuid4().hex[:6]}-{h}"
-                     for h in "ab"]
-            caches = []
-            try:
-                a = hostkv.HostKVCache.create(names[0], hostkv.HostKVConfig(
-                    num_pages=pool_pages, page_size=PAGE_SIZE, page_bytes=page_bytes,
-                    max_processes=8))
-                caches.append(a)
-                tier_a = RemoteTier(a, config) if policy != "none" else None
-                if tier_a is not None and tier_a._evict_writer is not None:
-                    tier_a._evict_writer.send_prefix = policy == "evict"
-                served = _serve(a, tier_a, prompts, False, prefill_tokens_per_s)
-                row: Dict[str, Any] = {"a_seconds": served["seconds"],
-                                       "a_release_us": served["release_us_per_request"],
-                                       "a_evicted_pages": a.stats().evicted_pages}
-                if tier_a is not None:
-                    assert tier_a.flush(600)
-                    st = tier_a.stats()
-                    row.update(sent_pages=st.written_pages, sent_bytes=st.bytes_up,
-                               writes_dropped=st.writes_dropped)
-                    # Of the distinct pages A evicted, how many the store had in time.
-                    fingerprint = layout_fingerprint(a.config)
-                    local, every = set(), set()
-                    for tokens in prompts:
-                        keys = chain_keys(prefix.encode(), 0, fingerprint, tokens, PAGE_SIZE,
-                                          len(tokens) // PAGE_SIZE)
-                        every.update(keys)
-                        local.update(keys[:len(a.match_prefix(tokens).pages)])
-                    evicted = sorted(every - local)
-                    present = tier_a._backend.touch_many(evicted, 600) if evicted else []
-                    row.update(evicted_distinct=len(evicted), evicted_in_store=sum(present))
-                    tier_a.close()
-                for key, traffic in (("b", prompts), ("c", others)):
-                    # B: A's requests again (a router that moved them); C: other chats.
-                    b = hostkv.HostKVCache.create(names[1], hostkv.HostKVConfig(
-                        num_pages=sum(len(p) // PAGE_SIZE for p in traffic) + 64,
-                        page_size=PAGE_SIZE, page_bytes=page_bytes, max_processes=8))
-                    try:
-                        tier_b = RemoteTier(b, RemoteConfig(
-                            url, key_prefix=prefix, socket_timeout=30.0, connect_timeout=5.0))
-                        served_b = _serve(b, tier_b, traffic, True, prefill_tokens_per_s)
-                        row.update({f"{key}_fetched_pages": tier_b.stats().inserted_pages,
-                                    f"{key}_prefilled_tokens": served_b["prefilled_tokens"]})
-                        tier_b.close()
-                    finally:
-                        b.close()
-                        hostkv.HostKVCache.unlink_segment(names[1])
-                out[policy] = row
-            finally:
-                for cache, name in zip(caches, names):
-                    try:
-                        cache.close()
-                    finally:
-                        hostkv.HostKVCache.unlink_segment(name)
+            row = rows[policy]
+            # B: A's requests again (a router that moved them); C: other chats.
+            for key, traffic in (("b", prompts), ("c", others)):
+                got = _other_host(url, prefixes[policy], page_bytes, traffic,
+                                  prefill_tokens_per_s)
+                row[f"{key}_fetched_pages"] = got["fetched_pages"]
+                row[f"{key}_prefilled_tokens"] = got["prefilled_tokens"]
+            out[policy] = row
     finally:
         try:
             for key in client.scan_iter(match=f"{root}-*", count=1000):
@@ -398,7 +429,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.pages, args.page_kib, args.repeats = 256, 64, 5
-        args.policy_requests = min(args.policy_requests, 120)
+        args.policy_requests, args.policy_pool = min(args.policy_requests, 120), 256
     if args.pages < 32 or args.page_kib < 1 or args.repeats < 1:
         parser.error("--pages must be at least 32, --page-kib and --repeats at least 1")
     if args.policy_requests < 0 or args.policy_page_kib < 1 or not (
@@ -411,7 +442,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.policy_requests:
             result["write_policies"] = run_policies(args.remote, args.policy_page_kib,
                                                     args.policy_requests, args.policy_pool,
-                                                    args.seed, args.policy_prefill)
+                                                    args.seed, args.policy_prefill,
+                                                    args.repeats)
     except hostkv.ConfigError as exc:
         parser.error(str(exc))
     mb = result["pages"] * result["page_bytes"] / 2**20
