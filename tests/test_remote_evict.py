@@ -166,3 +166,23 @@ def test_the_through_policy_writes_at_commit(redis_server, make_host):
 def test_bad_write_policy_settings_are_config_errors(field, value):
     with pytest.raises(hostkv.ConfigError, match=field):
         RemoteConfig("redis://localhost", **{field: value})
+
+
+def test_the_benchmark_compares_the_policies(redis_server):
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, "-m", "hostkv", "bench", "--remote", redis_server.url, "--pages", "32",
+         "--page-kib", "4", "--repeats", "1", "--policy-requests", "60", "--policy-pool", "256",
+         "--policy-page-kib", "4"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split()[0] + (" " + line.split()[1] if line.split()[1] == "pages" else ""):
+            line for line in out.stdout.splitlines()
+            if line.strip().split(" ")[0] in ("none", "through", "evict")}
+    assert {"none", "through", "evict"} <= {key.split(",")[0] for key in rows}
+    assert "evicted, in store" in out.stdout
+    assert redis_server.cli("dbsize").strip() == "0"          # the benchmark cleans up
+    bad = subprocess.run(
+        [sys.executable, "-m", "hostkv", "bench", "--remote", redis_server.url,
+         "--policy-pool", "100"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--policy-pool" in bad.stderr
