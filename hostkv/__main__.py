@@ -1,7 +1,8 @@
 """`python -m hostkv`: inspect, stats, check and unlink a segment, or run the benchmark.
 
     python -m hostkv inspect NAME [--json]    config, header, leases, tree; changes nothing
-    python -m hostkv stats NAME [--json | --prometheus]   counters and metrics
+    python -m hostkv stats NAME [--json | --prometheus]   counters and metrics (with every
+                                              process's remote tier, summed, if any ran)
     python -m hostkv check NAME               walks every invariant; exit status 1 if broken
     python -m hostkv unlink NAME              removes the segment's name
     python -m hostkv create NAME --size 8GiB --page-size 16 --layers 32 --kv-heads 8 \
@@ -201,6 +202,61 @@ def prometheus_text(name: str, stats: dict, metrics) -> str:
     return "\n".join(lines) + "\n"
 
 
+_REMOTE_GAUGES = {
+    "processes": "Live processes with a remote tier on this segment.",
+    "tiers": "Remote tiers open in those processes.",
+    "queue_depth": "Remote lookups and writes waiting now.",
+    "breaker_open": "Remote tiers whose circuit breaker is open now.",
+}
+
+
+def remote_totals(seg, name: str) -> Optional[dict]:
+    """Every process's remote-tier counters on the segment, summed (None: no tier ever
+    ran there), named as in RemoteStats: fetch_seconds, fetch_latency_histogram."""
+    from hostkv.remote import shared_stats
+
+    totals = shared_stats.read_totals(seg, name)
+    if totals is None:
+        return None
+    totals["fetch_seconds"] = totals.pop("fetch_ns", 0) / 1e9
+    totals["fetch_latency_histogram"] = totals.pop("fetch_latency_us", [])
+    return totals
+
+
+def remote_prometheus_text(name: str, remote: dict) -> str:
+    """The summed remote-tier counters in Prometheus' text format, beside the segment's:
+    hostkv_remote_<counter>_total, gauges, a fetch latency histogram in seconds."""
+    label = f'segment="{name}"'
+    lines = []
+    for key, value in remote.items():
+        metric = f"hostkv_remote_{key}"
+        if key in _REMOTE_GAUGES:
+            lines += [f"# HELP {metric} {_REMOTE_GAUGES[key]}", f"# TYPE {metric} gauge",
+                      f"{metric}{{{label}}} {value}"]
+        elif key == "fetch_latency_histogram":
+            metric = "hostkv_remote_fetch_seconds"
+            lines += [f"# HELP {metric} Round trips of remote lookups (log2 buckets of us).",
+                      f"# TYPE {metric} histogram"]
+            running = 0
+            for bucket, count in enumerate(value):
+                running += count
+                lines.append(f'{metric}_bucket{{{label},le="{(1 << bucket) / 1e6:.9g}"}} '
+                             f'{running}')
+            lines.append(f'{metric}_bucket{{{label},le="+Inf"}} {running}')
+            lines.append(f"{metric}_sum{{{label}}} {remote['fetch_seconds']:.9f}")
+            lines.append(f"{metric}_count{{{label}}} {running}")
+        elif key == "fetch_seconds":
+            continue                    # the histogram's _sum
+        elif isinstance(value, dict):
+            lines += [f"# HELP {metric}_total Remote tier: {key.replace('_', ' ')}, by reason.",
+                      f"# TYPE {metric}_total counter"]
+            lines += [f'{metric}_total{{{label},reason="{k}"}} {v}' for k, v in value.items()]
+        else:
+            lines += [f"# HELP {metric}_total Remote tier: {key.replace('_', ' ')} so far.",
+                      f"# TYPE {metric}_total counter", f"{metric}_total{{{label}}} {value}"]
+    return "\n".join(lines) + "\n"
+
+
 def _observe_metrics(report: dict):
     from hostkv.cache import CacheMetrics
 
@@ -306,15 +362,26 @@ def main(argv: Optional[List[str]] = None) -> int:
             try:
                 stats = dataclasses.asdict(cache.stats())
                 metrics = cache.metrics()
+                # Only where a remote tier ever ran: otherwise the output is as it was.
+                remote = remote_totals(cache._segment, args.name)
             finally:
                 cache.close()
             if args.prometheus:
                 sys.stdout.write(prometheus_text(args.name, stats, metrics))
+                if remote is not None:
+                    sys.stdout.write(remote_prometheus_text(args.name, remote))
             elif args.json:
-                print(json.dumps({**stats, "metrics": _metrics_dict(metrics)}, indent=2))
+                extra = {"remote": remote} if remote is not None else {}
+                print(json.dumps({**stats, "metrics": _metrics_dict(metrics), **extra},
+                                 indent=2))
             else:
                 _print_mapping(f"{args.name}:", stats)
                 _print_mapping("metrics:", _metrics_summary(metrics))
+                if remote is not None:
+                    _print_mapping("remote tier (every process):", {
+                        k: v for k, v in remote.items()
+                        if k not in ("fetch_latency_histogram", "invalid_pages")})
+                    _print_mapping("  invalid values by reason:", remote["invalid_pages"])
         elif args.command == "inspect":
             report = inspect_segment(args.name)
             if args.json:

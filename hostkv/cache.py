@@ -7,7 +7,9 @@ face over them: create or attach, stats, check, reap, zero-copy views of the pag
 from __future__ import annotations
 
 import dataclasses
+import glob
 import numbers
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -254,7 +256,8 @@ class HostKVCache:
 
     @staticmethod
     def unlink_segment(name: str) -> None:
-        """Removes the segment's name; processes that mapped it keep their mapping.
+        """Removes the segment's name, and the side objects kept beside it (NAME@..., such
+        as the remote tier's shared counters); processes that mapped them keep their mapping.
 
         Raises:
             SegmentNotFoundError: No segment of that name.
@@ -264,6 +267,13 @@ class HostKVCache:
             posix_ipc.unlink_shared_memory(posix_name)
         except posix_ipc.Error as exc:
             raise translate_posix_ipc(exc, "unlink segment", name, creating=False) from None
+        # A segment's name never holds '@' (check_name), so this removes no other segment.
+        # Linux's shm_open keeps its objects in /dev/shm.
+        for path in glob.glob(f"/dev/shm/{glob.escape(name)}@*"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     # -- properties ---------------------------------------------------------------------------
 

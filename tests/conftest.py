@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import multiprocessing
 import os
 import signal
@@ -16,11 +17,15 @@ import hostkv
 
 
 def unlink_quietly(name: str) -> None:
-    """Unlinks the segment `name` if it exists."""
+    """Unlinks the segment `name` if it exists, and its side objects (NAME@...: the remote
+    tier's shared counters)."""
     try:
         posix_ipc.unlink_shared_memory("/" + name)
     except posix_ipc.ExistentialError:
         pass
+    for path in glob.glob(f"/dev/shm/{glob.escape(name)}@*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @pytest.fixture

@@ -94,10 +94,11 @@ class RedisServer:
     """One redis-server process (start() / stop() / kill() / pause() / resume())."""
 
     def __init__(self, directory: str, port: int = 0, cluster: bool = False,
-                 tls: "TLSFiles | None" = None) -> None:
+                 tls: "TLSFiles | None" = None, extra: "tuple[str, ...]" = ()) -> None:
         self.port = port or free_port(cluster)
         self.cluster = cluster
         self.tls = tls
+        self.extra = tuple(extra)           # more redis-server arguments
         self.directory = os.path.join(directory, str(self.port))
         os.makedirs(self.directory, exist_ok=True)
         self.process: "subprocess.Popen[bytes] | None" = None
@@ -117,6 +118,7 @@ class RedisServer:
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file",
                      os.path.join(self.directory, "nodes.conf"), "--cluster-node-timeout", "1000"]
+        args += list(self.extra)
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT
@@ -185,10 +187,12 @@ class RedisCluster:
 
 
 @contextlib.contextmanager
-def redis_cluster() -> Iterator[RedisCluster]:
-    """A running 3-master cluster, stopped on exit."""
+def redis_cluster(full_coverage: bool = True) -> Iterator[RedisCluster]:
+    """A running 3-master cluster, stopped on exit. full_coverage=False: the masters keep
+    serving their slots while another is down (cluster-require-full-coverage no)."""
     directory = tempfile.mkdtemp(prefix="hostkv-redis-cluster-")
-    servers = [RedisServer(directory, cluster=True) for _ in range(3)]
+    extra = () if full_coverage else ("--cluster-require-full-coverage", "no")
+    servers = [RedisServer(directory, cluster=True, extra=extra) for _ in range(3)]
     try:
         for server in servers:
             server.start()

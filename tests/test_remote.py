@@ -239,6 +239,42 @@ def test_no_room_locally_is_a_counted_insert_failure(redis_server, make_host):
     assert b.reuse(tokens) == (4 * PAGE_SIZE, written)
 
 
+def test_the_tier_shares_the_cache_handle_and_takes_no_lease(redis_server, make_host,
+                                                            new_name):
+    a = make_host(fast_config(redis_server.url))
+    tokens = prompt(PAGE_SIZE * 4 + 1, 77)
+    written = a.compute(tokens, 77)
+    cache = hostkv.HostKVCache.create(new_name(), host_config())
+    try:
+        view = hostkv.WorkerView(cache)
+        leases = cache._segment.leases()
+        assert cache.stats().active_processes == 1
+        tier = RemoteTier(cache, fast_config(redis_server.url))
+        try:
+            # Its two threads work through their own views on this very handle.
+            assert tier._fetch_view is not tier._write_view
+            assert tier._fetch_view._cache is cache and tier._write_view._cache is cache
+            assert tier.fetch(tokens, timeout=WAIT) == 4
+            tier.release(view, [])
+            assert cache.stats().active_processes == 1
+            assert cache._segment.leases() == leases
+            # The cache refuses to unmap the pool under the tier's threads.
+            with pytest.raises(BufferError):
+                cache.close()
+        finally:
+            tier.close()
+        alloc = view.allocate_pages_for_sequences_with_prefix(
+            [hostkv.SequenceRequest(1, tokens)])[0]
+        assert alloc.reused_tokens == 4 * PAGE_SIZE
+        pool = cache.pages_array()
+        assert [pool[p].tobytes() for p in alloc.page_table[:4]] == written
+        del pool
+        view.close()
+        cache.check()
+    finally:
+        cache.close()
+
+
 def test_engine_threads_share_one_tier(redis_server, make_host):
     import threading
     a = make_host(fast_config(redis_server.url), num_pages=256)
@@ -365,7 +401,7 @@ def test_process_killed_mid_fetch_has_its_fresh_pages_reclaimed(redis_server, ma
         assert child.exitcode == -9
         with open(marker) as f:
             assert len(f.read().split()) == 6             # died holding 6 filled pages
-        assert cache.reap() == 2              # the engine's handle and the tier's own
+        assert cache.reap() == 1              # the one lease: the tier shares the handle's
         stats = cache.stats()
         assert stats.free_pages == free and stats.cached_pages == 0
         assert cache.match_prefix(tokens).num_tokens == 0

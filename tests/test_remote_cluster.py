@@ -5,8 +5,10 @@ byte, and a node killed mid-write loses nothing local and never hands out a part
 from __future__ import annotations
 
 import numpy as np
+import redis
 
 import hostkv
+from hostkv.remote import chain_keys, layout_fingerprint
 from redislib import redis_cluster, redis_cluster_module  # noqa: F401  (a fixture)
 from remotelib import (  # noqa: F401  (make_host is a fixture)
     PAGE_SIZE,
@@ -16,6 +18,28 @@ from remotelib import (  # noqa: F401  (make_host is a fixture)
     prompt,
     wait_until,
 )
+
+
+def node_slots(cluster, index: int) -> list:
+    """The slot ranges the cluster's node `index` serves (ask before it dies)."""
+    client = redis.Redis(port=cluster.servers[index].port)
+    try:
+        table = client.execute_command("CLUSTER", "SLOTS")
+    finally:
+        client.close()
+    port = cluster.servers[index].port
+    return [(int(entry[0]), int(entry[1])) for entry in table if int(entry[2][1]) == port]
+
+
+def first_on(ranges: list, host, tokens, pages: int) -> int:
+    """The first of the prompt's pages [0, pages) whose key falls in the slot ranges
+    (pages if none)."""
+    keys = chain_keys(b"t", 0, layout_fingerprint(host.cache.config), tokens, PAGE_SIZE, pages)
+    for page, key in enumerate(keys):
+        slot = redis.cluster.key_slot(key)
+        if any(lo <= slot <= hi for lo, hi in ranges):
+            return page
+    return pages
 
 
 def test_two_hosts_share_pages_across_every_node(redis_cluster_module, make_host):
@@ -38,6 +62,7 @@ def test_a_node_killed_mid_write_loses_nothing_local_and_loads_no_partial_value(
         a = make_host(fast_config(cluster.url, write_batch_pages=8), num_pages=512)
         b = make_host(fast_config(cluster.url), num_pages=512)
         prompts = [prompt(PAGE_SIZE * 8 + 1, 100 + seed) for seed in range(24)]
+        ranges = node_slots(cluster, 1)
         written = [a.compute(tokens, seed) for seed, tokens in enumerate(prompts[:8])]
         # Node 1 stops answering; the writer sends the next pipeline (its SETs reach all
         # three nodes) and waits for node 1's replies; node 1 dies right then.
@@ -61,9 +86,12 @@ def test_a_node_killed_mid_write_loses_nothing_local_and_loads_no_partial_value(
         # Nothing local is lost: host A still reuses every prompt from its own memory.
         for tokens, pages in zip(prompts, written):
             assert a.reuse(tokens) == (8 * PAGE_SIZE, pages)
-        # While the node is down, B's lookups fail fast and B serves locally.
-        assert b.tier.fetch(prompts[0], timeout=WAIT) == 0
-        assert b.reuse(prompts[0])[0] == 0
+        # While the node is down, B's lookups fail fast and B serves locally. B loads at
+        # most the pages before the first one on the dead node (none once the others call
+        # the cluster down: CLUSTERDOWN, with full coverage required), and only A's bytes.
+        early = b.tier.fetch(prompts[0], timeout=WAIT)
+        assert early in (0, first_on(ranges, b, prompts[0], 8))
+        assert b.reuse(prompts[0]) == (early * PAGE_SIZE, written[0][:early])
         # The node comes back empty (same slots, no data): what B loads now is exactly what
         # A wrote, or nothing; chains stop at the pages the dead node lost.
         cluster.servers[1].start()
@@ -73,8 +101,66 @@ def test_a_node_killed_mid_write_loses_nothing_local_and_loads_no_partial_value(
                    and not b.tier.stats().breaker_open, "B's breaker to close")
         inserted = b.tier.fetch_many(prompts, timeout=WAIT)
         assert sum(inserted) > 0 and min(inserted) < 8       # some found, some chains cut
-        for tokens, count, pages in zip(prompts, inserted, written):
+        for i, (tokens, count, pages) in enumerate(zip(prompts, inserted, written)):
             reused, got = b.reuse(tokens)
-            assert reused == count * PAGE_SIZE
-            assert got == pages[:count]
+            total = count + (early if i == 0 else 0)
+            assert reused == total * PAGE_SIZE
+            assert got == pages[:total]
         assert sum(b.tier.stats().invalid_pages.values()) == 0
+
+
+def test_a_dead_master_fails_only_its_own_keys(make_host):
+    """A master killed with no replica to take over, in a cluster that keeps serving the
+    other slots (cluster-require-full-coverage no): lookups load every page before the
+    first one on the dead node, count the rest as unavailable and an error, and never
+    open the breaker, however often they hit the dead node; writes to the live nodes go
+    on. The node back (empty): the chains fill again."""
+    with redis_cluster(full_coverage=False) as cluster:
+        a = make_host(fast_config(cluster.url), num_pages=512)
+        b = make_host(fast_config(cluster.url), num_pages=512)
+        prompts = [prompt(PAGE_SIZE * 8 + 1, 500 + seed) for seed in range(12)]
+        written = [a.compute(tokens, seed) for seed, tokens in enumerate(prompts)]
+        ranges = node_slots(cluster, 1)
+        cut = [first_on(ranges, b, tokens, 8) for tokens in prompts]
+        assert 0 < sum(cut) < 8 * len(prompts) and min(cut) < 8   # some pages on each side
+        dead = cluster.servers[1]
+        dead.kill()
+        wait_until(lambda: "master,fail " in cluster.servers[0].cli("cluster", "nodes"),
+                   "the live masters to mark the dead one failed")
+        assert "cluster_state:ok" in cluster.servers[0].cli("cluster", "info")
+
+        assert b.tier.fetch_many(prompts, timeout=WAIT) == cut
+        stats = b.tier.stats()
+        assert stats.unavailable_pages == sum(8 - c for c in cut)
+        assert stats.errors >= 1 and stats.hit_pages == sum(cut)
+        assert stats.invalid_pages == {} and stats.breaker_opens == 0
+        for tokens, count, pages in zip(prompts, cut, written):
+            assert b.reuse(tokens) == (count * PAGE_SIZE, pages[:count])
+        # Lookups whose next page is on the dead node, again and again: each is an error,
+        # none opens the breaker (the dead node is skipped while it backs off, probed
+        # after), and a lookup of live pages still loads.
+        for _ in range(6):
+            assert b.tier.fetch(prompts[cut.index(min(cut))], timeout=WAIT) == 0
+        assert b.tier.stats().breaker_opens == 0 and not b.tier.stats().breaker_open
+        # Writes go on to the live nodes: a new prompt's pages land there, the dead
+        # node's are dropped and counted.
+        before = a.tier.stats()
+        fresh = prompt(PAGE_SIZE * 8 + 1, 999)
+        fresh_written = a.compute(fresh, 999)
+        after = a.tier.stats()
+        fresh_cut = first_on(ranges, b, fresh, 8)
+        assert after.written_pages - before.written_pages + \
+            after.unavailable_pages - before.unavailable_pages == 8
+        assert after.breaker_opens == 0
+        assert b.tier.fetch(fresh, timeout=WAIT) == fresh_cut
+        assert b.reuse(fresh) == (fresh_cut * PAGE_SIZE, fresh_written[:fresh_cut])
+        # The node comes back empty: the live nodes' pages are still there; B asks again.
+        dead.start()
+        wait_until(lambda: all("cluster_state:ok" in s.cli("cluster", "info")
+                               for s in cluster.servers), "the cluster to recover")
+        wait_until(lambda: "fail" not in cluster.servers[0].cli("cluster", "nodes"),
+                   "the node to be seen alive")
+        a.compute(prompts[0], 0)          # A writes its pages again (they are missing)
+        wait_until(lambda: b.tier.fetch(prompts[0], timeout=WAIT) > 0 or
+                   b.reuse(prompts[0])[0] == 8 * PAGE_SIZE, "B to fetch from the node back")
+        assert b.reuse(prompts[0]) == (8 * PAGE_SIZE, written[0])

@@ -16,6 +16,7 @@ does). See tier.py for the read and write paths and codec.py for keys and values
 """
 
 from hostkv.remote.backend import (
+    UNAVAILABLE,
     RedisBackend,
     RemoteBackend,
     RemoteError,
@@ -27,6 +28,7 @@ from hostkv.remote.config import ParsedURL, RemoteConfig, parse_url
 from hostkv.remote.tier import RemoteLookup, RemoteStats, RemoteTier
 
 __all__ = [
+    "UNAVAILABLE",
     "ParsedURL",
     "RedisBackend",
     "RemoteBackend",

@@ -67,8 +67,8 @@ _KEY_MEMO_PATHS = 1024       # paths whose chain keys are kept (a path: tokens +
 class EvictWriter:
     """The thread that writes pages near eviction to the store, for one RemoteTier.
 
-    Built and owned by RemoteTier; it shares the tier's handle (taking turns on it through
-    the tier's segment lock), breaker, backend and counters, and keeps its own WorkerView.
+    Built and owned by RemoteTier; it shares the tier's handle (the engine's), breaker,
+    backend and counters, and keeps its own WorkerView (one per thread).
     """
 
     def __init__(self, tier: "RemoteTier") -> None:
@@ -217,8 +217,7 @@ class EvictWriter:
         pages (there may be more to do), False when nothing near eviction is unsent."""
         tier = self._tier
         handle = tier._handle
-        with tier._segment_lock:
-            stats = handle.stats()
+        stats = handle.stats()
         short = self._headroom - stats.free_pages
         # The coldest pages change when free pages shrink (more of them are near eviction)
         # or pages are evicted; a commit adds only the hottest. A busy engine wakes the
@@ -232,8 +231,7 @@ class EvictWriter:
         if short <= 0:
             self._settled, self._settled_at = state, now
             return False
-        with tier._segment_lock:
-            candidates = handle.eviction_candidates(short)
+        candidates = handle.eviction_candidates(short)
         if not candidates:
             self._settled, self._settled_at = state, now
             return False
@@ -324,8 +322,7 @@ class EvictWriter:
         requests = [SequenceRequest(next(self._seq_ids), tokens, namespace)
                     for namespace, tokens, _keys, _pages in missing]
         try:
-            with tier._segment_lock:
-                holds = self._view.hold_cached_pages(requests)
+            holds = self._view.hold_cached_pages(requests)
         except (OutOfPagesError, CapacityError) as exc:
             log.debug("hostkv remote tier: cannot hold pages to write: %s", exc)
             tier._count(writes_dropped=sum(len(p) for _, _, _, p in missing))
@@ -345,6 +342,5 @@ class EvictWriter:
                             tier._fingerprint, namespace, tokens[page * ps:(page + 1) * ps],
                             pool[hold.page_table[page]])))
         finally:
-            with tier._segment_lock:
-                self._view.release([r.seq_id for r in requests], commit=False)
+            self._view.release([r.seq_id for r in requests], commit=False)
         return items

@@ -16,8 +16,8 @@ Write path: write-through on commit (``RemoteConfig(write_policy="through")``, t
 the two measured side by side). ``publish``/``commit``/``release`` queue the token ids
 of newly committed pages (nothing else on the engine's thread). The writer thread asks the
 store which of them exist (one pipeline of EXPIRE, which also renews their TTL: no local
-"already sent" memory, so a flushed or restarted store is refilled), borrows the missing ones by allocating their prefix
-plus one token (a borrowed page cannot be evicted or rewritten while it copies the bytes),
+"already sent" memory, so a flushed or restarted store is refilled), borrows the missing
+ones by allocating their prefix plus one token (a borrowed page cannot be evicted or rewritten while it copies the bytes),
 releases them, and sends the values in one pipeline. (Borrowing is an allocation: it counts
 in the segment's lookup stats and refreshes the pages' recency, as the fetch path's
 inserts do.)
@@ -27,9 +27,11 @@ Faults. Every store call is bounded by the socket timeouts. A circuit breaker op
 writes are dropped (both counted), so the host tier serves at full speed; after a backoff
 (doubling up to ``backoff_max``) one probe goes through, and success closes it.
 
-Threads and processes. The tier attaches its own handle on the segment (one lease) for its
-two threads, which take turns on it; the engine's handle is untouched. A process killed
-mid-fetch leaves a live sequence on that lease: the core reaps it like any dead process's,
+Threads and processes. The tier works on the engine's own handle (no lease slot of its
+own): its fetch thread and its writer each have their own WorkerView on it, and the core's
+lock serialises them with the engine's threads as it does processes. Close the tier before
+the cache (the cache refuses to unmap the pool under the tier's threads). A process killed
+mid-fetch leaves a live sequence on its lease: the core reaps it like any dead process's,
 freeing the fresh pages (they were never committed). A tier does not survive fork: make one
 per process.
 """
@@ -51,9 +53,16 @@ from hostkv._tokens import as_namespace, as_tokens
 from hostkv.cache import HostKVCache
 from hostkv.errors import CapacityError, ConfigError, HostKVError, OutOfPagesError
 from hostkv.remote import codec
-from hostkv.remote.backend import RemoteBackend, RemoteError, RemoteFullError, backend_for
+from hostkv.remote.backend import (
+    UNAVAILABLE,
+    RemoteBackend,
+    RemoteError,
+    RemoteFullError,
+    backend_for,
+)
 from hostkv.remote.config import RemoteConfig
 from hostkv.remote.evict import EvictWriter
+from hostkv.remote.shared_stats import SlotWriter, writer_for
 from hostkv.worker_view import SequenceRequest, WorkerView
 
 __all__ = ["RemoteLookup", "RemoteStats", "RemoteTier"]
@@ -61,6 +70,8 @@ __all__ = ["RemoteLookup", "RemoteStats", "RemoteTier"]
 log = logging.getLogger("hostkv.remote")
 
 _HISTOGRAM_BUCKETS = 32
+# Reasons decode_value gives for a value it refuses ("missing" aside); any other is "other".
+INVALID_REASONS = ("truncated", "magic", "format", "layout", "namespace", "tokens", "checksum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +95,10 @@ class RemoteStats:
         present_pages: Pages not sent because the store had them (their TTL renewed).
         writes_dropped: Pages not written: queue full, breaker open, too many bytes in
             flight, a store error, or evicted locally before the writer could borrow them.
-        errors: Store calls that failed (timeouts, refused connections, errors).
+        errors: Store calls that failed (timeouts, refused connections, errors), whole or
+            in part (a cluster node down while the others answered).
+        unavailable_pages: Pages not fetched or written because their cluster node was
+            down while others answered (a lookup's chain stops at the first of them).
         breaker_opens: Times the circuit breaker opened.
         breaker_open: Whether it is open now.
         bytes_up, bytes_down: Value bytes sent and received.
@@ -107,6 +121,7 @@ class RemoteStats:
     present_pages: int
     writes_dropped: int
     errors: int
+    unavailable_pages: int
     breaker_opens: int
     breaker_open: bool
     bytes_up: int
@@ -137,6 +152,17 @@ class RemoteStats:
                 lines.append(f"# TYPE {name} {kind}")
                 lines.append(f"{name} {float(value) if isinstance(value, float) else int(value)}")
         return "\n".join(lines) + "\n"
+
+
+# What a tier publishes for `python -m hostkv stats` (shared_stats.py): every counter of
+# RemoteStats by name, the fetch time in ns, and the grouped ones as "group:item".
+SHARED_COUNTERS = tuple(
+    [f.name for f in dataclasses.fields(RemoteStats)
+     if f.name not in ("invalid_pages", "breaker_open", "queue_depth", "fetch_seconds",
+                       "fetch_latency_histogram")]
+    + ["fetch_ns"]
+    + [f"invalid_pages:{reason}" for reason in INVALID_REASONS + ("other",)]
+    + [f"fetch_latency_us:{bucket}" for bucket in range(_HISTOGRAM_BUCKETS)])
 
 
 class RemoteLookup:
@@ -183,8 +209,9 @@ class _Breaker:
     """Closed -> (failure_threshold failures) -> open for a backoff -> one probe -> closed or
     open again for twice as long (up to backoff_max)."""
 
-    def __init__(self, config: RemoteConfig) -> None:
+    def __init__(self, config: RemoteConfig, on_change: Any = None) -> None:
         self._config = config
+        self._on_change = on_change     # (is_open, opened_now), called under the lock
         self._lock = threading.Lock()
         self._failures = 0
         self._open_until = 0.0
@@ -210,14 +237,18 @@ class _Breaker:
             self._probing = False
             self.is_open = False
             self._backoff = self._config.backoff_initial
+            if self._on_change is not None:
+                self._on_change(False, False)
 
     def failure(self, where: str, exc: BaseException) -> None:
         with self._lock:
             self._failures += 1
+            opened = False
             if self._probing or (not self.is_open
                                  and self._failures >= self._config.failure_threshold):
                 if not self.is_open:
                     self.opens += 1
+                    opened = True
                     log.warning("hostkv remote tier: %s failing (%s); serving from host memory "
                                 "only, retrying in %.1f s", where, exc, self._backoff)
                 self.is_open = True
@@ -225,12 +256,14 @@ class _Breaker:
                 self._open_until = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2 or self._config.backoff_initial,
                                     self._config.backoff_max)
+            if self._on_change is not None:
+                self._on_change(self.is_open, opened)
 
 
 class RemoteTier:
     """The remote tier of one process over a HostKVCache (see the module docstring).
 
-    Usable as a context manager; close() stops its threads and gives up its lease.
+    Usable as a context manager; close() stops its threads (the cache stays open).
     """
 
     def __init__(self, cache: HostKVCache, config: Union[RemoteConfig, str], *,
@@ -238,7 +271,8 @@ class RemoteTier:
         """Starts the tier's threads on an open cache.
 
         Args:
-            cache: The host tier; the tier attaches its own handle to the same segment.
+            cache: The host tier; the tier works on this handle (its threads have their
+                own WorkerViews on it) and takes no lease of its own. Close the tier first.
             config: A RemoteConfig, or a URL (all other settings default).
             backend: A store other than the one the URL names (another implementation of
                 RemoteBackend); the URL still identifies it in messages.
@@ -265,21 +299,20 @@ class RemoteTier:
         self._write_limit = max(1, min(config.write_batch_pages,
                                        config.max_bytes_in_flight // cfg.page_bytes))
         self._backend = backend if backend is not None else backend_for(config)
-        # The tier's own handle: the engine's thread never waits for the tier's calls on a
-        # shared handle, and the tier's sequences belong to this lease (reaped if we die).
-        # It is also needed today: threads sharing one handle fail in the core (issue 10,
-        # item 1: the lock's "held" flag belongs to the handle, not the thread).
-        self._handle = HostKVCache.attach(cache.name, expected_config=cfg)
-        try:
-            self._view = WorkerView(self._handle)
-            self._pool: Optional[np.ndarray] = self._handle.pages_array()
-        except BaseException:
-            self._handle.close()
-            raise
-        self._segment_lock = threading.Lock()       # the two threads take turns on the handle
+        # The engine's own handle, shared: the core's lock serialises threads like processes
+        # (each thread its own WorkerView), so the tier takes no lease slot of its own, and
+        # its sequences belong to this process's lease (reaped with it if the process dies).
+        # The fetch thread and the writer each have their own view: they never wait for
+        # each other outside the core's lock.
+        self._handle = cache
+        self._fetch_view = WorkerView(cache)
+        self._write_view = WorkerView(cache)
+        # Held until close(): cache.close() raises BufferError while the tier is open,
+        # rather than unmap the pool under its threads' copies.
+        self._pool: Optional[np.ndarray] = cache.pages_array()
         self._seq_ids = itertools.count(1)
         self._pid = os.getpid()
-        self._breaker = _Breaker(config)
+        self._breaker = _Breaker(config, self._breaker_changed)
         self._cond = threading.Condition()
         self._lookups: Deque[RemoteLookup] = collections.deque()
         # (namespace, tokens, first page, first page this host computed itself)
@@ -293,6 +326,11 @@ class RemoteTier:
         self._fetch_seconds = 0.0
         self._stats_lock = threading.Lock()
         self._hook: Any = None       # tests: called with the fresh pages before their commit
+        # This process's slot in the segment's shared counters (None: not shared), and the
+        # gauges this tier has put there.
+        self._shared: Optional[SlotWriter] = writer_for(cache, SHARED_COUNTERS)
+        self._shared_depth = 0
+        self._shared_breaker = 0
         self._threads = [threading.Thread(target=self._fetch_loop, name="hostkv-remote-fetch",
                                           daemon=True)]
         self._evict_writer: Optional[EvictWriter] = None
@@ -324,6 +362,22 @@ class RemoteTier:
         with self._stats_lock:
             for key, amount in amounts.items():
                 self._counts[key] += amount
+        if self._shared is not None:
+            self._shared.add(amounts)
+
+    def _depth_changed(self) -> None:
+        """Publishes the queue depth's change (call holding self._cond)."""
+        if self._shared is not None:
+            depth = len(self._lookups) + len(self._writes)
+            self._shared.gauge("queue_depth", depth - self._shared_depth)
+            self._shared_depth = depth
+
+    def _breaker_changed(self, is_open: bool, opened: bool) -> None:
+        if self._shared is not None:
+            if opened:
+                self._shared.add({"breaker_opens": 1})
+            self._shared.gauge("breaker_open", int(is_open) - self._shared_breaker)
+            self._shared_breaker = int(is_open)
 
     def lookup(self, tokens: Any, namespace: int = 0) -> RemoteLookup:
         """Queues a lookup of the prompt's next pages after its local prefix; returns at once.
@@ -360,6 +414,7 @@ class RemoteTier:
                 queued, skipped = [], lookups
             self._lookups.extend(queued)
             if queued:
+                self._depth_changed()
                 self._cond.notify_all()
         for item in skipped:
             item._finish("skipped")
@@ -420,6 +475,7 @@ class RemoteTier:
                     dropped += self._job_pages(job)
                 else:
                     self._writes.append(job)
+            self._depth_changed()
             self._cond.notify_all()
         if dropped:
             self._count(writes_dropped=dropped)
@@ -499,6 +555,7 @@ class RemoteTier:
             insert_failed=get("insert_failed"), published_pages=get("published_pages"),
             written_pages=get("written_pages"), present_pages=get("present_pages"),
             writes_dropped=get("writes_dropped"), errors=get("errors"),
+            unavailable_pages=get("unavailable_pages"),
             breaker_opens=self._breaker.opens, breaker_open=self._breaker.is_open,
             bytes_up=get("bytes_up"), bytes_down=get("bytes_down"), queue_depth=depth,
             fetch_seconds=seconds, fetch_latency_histogram=histogram)
@@ -514,6 +571,7 @@ class RemoteTier:
                     return
                 batch = list(self._lookups)
                 self._lookups.clear()
+                self._depth_changed()
                 self._fetching = True
             try:
                 self._fetch(batch)
@@ -533,8 +591,7 @@ class RemoteTier:
         plans = []            # (lookup, start page, keys of the pages asked for)
         budget = max(1, self._config.max_bytes_in_flight // self._page_bytes)
         for item in batch:
-            with self._segment_lock:
-                local = len(self._handle.match_prefix(item.tokens, item.namespace).pages)
+            local = len(self._handle.match_prefix(item.tokens, item.namespace).pages)
             # Allocation reuses at most (n - 1) // page_size pages; a prefix shorter than
             # prefix_min_reuse_pages is not borrowed, so fetch from page 0 then.
             stop = (len(item.tokens) - 1) // ps
@@ -562,13 +619,17 @@ class RemoteTier:
         began = time.perf_counter()
         stream = self._backend.get_streamed([keys for _, _, keys in plans])
         done = 0
+        answered = False
+        cut = 0
         try:
             for (item, start, keys), values in zip(plans, stream):
                 if len(values) != len(keys):
                     raise RemoteError(f"asked for {len(keys)} values, got {len(values)}")
-                if done == 0:
+                if not answered and any(v is not UNAVAILABLE for v in values):
+                    # Some node answered: the store is up, even if a node of it is not.
+                    answered = True
                     self._breaker.success()
-                self._take(item, start, keys, values)
+                cut += self._take(item, start, keys, values, first_cut=not cut)
                 done += 1
         except RemoteError as exc:
             self._breaker.failure(self._config.redacted_url, exc)
@@ -581,18 +642,30 @@ class RemoteTier:
             if close is not None:
                 close()
         elapsed = time.perf_counter() - began
+        bucket = min(int(elapsed * 1e6).bit_length(), _HISTOGRAM_BUCKETS - 1)
         with self._stats_lock:
             self._counts["fetches"] += 1
             self._fetch_seconds += elapsed
-            self._histogram[min(int(elapsed * 1e6).bit_length(), _HISTOGRAM_BUCKETS - 1)] += 1
+            self._histogram[bucket] += 1
+        if self._shared is not None:
+            self._shared.add({"fetches": 1, "fetch_ns": int(elapsed * 1e9),
+                              f"fetch_latency_us:{bucket}": 1})
 
     def _take(self, item: RemoteLookup, start: int, keys: List[bytes],
-              values: List[Optional[bytes]]) -> None:
-        """Checks one lookup's values and inserts the valid leading run of them."""
+              values: List[Optional[bytes]], first_cut: bool = True) -> int:
+        """Checks one lookup's values and inserts the valid leading run of them. Returns
+        the pages cut off because their node did not answer (0 if none); the first cut of
+        a call counts its one error (before the lookup finishes)."""
         ps = self._page_size
         kvs = []
+        cut = 0
         for index, value in enumerate(values):
             page = start + index
+            if value is UNAVAILABLE:
+                # Its node is down: the pages before it stand, the chain stops here.
+                cut = len(keys) - index
+                self._count(unavailable_pages=cut, errors=int(first_cut))
+                break
             kv, reason = codec.decode_value(
                 value, self._fingerprint, item.namespace,
                 item.tokens[page * ps:(page + 1) * ps], self._page_bytes)
@@ -603,16 +676,21 @@ class RemoteTier:
                 else:
                     with self._stats_lock:
                         self._invalid[reason] += 1
+                    if self._shared is not None:
+                        self._shared.add({f"invalid_pages:"
+                                          f"{reason if reason in INVALID_REASONS else 'other'}": 1})
                     log.warning("hostkv remote tier: a value failed its %s check; "
                                 "treated as a miss", reason)
                 break
             kvs.append(kv)
-        self._count(hit_pages=len(kvs), bytes_down=sum(len(v) for v in values if v is not None))
+        self._count(hit_pages=len(kvs), bytes_down=sum(
+            len(v) for v in values if v is not None and v is not UNAVAILABLE))
         if not kvs:
-            item._finish("miss")
-            return
+            item._finish("error" if cut else "miss")
+            return cut
         inserted = self._insert(item, start, kvs, keys[:len(kvs)])
         item._finish("hit" if inserted else "miss", inserted)
+        return cut
 
     def _insert(self, item: RemoteLookup, start: int, kvs: List[memoryview],
                 keys: List[bytes]) -> int:
@@ -621,10 +699,10 @@ class RemoteTier:
         ps = self._page_size
         end = start + len(kvs)
         seq_id = next(self._seq_ids)
+        view = self._fetch_view
         try:
-            with self._segment_lock:
-                alloc = self._view.allocate_pages_for_sequences_with_prefix(
-                    [SequenceRequest(seq_id, item.tokens[:end * ps], item.namespace)])[0]
+            alloc = view.allocate_pages_for_sequences_with_prefix(
+                [SequenceRequest(seq_id, item.tokens[:end * ps], item.namespace)])[0]
         except (OutOfPagesError, CapacityError) as exc:
             log.debug("hostkv remote tier: no room for %d fetched pages: %s", len(kvs), exc)
             self._count(insert_failed=len(kvs))
@@ -634,8 +712,7 @@ class RemoteTier:
             if reused < start:
                 # The local prefix was evicted since match_prefix: its fresh pages would hold
                 # no KV. Drop the fetch; the next lookup starts from what is cached then.
-                with self._segment_lock:
-                    self._view.release([seq_id], commit=False)
+                view.release([seq_id], commit=False)
                 self._count(insert_failed=len(kvs))
                 return 0
             pool = self._pool
@@ -646,13 +723,11 @@ class RemoteTier:
                 pool[table[page]] = np.frombuffer(kvs[page - start], dtype=np.uint8)
             if self._hook is not None:
                 self._hook(table[reused:end])
-            with self._segment_lock:
-                self._view.commit([seq_id], end * ps)
-                self._view.release([seq_id], commit=False)
+            view.commit([seq_id], end * ps)
+            view.release([seq_id], commit=False)
         except BaseException:
-            with self._segment_lock:
-                if seq_id in self._view.live_sequences:
-                    self._view.release([seq_id], commit=False)
+            if seq_id in view.live_sequences:
+                view.release([seq_id], commit=False)
             raise
         self._count(inserted_pages=len(kvs))
         if self._evict_writer is not None:
@@ -675,6 +750,7 @@ class RemoteTier:
                     job = self._writes.popleft()
                     batch.append(job)
                     pages += self._job_pages(job)
+                self._depth_changed()
                 self._writing = True
             try:
                 self._write(batch)
@@ -704,7 +780,7 @@ class RemoteTier:
             self._count(writes_dropped=total)
             return
         asking = [keys[p] for _, _, keys, ask, _ in jobs for p in ask]
-        present: List[bool] = []
+        present: List[Optional[bool]] = []
         if asking:
             try:
                 present = self._backend.touch_many(asking, self._config.ttl_seconds)
@@ -712,14 +788,22 @@ class RemoteTier:
                 self._breaker.failure(self._config.redacted_url, exc)
                 self._count(errors=1, writes_dropped=total)
                 return
-            self._breaker.success()
+            unknown = sum(1 for flag in present if flag is None)
+            if unknown < len(present):
+                self._breaker.success()
+            if unknown:
+                self._count(errors=1)
         offset = 0
         todo = []
         for namespace, tokens, keys, ask, send in jobs:
             flags = present[offset:offset + len(ask)]
             offset += len(ask)
-            self._count(present_pages=sum(flags))
-            missing = [p for p, there in zip(ask, flags) if not there] + send
+            self._count(present_pages=sum(1 for flag in flags if flag))
+            # A page whose node did not answer (None) is not sent: that node is down.
+            lost = sum(1 for flag in flags if flag is None)
+            if lost:
+                self._count(writes_dropped=lost, unavailable_pages=lost)
+            missing = [p for p, there in zip(ask, flags) if there is False] + send
             if missing:
                 todo.append((namespace, tokens, keys, missing))
         if not todo:
@@ -728,7 +812,7 @@ class RemoteTier:
         if not items:
             return
         try:
-            self._backend.put_many(items, self._config.ttl_seconds)
+            not_stored = self._backend.put_many(items, self._config.ttl_seconds)
         except RemoteFullError as exc:
             # The store answered (out of memory, say): reads may still work, so the breaker
             # stays closed; the pages are dropped and counted.
@@ -739,8 +823,13 @@ class RemoteTier:
             self._breaker.failure(self._config.redacted_url, exc)
             self._count(errors=1, writes_dropped=len(items))
             return
-        self._breaker.success()
-        self._count(written_pages=len(items), bytes_up=sum(len(v) for _, v in items))
+        if not_stored < len(items):
+            self._breaker.success()
+        if not_stored:
+            # A cluster node down (or refusing) while the others stored theirs.
+            self._count(errors=1, writes_dropped=not_stored, unavailable_pages=not_stored)
+        self._count(written_pages=len(items) - not_stored,
+                    bytes_up=sum(len(v) for _, v in items))
 
     def _borrow_and_encode(self, todo: List[Tuple[int, np.ndarray, List[bytes], List[int]]]
                            ) -> List[Tuple[bytes, bytes]]:
@@ -753,8 +842,7 @@ class RemoteTier:
             requests.append(SequenceRequest(next(self._seq_ids),
                                             np.append(tokens[:upto], np.int32(0)), namespace))
         try:
-            with self._segment_lock:
-                allocs = self._view.allocate_pages_for_sequences_with_prefix(requests)
+            allocs = self._write_view.allocate_pages_for_sequences_with_prefix(requests)
         except (OutOfPagesError, CapacityError):
             self._count(writes_dropped=sum(len(m) for _, _, _, m in todo))
             return []
@@ -773,8 +861,7 @@ class RemoteTier:
                         items.append((keys[page], codec.encode_value(
                             self._fingerprint, namespace, tokens[page * ps:(page + 1) * ps], kv)))
         finally:
-            with self._segment_lock:
-                self._view.release([r.seq_id for r in requests], commit=False)
+            self._write_view.release([r.seq_id for r in requests], commit=False)
         return items
 
     # -- closing -------------------------------------------------------------------------------
@@ -785,16 +872,19 @@ class RemoteTier:
         return self._closed
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stops the threads (queued lookups resolve as skipped, queued writes are dropped),
-        releases the tier's sequences and gives up its handle on the segment. Idempotent."""
+        """Stops the threads (queued lookups resolve as skipped, queued writes are dropped)
+        and releases the tier's sequences; the cache stays open. Idempotent."""
         if self._closed:
             return
+        if os.getpid() != self._pid:
+            self._shared = None      # a forked child: that slot is the parent's to write
         with self._cond:
             self._closed = True
             pending = list(self._lookups)
             self._lookups.clear()
             dropped = sum(self._job_pages(job) for job in self._writes)
             self._writes.clear()
+            self._depth_changed()
             self._cond.notify_all()
         for item in pending:
             item._finish("skipped")
@@ -811,13 +901,20 @@ class RemoteTier:
         self._backend.close()
         if any(thread.is_alive() for thread in self._threads) or (
                 writer is not None and writer.is_alive()):
-            log.warning("hostkv remote tier: a thread did not stop; leaving its handle open")
+            # Its view and the pool stay referenced: cache.close() then refuses to unmap
+            # under it (BufferError) instead of faulting the thread.
+            log.warning("hostkv remote tier: a thread did not stop; leaving its views open")
             return
         if writer is not None:
             writer.close_view()
-        self._view.close()
+        self._fetch_view.close()
+        self._write_view.close()
         self._pool = None
-        self._handle.close()
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            # The threads are gone: nothing of this tier writes to the slot any more.
+            shared.gauge("breaker_open", -self._shared_breaker)
+            shared.release()
 
     def __enter__(self) -> "RemoteTier":
         return self
