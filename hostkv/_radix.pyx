@@ -12,7 +12,7 @@ import numpy as np
 cimport numpy as cnp
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memcpy
 from cpython.object cimport PyObject
 
 from hostkv._layout cimport (
@@ -991,37 +991,54 @@ def evict(Segment seg, int64_t num_pages):
 
 cdef tuple path_of(Segment seg, Tree* t, int32_t index):
     """(namespace, tokens, pages) of the whole path from the top of the tree to the end of
-    node `index`: the token ids are copied (the KV bytes are not)."""
+    node `index`: the token ids are copied (the KV bytes are not). C loops into two fresh
+    arrays: this runs under the lock, once per listed node."""
     cdef HkvRadixNode* node
-    cdef int32_t steps = 0, page, j
-    cdef int32_t[:, ::1] token_table
-    chain = []
-    while index != -1:
-        chain.append(index)
-        index = node_at(seg, t, index).rn_parent
+    cdef int32_t steps = 0, page, j, current = index
+    cdef int64_t total = 0, at
+    cdef cnp.ndarray pages, tokens
+    cdef int32_t* out_pages
+    cdef int32_t* out_tokens
+    # First pass: the path's length (bounded: a cycle is corruption, not a hang).
+    while current != -1:
+        node = node_at(seg, t, current)
+        if node.rn_num_pages < 1:
+            seg.corrupt(f"radix node {current} covers {node.rn_num_pages} pages")
+        total += node.rn_num_pages
+        if total > t.num_pages:
+            seg.corrupt(f"radix node {index}'s path holds more pages than the pool")
+        current = node.rn_parent
         steps += 1
         if steps > t.node_capacity:
             seg.corrupt("a cycle in the radix tree's parent links")
-    pages = []
-    for index in reversed(chain):
-        node = node_at(seg, t, index)
+    pages = np.empty(total, dtype=np.int32)
+    tokens = np.empty(total * t.page_size, dtype=np.int32)
+    out_pages = <int32_t*>cnp.PyArray_DATA(pages)
+    out_tokens = <int32_t*>cnp.PyArray_DATA(tokens)
+    # Second pass, from the node up: each node's pages fill the path from its end backwards.
+    at = total
+    current = index
+    while current != -1:
+        node = node_at(seg, t, current)
+        at -= node.rn_num_pages
         page = node.rn_first_page
         for j in range(node.rn_num_pages):
             check_page_index(seg, page)
-            pages.append(page)
+            out_pages[at + j] = page
+            memcpy(out_tokens + (at + j) * t.page_size, tokens_of(t, page),
+                   <size_t>t.page_size * sizeof(int32_t))
             page = t.page_next[page]
-        if len(pages) > t.num_pages:
-            seg.corrupt(f"radix node {chain[0]}'s path holds more pages than the pool")
-    page_array = np.array(pages, dtype=np.int32)
-    token_table = <int32_t[:t.num_pages, :t.page_size]>t.page_tokens
-    tokens = np.asarray(token_table)[page_array].reshape(-1)
-    return node_at(seg, t, chain[0]).rn_namespace, tokens, page_array
+        current = node.rn_parent
+    return node_at(seg, t, index).rn_namespace, tokens, pages
 
 
-def eviction_candidates(Segment seg, int64_t max_pages):
+def eviction_candidates(Segment seg, int64_t max_pages, int64_t skip_pages=0):
     """The nodes the next evictions would take, in that order, until they cover max_pages
     pages (or every evictable page): a list of (namespace, path tokens, path pages, node
-    pages), the node's own pages being the last `node pages` of its path.
+    pages, position), the node's own pages being the last `node pages` of its path, and
+    position the pages eviction would take before them. With skip_pages,
+    the nodes eviction would take first, as long as they fit in skip_pages pages, are
+    passed over unlisted (and uncopied): a caller reads a long order in short holds.
 
     Reads only, under one lock: nothing changes, no recency is refreshed. Eviction takes
     the least recently used unlocked leaf, and a node whose children all went becomes a
@@ -1036,13 +1053,13 @@ def eviction_candidates(Segment seg, int64_t max_pages):
         CorruptionError: a bad index or a cycle in the tree.
     """
     cdef Tree t
-    cdef int64_t taken = 0, rounds = 0
+    cdef int64_t taken = 0, skipped = 0, rounds = 0
     cdef int32_t index, pos, child, parent, size, left
     cdef HkvRadixNode* node
     cdef HkvRadixNode* up
     check_open(seg)
-    if max_pages < 0:
-        raise ValueError(f"max_pages must be >= 0, got {max_pages}")
+    if max_pages < 0 or skip_pages < 0:
+        raise ValueError(f"max_pages and skip_pages must be >= 0, got {max_pages}, {skip_pages}")
     out = []
     seg.begin()
     try:
@@ -1074,9 +1091,12 @@ def eviction_candidates(Segment seg, int64_t max_pages):
             node = node_at(seg, &t, index)
             if node.rn_lock_count != 0:
                 seg.corrupt(f"radix node {index} is in the eviction heap but locked")
-            taken += node.rn_num_pages
-            namespace, tokens, pages = path_of(seg, &t, index)
-            out.append((namespace, tokens, pages, node.rn_num_pages))
+            if skipped + node.rn_num_pages <= skip_pages:
+                skipped += node.rn_num_pages
+            else:
+                namespace, tokens, pages = path_of(seg, &t, index)
+                out.append((namespace, tokens, pages, node.rn_num_pages, skipped + taken))
+                taken += node.rn_num_pages
             parent = node.rn_parent
             if parent != -1:
                 up = node_at(seg, &t, parent)

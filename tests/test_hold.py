@@ -78,6 +78,18 @@ def test_candidates_are_what_eviction_takes_in_order(segment_name, seed):
         for c in candidates:
             assert len(c.tokens) == len(c.pages) * PAGE and 1 <= c.num_pages <= len(c.pages)
             assert list(cache.match_prefix(c.tokens, c.namespace).pages) == list(c.pages)
+        # Positions run on without gaps; reading the order in pieces gives the same nodes.
+        assert [c.position for c in candidates] == list(np.cumsum(
+            [0] + [c.num_pages for c in candidates])[:-1])
+        pieces, offset = [], 0
+        while offset < evictable:
+            piece = cache.eviction_candidates(3, skip_pages=offset)
+            assert piece and piece[0].position <= offset
+            pieces += [c for c in piece if c.position >= offset]
+            offset = piece[-1].position + piece[-1].num_pages
+        assert [(c.position, c.tokens.tobytes()) for c in pieces] == [
+            (c.position, c.tokens.tobytes()) for c in candidates]
+        assert snapshot(cache) == before
         # Evicting node by node takes exactly each candidate's own pages, in the listed order.
         for c in candidates:
             assert cache.evict(c.num_pages) == c.num_pages
@@ -93,6 +105,8 @@ def test_candidates_stop_at_max_pages_and_skip_borrowed_paths(cache):
     first = cache.eviction_candidates(1)
     assert len(first) == 1 and list(first[0].tokens) == [1] * 8     # oldest first, whole node
     assert cache.eviction_candidates(0) == []
+    assert cache.eviction_candidates(10, skip_pages=100) == []
+    assert [c.position for c in cache.eviction_candidates(10, skip_pages=2)] == [2, 5]
     assert [list(c.tokens[:1]) for c in cache.eviction_candidates(3)] == [[1], [2]]
     with hostkv.WorkerView(cache) as view:
         view.allocate_pages_for_sequences_with_prefix([hostkv.SequenceRequest(9, [2] * 13)])
@@ -112,8 +126,10 @@ def test_a_parent_is_listed_after_all_its_children(cache):
 def test_candidates_bad_input(cache, bad):
     fill(cache, [[1] * 8])
     before = snapshot(cache)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_pages"):
         cache.eviction_candidates(bad)
+    with pytest.raises(ValueError, match="skip_pages"):
+        cache.eviction_candidates(4, skip_pages=bad)
     assert snapshot(cache) == before
 
 
