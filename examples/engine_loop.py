@@ -20,8 +20,13 @@ separate machines would be, and they share pages only through the remote tier. B
 batch a worker asks the tier for the pages its local cache lacks; its commits are written
 behind. The generated tokens must still match the no-reuse run exactly.
 
+``--write-policy evict`` writes pages to the tier just before eviction instead of at commit
+(see hostkv.remote's README section); ``--pages N`` sizes each segment (default: half the
+traffic's tokens, at least 512 pages), so a small N puts the hosts under eviction pressure.
+
     python examples/engine_loop.py [--workers 2] [--requests 48] [--seed 0] [--no-reuse]
-                                   [--remote URL [--hosts 2]]
+                                   [--remote URL [--hosts 2] [--write-policy through|evict]]
+                                   [--pages N]
 """
 
 from __future__ import annotations
@@ -172,10 +177,11 @@ def make_chats(seed: int, num_requests: int) -> List[Dict]:
 # -- a worker process -----------------------------------------------------------------------------
 
 def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], seed: int,
-               events, remote: Optional[Tuple[str, str]] = None) -> None:
+               events, remote: Optional[Tuple[str, str, str]] = None) -> None:
     """One engine worker: its share of the chats, BATCH conversations at a time, turn by turn.
 
-    remote: (URL, key prefix) of the remote tier, or None for the host tier alone.
+    remote: (URL, key prefix, write policy) of the remote tier, or None for the host tier
+    alone.
     """
     torch.set_num_threads(1)
     cache = hostkv.HostKVCache.attach(name)
@@ -183,12 +189,13 @@ def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], s
     tier = None
     if remote is not None:
         tier = hostkv.remote.RemoteTier(
-            cache, hostkv.remote.RemoteConfig(remote[0], key_prefix=remote[1]))
+            cache, hostkv.remote.RemoteConfig(remote[0], key_prefix=remote[1],
+                                              write_policy=remote[2]))
     model = TinyDecoder(seed, cache.pages_tensor())
     mine = [chat for index, chat in enumerate(chats) if index % num_workers == worker_id]
     outputs: Dict[Tuple[int, int], List[int]] = {}
     figures = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "prefill_tokens": 0,
-               "remote_pages": 0}
+               "remote_pages": 0, "tier_call_s": 0.0}
     start = time.perf_counter()
     for first in range(0, len(mine), BATCH):
         group = mine[first:first + BATCH]
@@ -226,7 +233,9 @@ def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], s
                 figures["prefill_tokens"] += len(prompt) - alloc.reused_tokens
             prompt_lengths = [len(prompts[c["chat_id"]]) for c in active]
             if tier is not None:        # commit, and write the new pages behind
+                called = time.perf_counter()
                 tier.commit(view, seq_ids, num_tokens=prompt_lengths)
+                figures["tier_call_s"] += time.perf_counter() - called
             else:
                 view.commit(seq_ids, num_tokens=prompt_lengths)
             answers = {seq_id: [] for seq_id in seq_ids}
@@ -245,11 +254,15 @@ def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], s
                     hidden[seq_id] = out[position % PAGE_SIZE]
                 # Every appended token's KV is written now: publish what filled a page.
                 if tier is not None:
+                    called = time.perf_counter()
                     tier.commit(view, [seq_id for seq_id, _ in decoding])
+                    figures["tier_call_s"] += time.perf_counter() - called
                 else:
                     view.commit([seq_id for seq_id, _ in decoding])
             if tier is not None:
+                called = time.perf_counter()
                 tier.release(view, seq_ids)
+                figures["tier_call_s"] += time.perf_counter() - called
             else:
                 view.release(seq_ids)
             working.clear()
@@ -263,6 +276,7 @@ def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], s
         tier.flush(60.0)              # the next host finds every page this one computed
         stats = tier.stats()
         figures["remote_written"] = stats.written_pages
+        figures["remote_bytes_up"] = stats.bytes_up
         tier.close()
     del model
     view.close()
@@ -271,8 +285,8 @@ def run_worker(name: str, worker_id: int, num_workers: int, chats: List[Dict], s
 
 
 def run(chats: List[Dict], num_requests: int, workers: int, seed: int, reuse: bool, name: str,
-        label: str, remote: Optional[Tuple[str, str]] = None, hosts: int = 1
-        ) -> Tuple[Dict, List[Dict], hostkv.CacheStats, float]:
+        label: str, remote: Optional[Tuple[str, str, str]] = None, hosts: int = 1,
+        pages: int = 0) -> Tuple[Dict, List[Dict], hostkv.CacheStats, float]:
     """Runs every chat on `workers` processes over a fresh segment; returns the outputs.
 
     With hosts > 1, host h runs the chats with chat_id % hosts == h on a segment of its
@@ -285,15 +299,17 @@ def run(chats: List[Dict], num_requests: int, workers: int, seed: int, reuse: bo
             mine = [chat for chat in chats if chat["chat_id"] % hosts == host]
             count = sum(len(chat["user_turns"]) for chat in mine)
             host_out, host_workers, stats, host_elapsed = run(
-                mine, count, workers, seed, reuse, f"{name}-h{host}", f"{label} h{host}", remote)
+                mine, count, workers, seed, reuse, f"{name}-h{host}", f"{label} h{host}", remote,
+                pages=pages)
             outputs.update(host_out)
-            per_worker += [{**w, "worker": f"h{host}.{w['worker']}"} for w in host_workers]
+            per_worker += [{**w, "worker": f"h{host}.{w['worker']}", "host": host,
+                            "host_evicted": stats.evicted_pages} for w in host_workers]
             elapsed += host_elapsed
         return outputs, per_worker, stats, elapsed
     total_tokens = sum(len(c["system"]) + sum(map(len, c["user_turns"])) + sum(c["answer_tokens"])
                        for c in chats)
     config = hostkv.HostKVConfig(
-        num_pages=max(512, total_tokens // PAGE_SIZE // 2), page_size=PAGE_SIZE,
+        num_pages=pages or max(512, total_tokens // PAGE_SIZE // 2), page_size=PAGE_SIZE,
         kv_layout=hostkv.KVLayout(LAYERS, HEADS, HEAD_DIM, "float32"),
         enable_prefix_reuse=reuse)
     cache = hostkv.HostKVCache.create(name, config)
@@ -380,8 +396,20 @@ def print_report(reuse_run, baseline_run, identical: Optional[bool]) -> None:
     if reuse_run is not None and any("remote_written" in w for w in reuse_run[1]):
         fetched = sum(w["remote_pages"] for w in reuse_run[1])
         written = sum(w.get("remote_written", 0) for w in reuse_run[1])
+        bytes_up = sum(w.get("remote_bytes_up", 0) for w in reuse_run[1])
+        tier_s = sum(w.get("tier_call_s", 0.0) for w in reuse_run[1])
+        busy_s = sum(w["seconds"] for w in reuse_run[1])
+        evicted = {w["host"]: w["host_evicted"] for w in reuse_run[1] if "host" in w}
         print(f"remote tier: {fetched} pages fetched ({fetched * PAGE_SIZE} tokens), "
-              f"{written} pages written")
+              f"{written} pages written ({bytes_up / 2**20:.1f} MiB)")
+        for host in sorted(evicted):
+            host_fetched = sum(w["remote_pages"] for w in reuse_run[1] if w.get("host") == host)
+            host_written = sum(w.get("remote_written", 0) for w in reuse_run[1]
+                               if w.get("host") == host)
+            print(f"  host {host}: {host_written} pages written, {host_fetched} fetched, "
+                  f"{evicted[host]} evicted")
+        print(f"  engine threads' time in tier.commit/release: {tier_s:.3f} s of {busy_s:.1f} s "
+              "busy")
     if identical is not None:
         print("generated tokens identical with and without reuse: "
               + ("yes" if identical else "NO - outputs differ"))
@@ -399,24 +427,28 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="share pages between hosts through a Redis/Valkey remote tier")
     parser.add_argument("--hosts", type=int, default=2,
                         help="hosts (segments) of the reuse run with --remote (default 2)")
+    parser.add_argument("--write-policy", choices=("through", "evict"), default="through",
+                        help="when the remote tier writes pages (default through)")
+    parser.add_argument("--pages", type=int, default=0,
+                        help="pages per segment (default: half the traffic, at least 512)")
     args = parser.parse_args(argv)
-    if args.workers < 1 or args.requests < 1 or args.hosts < 1:
-        parser.error("--workers, --requests and --hosts must be at least 1")
+    if args.workers < 1 or args.requests < 1 or args.hosts < 1 or args.pages < 0:
+        parser.error("--workers, --requests and --hosts must be at least 1, --pages >= 0")
     remote = None
     if args.remote:
         try:
-            hostkv.remote.RemoteConfig(args.remote)
+            hostkv.remote.RemoteConfig(args.remote, write_policy=args.write_policy)
         except hostkv.ConfigError as exc:
             parser.error(str(exc))
         # A fresh key prefix per run: the pages of another run (other weights) never match.
-        remote = (args.remote, f"hostkv-engine-{uuid.uuid4().hex[:12]}")
+        remote = (args.remote, f"hostkv-engine-{uuid.uuid4().hex[:12]}", args.write_policy)
     chats = make_chats(args.seed, args.requests)
     try:
         reuse_run = None
         if not args.no_reuse:
             reuse_run = run(chats, args.requests, args.workers, args.seed, True,
                             args.segment_name, "reuse", remote,
-                            args.hosts if remote else 1)
+                            args.hosts if remote else 1, pages=args.pages)
         baseline_run = run(chats, args.requests, args.workers, args.seed, False,
                            args.segment_name + "-base", "no reuse")
     except KeyboardInterrupt:

@@ -37,8 +37,16 @@ ctypedef struct Walk:
 cdef Tree tree_of(Segment seg) noexcept
 cdef int tree_walk(Tree* t, const int32_t* tokens, int64_t num_pages, uint64_t namespace,
                    int32_t* out_pages, Walk* walk) noexcept nogil
+# tree_borrow's flags: a borrow that is a use refreshes recency; one that may evict a leaf
+# for the node record its split needs. Engines' allocations pass both; a tier copying cold
+# pages out passes neither (it must not change what is evicted next).
+cdef enum:
+    BORROW_REFRESH = 1
+    BORROW_MAY_EVICT = 2
+
 cdef int64_t tree_borrow(Segment seg, Tree* t, const int32_t* tokens, int64_t num_pages,
-                         uint64_t namespace, int32_t* out_pages, int32_t* out_node) except -1
+                         uint64_t namespace, int32_t* out_pages, int32_t* out_node,
+                         int flags) except -1
 cdef int tree_lock(Segment seg, Tree* t, int32_t node) except -1
 cdef int tree_unlock(Segment seg, Tree* t, int32_t node) except -1
 cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int32_t* pages,

@@ -6,11 +6,13 @@ only through logged stores, so an exception or a death at any step rolls back wh
 memory map is in _layout.pxd, the structure in _radix.pxd.
 """
 
+import heapq
+
 import numpy as np
 cimport numpy as cnp
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memcpy
 from cpython.object cimport PyObject
 
 from hostkv._layout cimport (
@@ -550,13 +552,15 @@ cdef int evict_records(Segment seg, Tree* t, int32_t want, int32_t protect) exce
 # -- the operations ------------------------------------------------------------------------------
 
 cdef int64_t tree_borrow(Segment seg, Tree* t, const int32_t* tokens, int64_t num_pages,
-                         uint64_t namespace, int32_t* out_pages, int32_t* out_node) except -1:
+                         uint64_t namespace, int32_t* out_pages, int32_t* out_node,
+                         int flags) except -1:
     """Matches and locks the longest cached prefix of num_pages pages; returns its pages.
 
-    A match that ends inside a node splits it (evicting an LRU leaf for the record if
-    needed), so the lock covers exactly the borrowed pages; when no record can be had, the
-    borrow stops at the previous node boundary instead. *out_node is the node to unlock
-    later, or -1 when nothing matched. Touches the path (a borrow is a use).
+    A match that ends inside a node splits it (with BORROW_MAY_EVICT, evicting an LRU leaf
+    for the record if needed), so the lock covers exactly the borrowed pages; when no record
+    can be had, the borrow stops at the previous node boundary instead. *out_node is the
+    node to unlock later, or -1 when nothing matched. With BORROW_REFRESH, touches the path
+    (a borrow is a use).
     """
     cdef Walk walk
     cdef int64_t matched
@@ -570,7 +574,7 @@ cdef int64_t tree_borrow(Segment seg, Tree* t, const int32_t* tokens, int64_t nu
     node_index = walk.node
     node = node_at(seg, t, node_index)
     if walk.node_matched < node.rn_num_pages:
-        if t.slab.sl_used >= t.slab.sl_capacity:
+        if t.slab.sl_used >= t.slab.sl_capacity and flags & BORROW_MAY_EVICT:
             evict_records(seg, t, 1, node_index)
         if t.slab.sl_used < t.slab.sl_capacity:
             node_index = split(seg, t, node_index, walk.node_matched)
@@ -580,7 +584,8 @@ cdef int64_t tree_borrow(Segment seg, Tree* t, const int32_t* tokens, int64_t nu
     if node_index == -1:
         return 0
     tree_lock(seg, t, node_index)
-    touch(seg, t, node_index)
+    if flags & BORROW_REFRESH:
+        touch(seg, t, node_index)
     out_node[0] = node_index
     return matched
 
@@ -910,7 +915,8 @@ def borrow(Segment seg, cnp.ndarray tokens, uint64_t namespace):
     try:
         t = tree_of(seg)
         hdr = seg.hdr
-        matched = tree_borrow(seg, &t, i32_data(tokens), num_pages, namespace, i32_data(pages), &node)
+        matched = tree_borrow(seg, &t, i32_data(tokens), num_pages, namespace, i32_data(pages), &node,
+                              BORROW_REFRESH | BORROW_MAY_EVICT)
         log_store_i64(seg, &hdr.hdr_stats.st_lookups, hdr.hdr_stats.st_lookups + 1)
         log_store_i64(seg, &hdr.hdr_stats.st_lookup_tokens,
                       hdr.hdr_stats.st_lookup_tokens + tokens.shape[0])
@@ -981,6 +987,126 @@ def evict(Segment seg, int64_t num_pages):
     finally:
         seg.end()
     return evicted
+
+
+cdef tuple path_of(Segment seg, Tree* t, int32_t index):
+    """(namespace, tokens, pages) of the whole path from the top of the tree to the end of
+    node `index`: the token ids are copied (the KV bytes are not). C loops into two fresh
+    arrays: this runs under the lock, once per listed node."""
+    cdef HkvRadixNode* node
+    cdef int32_t steps = 0, page, j, current = index
+    cdef int64_t total = 0, at
+    cdef cnp.ndarray pages, tokens
+    cdef int32_t* out_pages
+    cdef int32_t* out_tokens
+    # First pass: the path's length (bounded: a cycle is corruption, not a hang).
+    while current != -1:
+        node = node_at(seg, t, current)
+        if node.rn_num_pages < 1:
+            seg.corrupt(f"radix node {current} covers {node.rn_num_pages} pages")
+        total += node.rn_num_pages
+        if total > t.num_pages:
+            seg.corrupt(f"radix node {index}'s path holds more pages than the pool")
+        current = node.rn_parent
+        steps += 1
+        if steps > t.node_capacity:
+            seg.corrupt("a cycle in the radix tree's parent links")
+    pages = np.empty(total, dtype=np.int32)
+    tokens = np.empty(total * t.page_size, dtype=np.int32)
+    out_pages = <int32_t*>cnp.PyArray_DATA(pages)
+    out_tokens = <int32_t*>cnp.PyArray_DATA(tokens)
+    # Second pass, from the node up: each node's pages fill the path from its end backwards.
+    at = total
+    current = index
+    while current != -1:
+        node = node_at(seg, t, current)
+        at -= node.rn_num_pages
+        page = node.rn_first_page
+        for j in range(node.rn_num_pages):
+            check_page_index(seg, page)
+            out_pages[at + j] = page
+            memcpy(out_tokens + (at + j) * t.page_size, tokens_of(t, page),
+                   <size_t>t.page_size * sizeof(int32_t))
+            page = t.page_next[page]
+        current = node.rn_parent
+    return node_at(seg, t, index).rn_namespace, tokens, pages
+
+
+def eviction_candidates(Segment seg, int64_t max_pages, int64_t skip_pages=0):
+    """The nodes the next evictions would take, in that order, until they cover max_pages
+    pages (or every evictable page): a list of (namespace, path tokens, path pages, node
+    pages, position), the node's own pages being the last `node pages` of its path, and
+    position the pages eviction would take before them. With skip_pages,
+    the nodes eviction would take first, as long as they fit in skip_pages pages, are
+    passed over unlisted (and uncopied): a caller reads a long order in short holds.
+
+    Reads only, under one lock: nothing changes, no recency is refreshed. Eviction takes
+    the least recently used unlocked leaf, and a node whose children all went becomes a
+    leaf in its turn; this replays that order on a best-first walk of the heap (O(k log k)
+    for k nodes listed, not O(heap)) and the parent links, without changing either. Ties
+    fall as in the heap, by node index. Eviction may trim the last node from its tail
+    instead of taking it whole; it is listed whole. Only token ids and page indices are
+    copied under the lock, never KV bytes.
+
+    Raises:
+        ValueError: max_pages < 0.
+        CorruptionError: a bad index or a cycle in the tree.
+    """
+    cdef Tree t
+    cdef int64_t taken = 0, skipped = 0, rounds = 0
+    cdef int32_t index, pos, child, parent, size, left
+    cdef HkvRadixNode* node
+    cdef HkvRadixNode* up
+    check_open(seg)
+    if max_pages < 0 or skip_pages < 0:
+        raise ValueError(f"max_pages and skip_pages must be >= 0, got {max_pages}, {skip_pages}")
+    out = []
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        size = t.state.rt_heap_size
+        if size < 0 or size > t.node_capacity:
+            seg.corrupt(f"eviction heap size {size} outside [0, {t.node_capacity}]")
+        frontier = []       # (last access, node, heap position or -1 for a node made a leaf)
+        if size > 0 and max_pages > 0:
+            index = heap_entry(seg, &t, 0)
+            frontier.append((node_at(seg, &t, index).rn_last_access, index, 0))
+        remaining = {}      # parent -> its children not listed yet
+        listed = set()
+        while frontier and taken < max_pages:
+            rounds += 1
+            if rounds > 2 * <int64_t>t.node_capacity + 2:
+                seg.corrupt("the eviction heap or the parent links loop")
+            _, index, pos = heapq.heappop(frontier)
+            if pos >= 0:
+                # The heap's order puts each entry's children after it: walk them lazily.
+                for child in (2 * pos + 1, 2 * pos + 2):
+                    if child < size:
+                        parent = heap_entry(seg, &t, child)
+                        heapq.heappush(frontier,
+                                       (node_at(seg, &t, parent).rn_last_access, parent, child))
+            if index in listed:
+                seg.corrupt(f"radix node {index} is both in the eviction heap and a parent")
+            listed.add(index)
+            node = node_at(seg, &t, index)
+            if node.rn_lock_count != 0:
+                seg.corrupt(f"radix node {index} is in the eviction heap but locked")
+            if skipped + node.rn_num_pages <= skip_pages:
+                skipped += node.rn_num_pages
+            else:
+                namespace, tokens, pages = path_of(seg, &t, index)
+                out.append((namespace, tokens, pages, node.rn_num_pages, skipped + taken))
+                taken += node.rn_num_pages
+            parent = node.rn_parent
+            if parent != -1:
+                up = node_at(seg, &t, parent)
+                left = remaining.get(parent, up.rn_num_children) - 1
+                remaining[parent] = left
+                if left == 0 and up.rn_lock_count == 0:
+                    heapq.heappush(frontier, (up.rn_last_access, parent, -1))
+    finally:
+        seg.end()
+    return out
 
 
 def check_tree(Segment seg):

@@ -11,6 +11,9 @@ def allocate(seg: Segment, token_arrays: List[npt.NDArray[np.int32]],
              seq_ids: List[int], namespaces: List[int],
              reuse_pages: List[int], min_reuse_pages: int,
              view: int) -> List[Tuple[int, int, npt.NDArray[np.int32], int]]: ...
+def hold(seg: Segment, token_arrays: List[npt.NDArray[np.int32]],
+         seq_ids: npt.NDArray[np.int64], namespaces: List[int],
+         view: int) -> List[Tuple[int, int, npt.NDArray[np.int32], int]]: ...
 def append_pages(seg: Segment, records: npt.NDArray[np.int32], seq_ids: npt.NDArray[np.int64],
                  generations: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]: ...
 def commit(seg: Segment, records: List[int], seq_ids: List[int], generations: List[int],

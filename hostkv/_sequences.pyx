@@ -22,8 +22,8 @@ from hostkv._segment cimport (
 from hostkv._slab cimport slab_alloc, slab_check, slab_check_index, slab_free, slab_record, slab_rederive
 from hostkv._pages cimport check_page_index, page_decref, page_refcounts, pages_alloc
 from hostkv._radix cimport (
-    Tree, tree_borrow, tree_evict_pages, tree_insert, tree_lock, tree_of, tree_page_hash,
-    tree_unlock)
+    BORROW_MAY_EVICT, BORROW_REFRESH, Tree, tree_borrow, tree_evict_pages, tree_insert,
+    tree_lock, tree_of, tree_page_hash, tree_unlock)
 
 from hostkv.errors import CapacityError, CorruptionError, OutOfPagesError, SequenceError
 
@@ -333,7 +333,7 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
             if reuse > 0:
                 mark = hdr.hdr_undo_count
                 matched = found = tree_borrow(seg, &t, i32(tokens), reuse, namespaces[i],
-                                              i32(table), &node)
+                                              i32(table), &node, BORROW_REFRESH | BORROW_MAY_EVICT)
                 if matched < min_reuse_pages:
                     # Too short to be worth it: undo the borrow whole (its split, lock, touch).
                     seg.rollback_to(mark)
@@ -382,6 +382,82 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
                 append_page(seg, seq, i32(table)[j])
             cnp.PyArray_CLEARFLAGS(table, cnp.NPY_ARRAY_WRITEABLE)
             results.append((record, matched, table, seq.sq_generation))
+        seg.commit()
+    finally:
+        seg.end()
+    return results
+
+
+def hold(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespaces, int32_t view):
+    """Records a batch of sequences that each hold the longest cached prefix of their tokens
+    (full pages only) and nothing else, under one lock, all or nothing.
+
+    Unlike allocate, a hold is not a use: it refreshes no recency, counts in no lookup stats,
+    takes no fresh page and evicts nothing (a borrow ending inside a node splits it only if
+    a node record is free, else stops at the node's start). A tier copies the held pages
+    out, then releases the sequences. Returns a list of (record index, held pages, page
+    table of the held pages, record generation), as allocate does.
+
+    Raises:
+        CapacityError: sequence records ran out; nothing changed.
+    """
+    cdef Tree t
+    cdef int32_t page_size, node, record
+    cdef int64_t i, n = len(token_arrays), matched
+    cdef cnp.ndarray tokens, table
+    cdef HkvSequence* seq
+    cdef int64_t* ids = <int64_t*>cnp.PyArray_DATA(seq_ids)
+    check_open(seg)
+    if (seq_ids.ndim != 1 or cnp.PyArray_TYPE(seq_ids) != cnp.NPY_INT64
+            or not cnp.PyArray_IS_C_CONTIGUOUS(seq_ids)):
+        raise ValueError("seq_ids must be a contiguous 1-D np.int64 array")
+    if seq_ids.shape[0] != n or len(namespaces) != n:
+        raise ValueError("hold needs one seq id and one namespace per token array")
+    for i in range(n):
+        # Read raw below: each must be what WorkerView's as_tokens makes.
+        if not isinstance(token_arrays[i], np.ndarray):
+            raise ValueError(f"token_arrays[{i}] must be a np.int32 array")
+        tokens = token_arrays[i]
+        if (tokens.ndim != 1 or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32
+                or not cnp.PyArray_IS_C_CONTIGUOUS(tokens)):
+            raise ValueError(f"token_arrays[{i}] must be a contiguous 1-D np.int32 array")
+        if not isinstance(namespaces[i], int) or not 0 <= namespaces[i] < 2**64:
+            raise ValueError(f"namespaces[{i}] must be an int in [0, 2**64)")
+    if seg.lease_slot < 0:
+        if seg.closing:
+            raise ValueError("the segment is closed (another thread is closing it)")
+        raise SequenceError("this handle has no lease (attached with lease=False)")
+    results = []
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        page_size = seg.hdr.hdr_config.cfg_page_size
+        if page_size <= 0:
+            seg.corrupt(f"page size {page_size} in the header")
+        for i in range(n):
+            tokens = token_arrays[i]
+            table = np.empty(tokens.shape[0] // page_size, dtype=np.int32)
+            node = -1
+            matched = tree_borrow(seg, &t, i32(tokens), table.shape[0], namespaces[i],
+                                  i32(table), &node, 0)
+            record = slab_alloc(seg, sequence_slab(seg))
+            if record < 0:
+                raise CapacityError(
+                    f"segment {seg.name!r}: all {sequence_slab(seg).sl_capacity} sequence records "
+                    f"are in use; raise max_sequences (hold of {n})",
+                    resource="sequences", needed=n - i, available=0)
+            seq = sequence_at(seg, record)
+            log_store_i32(seg, &seq.sq_lease_slot, seg.lease_slot)
+            log_store_i32(seg, &seq.sq_num_pages, 0)
+            log_store_i64(seg, <int64_t*>&seq.sq_lease_generation, <int64_t>seg.lease_generation)
+            log_store_i64(seg, &seq.sq_seq_id, ids[i])
+            log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t><uint64_t>namespaces[i])
+            log_store_i32(seg, &seq.sq_first_page, -1)
+            log_store_i32(seg, &seq.sq_last_page, -1)
+            log_store_i32(seg, &seq.sq_lock_node, node)
+            log_store_i32(seg, &seq.sq_view, view)
+            log_store_i64(seg, &seq.sq_generation, seq.sq_generation + 1)
+            results.append((record, matched, table[:matched], seq.sq_generation))
         seg.commit()
     finally:
         seg.end()

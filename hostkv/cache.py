@@ -10,7 +10,7 @@ import dataclasses
 import glob
 import numbers
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import posix_ipc
@@ -20,7 +20,7 @@ from hostkv._tokens import as_namespace, as_tokens
 from hostkv.config import HostKVConfig, KVLayout, dtype_from_code
 from hostkv.errors import ConfigError, IncompatibleSegmentError, translate_posix_ipc
 
-__all__ = ["CacheMetrics", "CacheStats", "HostKVCache", "PrefixMatch"]
+__all__ = ["CacheMetrics", "CacheStats", "EvictionCandidate", "HostKVCache", "PrefixMatch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,29 @@ class PrefixMatch:
 
     num_tokens: int
     pages: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionCandidate:
+    """A cached node that eviction would take soon, as eviction_candidates() saw it.
+
+    Attributes:
+        namespace: The node's namespace.
+        tokens: The token ids of its whole path, from the top of the tree to the node's end
+            (np.int32, a multiple of page_size).
+        pages: The pages of that path at the time of the call (np.int32); they may be
+            evicted and reused as soon as the call returns: hold them
+            (WorkerView.hold_cached_pages) before reading their KV.
+        num_pages: The node's own pages: the last num_pages of the path.
+        position: The pages eviction would take before the node's own (its place in the
+            order; the next node's is position + num_pages).
+    """
+
+    namespace: int
+    tokens: np.ndarray
+    pages: np.ndarray
+    num_pages: int
+    position: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +365,38 @@ class HostKVCache:
         arr = as_tokens(tokens)
         pages = _radix.match(self._segment, arr, as_namespace(namespace))
         return PrefixMatch(num_tokens=len(pages) * self._config.page_size, pages=pages)
+
+    def eviction_candidates(self, max_pages: int, skip_pages: int = 0
+                            ) -> List[EvictionCandidate]:
+        """The cached nodes the next evictions would take, in the order they would go, until
+        they cover max_pages pages (or every evictable page): a pure lookup, like
+        match_prefix (no recency refreshed, nothing held, no stats).
+
+        For a tier that saves pages elsewhere before they are evicted (hostkv.remote's
+        write-on-evict). The order is the core's: least recently used unlocked leaves
+        first, a node whose children all went joining in its turn; pages borrowed by a live
+        sequence are never listed. The last node is listed whole, though eviction may trim
+        only its tail. Token ids and page indices are copied under the lock, KV bytes never:
+        the lock is held ~0.2 ms per 256 pages listed (paths of ~100 pages, here), so list
+        a long order in pieces with skip_pages.
+
+        Args:
+            max_pages: List nodes until they cover this many pages.
+            skip_pages: First pass over (unlisted, uncopied) the nodes eviction would take
+                first, as long as they fit in this many pages.
+
+        Raises:
+            ValueError: max_pages or skip_pages is not an int (a bool, a float, a str) or
+                is outside [0, 2**63).
+        """
+        for what, value in (("max_pages", max_pages), ("skip_pages", skip_pages)):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{what} must be an int, got {value!r}")
+            if not 0 <= int(value) < 2**63:
+                raise ValueError(f"{what} must be in [0, 2**63), got {int(value)}")
+        return [EvictionCandidate(int(namespace), tokens, pages, int(num_pages), int(position))
+                for namespace, tokens, pages, num_pages, position
+                in _radix.eviction_candidates(self._segment, int(max_pages), int(skip_pages))]
 
     def evict(self, num_pages: int) -> int:
         """Evicts up to num_pages cached pages that no borrower holds, least recently used

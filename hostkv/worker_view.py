@@ -462,6 +462,61 @@ class WorkerView:
         self._reused_tokens += reused_pages_in_all * page_size
         return allocations
 
+    def hold_cached_pages(
+            self, requests: Sequence[SequenceRequest]) -> List[SequenceAllocation]:
+        """Holds the cached pages of each request's tokens without using them: for a tier that
+        copies cached pages out (hostkv.remote's write-on-evict), not for an engine.
+
+        Each request becomes a live sequence holding the longest cached prefix of its full
+        pages, so none of them can be evicted or rewritten until it is released (release
+        it with commit=False). Unlike an allocation it takes no fresh page, evicts nothing,
+        refreshes no recency and counts in no lookup stats: holding the coldest pages does
+        not change which pages are evicted next. Its reused_tokens may cover all of the
+        tokens; the page_table lists only the held pages, and the sequence is the held
+        tokens alone (appending to it is the engine's business, not a holder's).
+
+        Raises:
+            SequenceError: a bad, duplicate or live id, or no tokens.
+            ValueError: bad token ids or namespace.
+            CapacityError: sequence records ran out. Nothing changes when any is raised.
+        """
+        self._check_usable()
+        if type(requests) not in (list, tuple) and (
+                isinstance(requests, SequenceRequest) or not isinstance(requests, Sequence)):
+            raise SequenceError("hold_cached_pages needs a list of SequenceRequest")
+        seq_ids, token_arrays, namespaces = [], [], []
+        for index, request in enumerate(requests):
+            if not isinstance(request, SequenceRequest):
+                raise SequenceError(f"requests[{index}] is a {type(request).__name__}, "
+                                    "not a SequenceRequest")
+            seq_id = self._check_seq_id(request.seq_id)
+            if seq_id in seq_ids:
+                raise SequenceError(f"sequence {seq_id} appears twice in the batch")
+            if seq_id in self._sequences:
+                raise SequenceError(f"sequence {seq_id} is already live in this view")
+            tokens = as_tokens(request.tokens, f"requests[{index}].tokens")
+            if len(tokens) == 0:
+                raise SequenceError(f"sequence {seq_id} has no tokens")
+            seq_ids.append(seq_id)
+            token_arrays.append(tokens)
+            namespaces.append(as_namespace(request.namespace))
+        if not requests:
+            return []
+        results = self._change(
+            _InFlight(allocating=seq_ids), _sequences.hold, self._segment, token_arrays,
+            np.array(seq_ids, dtype=np.int64), namespaces, self._number)
+        page_size = self._page_size
+        holds = []
+        for seq_id, tokens, namespace, (record, held, table, generation) in zip(
+                seq_ids, token_arrays, namespaces, results):
+            table.flags.writeable = False
+            self._sequences[seq_id] = _Sequence(seq_id, record, generation, namespace,
+                                                tokens[:held * page_size].copy(),
+                                                held * page_size, held, table)
+            holds.append(SequenceAllocation(seq_id, held * page_size, table, page_size))
+        self._in_flight = None
+        return holds
+
     def append_tokens(self, seq_ids: Sequence[Any], token_ids: Sequence[Optional[int]]) -> None:
         """Records one decode step: one token id (or None, if unknown) per sequence.
 

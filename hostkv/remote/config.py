@@ -25,7 +25,9 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from hostkv.errors import ConfigError
 
-__all__ = ["ParsedURL", "RemoteConfig", "parse_url"]
+__all__ = ["ParsedURL", "RemoteConfig", "WRITE_POLICIES", "parse_url"]
+
+WRITE_POLICIES = ("through", "evict")
 
 _SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 _TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
@@ -240,6 +242,18 @@ class RemoteConfig:
         backoff_initial, backoff_max: Seconds the breaker stays open after opening, doubling
             on every failed retry up to backoff_max; one probe goes through when it ends.
         write_batch_pages: Pages the writer sends in one pipeline at most.
+        write_policy: When pages go to the store. "through" (the default): when the host
+            commits them (tier.commit/release), so a prefix is shared with other hosts as
+            soon as this one computed it. "evict": only when eviction is about to take
+            them (with the part of their chain the store lacks, so another host can reach
+            them): less traffic, but a prefix this host keeps hot is never shared. See
+            the README's figures.
+        evict_headroom: With write_policy="evict", the fraction of the pool kept "safe to
+            evict": the writer keeps the coldest (evict_headroom x num_pages - free pages)
+            evictable pages written, so eviction finds them already sent. In (0, 1].
+        evict_poll_seconds: With write_policy="evict", how often the writer looks at the
+            pool between the engine's commits and releases (each look takes the segment's
+            lock once, briefly).
     """
 
     url: str
@@ -254,6 +268,9 @@ class RemoteConfig:
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
     write_batch_pages: int = 64
+    write_policy: str = "through"
+    evict_headroom: float = 0.125
+    evict_poll_seconds: float = 0.05
 
     def __post_init__(self) -> None:
         parse_url(self.url)
@@ -273,6 +290,14 @@ class RemoteConfig:
             raise ConfigError(f"backoff_max ({self.backoff_max}) must be >= backoff_initial "
                               f"({self.backoff_initial})")
         _number(self.write_batch_pages, "write_batch_pages", 1, 1 << 16, True)
+        if not isinstance(self.write_policy, str) or self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write_policy must be one of {', '.join(map(repr, WRITE_POLICIES))}, "
+                              f"got {self.write_policy!r}")
+        _number(self.evict_headroom, "evict_headroom", 0.0, 1.0, False)
+        if self.evict_headroom == 0:
+            raise ConfigError("evict_headroom must be in (0, 1], got 0 (nothing would be "
+                              "written before its eviction)")
+        _number(self.evict_poll_seconds, "evict_poll_seconds", 0.001, 60, False)
 
     @property
     def parsed(self) -> ParsedURL:

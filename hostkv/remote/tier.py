@@ -11,17 +11,16 @@ them through its ordinary allocation. The engine polls ``RemoteLookup.done()`` (
 then allocates as usual. No network wait and no copy ever happens under the segment's lock:
 the lock is held only inside the core's allocate/commit/release calls.
 
-Write path: write-through on commit. ``publish``/``commit``/``release`` queue the token ids
+Write path: write-through on commit (``RemoteConfig(write_policy="through")``, the default;
+``"evict"`` writes pages just before eviction instead: see evict.py, and the README for
+the two measured side by side). ``publish``/``commit``/``release`` queue the token ids
 of newly committed pages (nothing else on the engine's thread). The writer thread asks the
 store which of them exist (one pipeline of EXPIRE, which also renews their TTL: no local
-"already sent" memory, so a flushed or restarted store is refilled), borrows the missing ones by allocating their prefix
-plus one token (a borrowed page cannot be evicted or rewritten while it copies the bytes),
+"already sent" memory, so a flushed or restarted store is refilled), borrows the missing
+ones by allocating their prefix plus one token (a borrowed page cannot be evicted or rewritten while it copies the bytes),
 releases them, and sends the values in one pipeline. (Borrowing is an allocation: it counts
 in the segment's lookup stats and refreshes the pages' recency, as the fetch path's
-inserts do.) Write-on-evict is not offered: eviction
-happens inside the core's allocation, under the lock, and the page's bytes are handed to
-another sequence in the same call, so a tier built on the public core never sees them; it
-would need an eviction hook in the core (a copy under the lock, which the design forbids).
+inserts do.)
 
 Faults. Every store call is bounded by the socket timeouts. A circuit breaker opens after
 ``failure_threshold`` consecutive failures: while open, lookups resolve at once as skipped and
@@ -62,6 +61,7 @@ from hostkv.remote.backend import (
     backend_for,
 )
 from hostkv.remote.config import RemoteConfig
+from hostkv.remote.evict import EvictWriter
 from hostkv.remote.shared_stats import SlotWriter, writer_for
 from hostkv.worker_view import SequenceRequest, WorkerView
 
@@ -332,11 +332,17 @@ class RemoteTier:
         self._shared_depth = 0
         self._shared_breaker = 0
         self._threads = [threading.Thread(target=self._fetch_loop, name="hostkv-remote-fetch",
-                                          daemon=True),
-                         threading.Thread(target=self._write_loop, name="hostkv-remote-write",
                                           daemon=True)]
+        self._evict_writer: Optional[EvictWriter] = None
+        if config.write_policy == "evict":
+            self._evict_writer = EvictWriter(self)
+        else:
+            self._threads.append(threading.Thread(target=self._write_loop,
+                                                  name="hostkv-remote-write", daemon=True))
         for thread in self._threads:
             thread.start()
+        if self._evict_writer is not None:
+            self._evict_writer.start()
 
     # -- the engine's side -----------------------------------------------------------------------
 
@@ -444,6 +450,11 @@ class RemoteTier:
         ask for every page."""
         self._check_open()
         arr = as_tokens(tokens)
+        if self._evict_writer is not None:
+            # write_policy="evict": committed pages are written when eviction nears them.
+            as_namespace(namespace)
+            self._evict_writer.wake()
+            return
         full = len(arr) // self._page_size
         pages = full if num_pages is None else min(int(num_pages), full)
         first = max(0, int(first_page))
@@ -478,6 +489,9 @@ class RemoteTier:
         store that was flushed or restarted (the values it has cost one small command)."""
         before = [self._published_from(view.state(seq_id)) for seq_id in seq_ids]
         counts = view.commit(seq_ids, num_tokens)
+        if self._evict_writer is not None:
+            self._evict_writer.wake()
+            return counts
         for seq_id, first, pages in zip(seq_ids, before, counts):
             if pages > first:
                 state = view.state(seq_id)
@@ -488,6 +502,10 @@ class RemoteTier:
     def release(self, view: WorkerView, seq_ids: Sequence[Any], commit: bool = True) -> List[int]:
         """view.release(seq_ids, commit), then publish the pages it newly committed (see
         commit)."""
+        if self._evict_writer is not None:
+            counts = view.release(seq_ids, commit)
+            self._evict_writer.wake()
+            return counts
         states = [view.state(seq_id) for seq_id in seq_ids] if commit else []
         counts = view.release(seq_ids, commit)
         for state, pages in zip(states, counts):
@@ -505,7 +523,9 @@ class RemoteTier:
         return state.committed_tokens // self._page_size
 
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Waits until every queued lookup and write is done; False on timeout."""
+        """Waits until every queued lookup and write is done; False on timeout. With
+        write_policy="evict", also runs a round of the evict writer (sending what is near
+        eviction now) and waits for it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._lookups or self._writes or self._writing or self._fetching:
@@ -513,6 +533,9 @@ class RemoteTier:
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(0.05 if left is None else min(left, 0.05))
+        if self._evict_writer is not None:
+            return self._evict_writer.flush(
+                None if deadline is None else max(0.0, deadline - time.monotonic()))
         return True
 
     def stats(self) -> RemoteStats:
@@ -665,11 +688,12 @@ class RemoteTier:
         if not kvs:
             item._finish("error" if cut else "miss")
             return cut
-        inserted = self._insert(item, start, kvs)
+        inserted = self._insert(item, start, kvs, keys[:len(kvs)])
         item._finish("hit" if inserted else "miss", inserted)
         return cut
 
-    def _insert(self, item: RemoteLookup, start: int, kvs: List[memoryview]) -> int:
+    def _insert(self, item: RemoteLookup, start: int, kvs: List[memoryview],
+                keys: List[bytes]) -> int:
         """Copies fetched pages [start, start + len(kvs)) into fresh local pages and commits
         them. Returns how many pages it inserted (0 when it could not)."""
         ps = self._page_size
@@ -706,6 +730,8 @@ class RemoteTier:
                 view.release([seq_id], commit=False)
             raise
         self._count(inserted_pages=len(kvs))
+        if self._evict_writer is not None:
+            self._evict_writer.note_present(keys)
         return len(kvs)
 
     # -- the writer thread -----------------------------------------------------------------------
@@ -865,14 +891,22 @@ class RemoteTier:
         self._count(lookups_skipped=len(pending), writes_dropped=dropped)
         if os.getpid() != self._pid:
             return       # a forked child: the threads and the handle are the parent's
+        writer = self._evict_writer
+        if writer is not None:
+            writer.stop()
         for thread in self._threads:
             thread.join(timeout + self._config.socket_timeout + self._config.connect_timeout)
+        if writer is not None:
+            writer.join(timeout + self._config.socket_timeout + self._config.connect_timeout)
         self._backend.close()
-        if any(thread.is_alive() for thread in self._threads):
+        if any(thread.is_alive() for thread in self._threads) or (
+                writer is not None and writer.is_alive()):
             # Its view and the pool stay referenced: cache.close() then refuses to unmap
             # under it (BufferError) instead of faulting the thread.
             log.warning("hostkv remote tier: a thread did not stop; leaving its views open")
             return
+        if writer is not None:
+            writer.close_view()
         self._fetch_view.close()
         self._write_view.close()
         self._pool = None
