@@ -99,6 +99,36 @@ cdef str out_of_pages_holders(Segment seg, Tree* t, int64_t needed):
             "(their own pages, and the cached prefixes they borrow)")
 
 
+cdef int32_t new_sequence(Segment seg, int64_t seq_id, uint64_t namespace, int32_t lock_node,
+                          int32_t view, str call, int64_t batch, int64_t still_needed) except -1:
+    """Takes a sequence record for this lease (logged) and fills it: no pages yet, holding
+    lock_node (-1: none), stamped with the caller's view number and a new generation.
+    Returns the record's index.
+
+    Raises:
+        CapacityError: every record is in use (the message names the call and its batch).
+    """
+    cdef int32_t record = slab_alloc(seg, sequence_slab(seg))
+    cdef HkvSequence* seq
+    if record < 0:
+        raise CapacityError(
+            f"segment {seg.name!r}: all {sequence_slab(seg).sl_capacity} sequence records "
+            f"are in use; raise max_sequences ({call} of {batch})",
+            resource="sequences", needed=still_needed, available=0)
+    seq = sequence_at(seg, record)
+    log_store_i32(seg, &seq.sq_lease_slot, seg.lease_slot)
+    log_store_i32(seg, &seq.sq_num_pages, 0)
+    log_store_i64(seg, <int64_t*>&seq.sq_lease_generation, <int64_t>seg.lease_generation)
+    log_store_i64(seg, &seq.sq_seq_id, seq_id)
+    log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t>namespace)
+    log_store_i32(seg, &seq.sq_first_page, -1)
+    log_store_i32(seg, &seq.sq_last_page, -1)
+    log_store_i32(seg, &seq.sq_lock_node, lock_node)
+    log_store_i32(seg, &seq.sq_view, view)
+    log_store_i64(seg, &seq.sq_generation, seq.sq_generation + 1)
+    return record
+
+
 cdef int append_page(Segment seg, HkvSequence* seq, int32_t page) except -1:
     """Adds page (already referenced for this sequence) to the end of its page list."""
     cdef HkvSlab* slab = page_list_slab(seg)
@@ -355,26 +385,9 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
             matched, node, table = borrowed[i]
             total = table.shape[0]
             fresh = total - matched
-            record = slab_alloc(seg, sequence_slab(seg))
-            if record < 0:
-                raise CapacityError(
-                    f"segment {seg.name!r}: all {sequence_slab(seg).sl_capacity} sequence records "
-                    f"are in use; raise max_sequences (batch of {n})",
-                    resource="sequences", needed=n - i, available=0)
+            # The borrow locked the node (if any) for this sequence: it is the sequence's.
+            record = new_sequence(seg, seq_ids[i], namespaces[i], node, view, "batch", n, n - i)
             seq = sequence_at(seg, record)
-            log_store_i32(seg, &seq.sq_lease_slot, seg.lease_slot)
-            log_store_i32(seg, &seq.sq_num_pages, 0)
-            log_store_i64(seg, <int64_t*>&seq.sq_lease_generation, <int64_t>seg.lease_generation)
-            log_store_i64(seg, &seq.sq_seq_id, <int64_t>seq_ids[i])
-            log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t><uint64_t>namespaces[i])
-            log_store_i32(seg, &seq.sq_first_page, -1)
-            log_store_i32(seg, &seq.sq_last_page, -1)
-            log_store_i32(seg, &seq.sq_lock_node, -1)
-            log_store_i32(seg, &seq.sq_view, view)
-            log_store_i64(seg, &seq.sq_generation, seq.sq_generation + 1)
-            if node != -1:
-                # The borrow locked the node for this sequence: record it as the sequence's.
-                log_store_i32(seg, &seq.sq_lock_node, node)
             # The borrowed prefix is held by the lock on its node (it cannot be evicted while
             # locked), not by page references: only the sequence's own pages are listed.
             pages_alloc(seg, fresh, i32(table) + matched)
@@ -440,23 +453,8 @@ def hold(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespaces, i
             node = -1
             matched = tree_borrow(seg, &t, i32(tokens), table.shape[0], namespaces[i],
                                   i32(table), &node, 0)
-            record = slab_alloc(seg, sequence_slab(seg))
-            if record < 0:
-                raise CapacityError(
-                    f"segment {seg.name!r}: all {sequence_slab(seg).sl_capacity} sequence records "
-                    f"are in use; raise max_sequences (hold of {n})",
-                    resource="sequences", needed=n - i, available=0)
+            record = new_sequence(seg, ids[i], namespaces[i], node, view, "hold", n, n - i)
             seq = sequence_at(seg, record)
-            log_store_i32(seg, &seq.sq_lease_slot, seg.lease_slot)
-            log_store_i32(seg, &seq.sq_num_pages, 0)
-            log_store_i64(seg, <int64_t*>&seq.sq_lease_generation, <int64_t>seg.lease_generation)
-            log_store_i64(seg, &seq.sq_seq_id, ids[i])
-            log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t><uint64_t>namespaces[i])
-            log_store_i32(seg, &seq.sq_first_page, -1)
-            log_store_i32(seg, &seq.sq_last_page, -1)
-            log_store_i32(seg, &seq.sq_lock_node, node)
-            log_store_i32(seg, &seq.sq_view, view)
-            log_store_i64(seg, &seq.sq_generation, seq.sq_generation + 1)
             results.append((record, matched, table[:matched], seq.sq_generation))
         seg.commit()
     finally:
