@@ -1091,7 +1091,9 @@ def eviction_candidates(Segment seg, int64_t max_pages, int64_t skip_pages=0):
             node = node_at(seg, &t, index)
             if node.rn_lock_count != 0:
                 seg.corrupt(f"radix node {index} is in the eviction heap but locked")
-            if skipped + node.rn_num_pages <= skip_pages:
+            if not taken and skipped + node.rn_num_pages <= skip_pages:
+                # Skipping stops at the first node listed: a later, smaller node that would
+                # still fit the budget is next in the order, not to be left out.
                 skipped += node.rn_num_pages
             else:
                 namespace, tokens, pages = path_of(seg, &t, index)

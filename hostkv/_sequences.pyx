@@ -331,15 +331,27 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
     cdef HkvSequence* seq
     cdef HkvHeader* hdr
     cdef int64_t reuse
+    cdef uint64_t namespace
     cdef list borrowed = []             # per request: (matched pages, locked node, table)
     check_open(seg)
     if len(seq_ids) != n or len(namespaces) != n or len(reuse_pages) != n:
         raise ValueError("allocate needs one seq id, namespace and reuse count per request")
+    page_size = seg.hdr.hdr_config.cfg_page_size        # fixed at create
     for i in range(n):
-        # Converted (OverflowError, TypeError) before the lock, not half way through the batch.
+        # Checked before the lock (the tokens are read raw below), and the ids and
+        # namespaces converted (OverflowError, TypeError) here, not half way through the batch.
+        if not isinstance(token_arrays[i], np.ndarray):
+            raise ValueError(f"token_arrays[{i}] must be a np.int32 array")
+        tokens = token_arrays[i]
+        if (tokens.ndim != 1 or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32
+                or not cnp.PyArray_IS_C_CONTIGUOUS(tokens)):
+            raise ValueError(f"token_arrays[{i}] must be a contiguous 1-D np.int32 array")
         mark = seq_ids[i]
-        if <int64_t>reuse_pages[i] < 0:
-            raise ValueError(f"request {i}: negative reuse count")
+        namespace = namespaces[i]
+        reuse = reuse_pages[i]
+        if reuse < 0 or reuse * page_size > tokens.shape[0]:
+            raise ValueError(f"request {i}: reuse count {reuse} is outside "
+                             f"[0, {tokens.shape[0] // page_size}]")
     if seg.lease_slot < 0:
         if seg.closing:
             # Another thread's close() has given the lease back and is about to unmap.

@@ -181,7 +181,9 @@ class _Sequence:
 
     def append_token(self, token: Optional[int]) -> None:
         if self.num_tokens == len(self.tokens):
-            self.tokens = np.concatenate([self.tokens, np.empty_like(self.tokens)])
+            grown = np.empty(max(2 * len(self.tokens), 16), dtype=np.int32)
+            grown[:self.num_tokens] = self.tokens[:self.num_tokens]
+            self.tokens = grown
         if token is None:
             self.tokens[self.num_tokens] = 0
             self.cacheable_tokens = min(self.cacheable_tokens, self.num_tokens)

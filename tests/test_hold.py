@@ -317,3 +317,67 @@ def test_release_of_held_pages_crash_at_every_step(hold_cache, crash_snapshots):
 def test_hold_exceptions_mid_batch_roll_back(hold_cache, crash_snapshots, mode):
     steps = crashlib.raise_every_step(hold_cache, hold_op, None, mode)
     assert steps > 20
+
+
+def test_skipping_stops_at_the_first_candidate_listed(segment_name):
+    """skip_pages skips the coldest nodes while they fit it, then lists every node after:
+    a later, smaller node that would still fit what is left of the budget is not left out
+    (review of issue 13: the evict writer's offsets fall inside nodes, and the node at
+    position 7 below went missing, so it could be evicted unsent)."""
+    cfg = small_config(num_pages=64, page_size=4)
+    with hostkv.HostKVCache.create(segment_name, cfg) as cache:
+        view = hostkv.WorkerView(cache)
+        for seq_id, pages in [(1, 3), (2, 4), (3, 2), (4, 1)]:
+            tokens = list(range(1000 * seq_id, 1000 * seq_id + 4 * pages + 1))
+            view.allocate_pages_for_sequences_with_prefix(
+                [hostkv.SequenceRequest(seq_id, tokens, namespace=seq_id)])
+            view.release([seq_id])
+        everything = [(c.num_pages, c.position) for c in cache.eviction_candidates(100, 0)]
+        assert everything == [(3, 0), (4, 3), (2, 7), (1, 9)]
+        for skip, expected in [(3, everything[1:]), (5, everything[1:]), (7, everything[2:]),
+                               (9, everything[3:]), (10, [])]:
+            got = [(c.num_pages, c.position) for c in cache.eviction_candidates(100, skip)]
+            assert got == expected, skip
+        view.close()
+
+
+def test_a_hold_of_no_pages_then_a_decode_step(segment_name):
+    """A hold that found nothing cached is a sequence of no tokens; a decode step on it
+    gets a page and records its token (it raised IndexError at every step before)."""
+    with hostkv.HostKVCache.create(segment_name, small_config(num_pages=16, page_size=4)) as cache:
+        view = hostkv.WorkerView(cache)
+        (held,) = view.hold_cached_pages([hostkv.SequenceRequest(1, [1, 2, 3, 4, 5])])
+        assert held.reused_tokens == 0 and len(held.page_table) == 0
+        view.append_tokens([1], [7])
+        view.append_tokens([1], [8])
+        state = view.state(1)
+        assert state.tokens.tolist() == [7, 8] and len(state.pages) == 1
+        view.release([1], commit=False)
+        cache.check()
+        view.close()
+
+
+def test_compiled_allocate_refuses_what_it_would_read_raw(segment_name):
+    """_sequences.allocate reads token arrays raw under the lock: arrays that are not
+    contiguous int32, a reuse count beyond the tokens and a namespace outside uint64 are
+    refused before the lock, with the segment unchanged (a None array segfaulted)."""
+    with hostkv.HostKVCache.create(segment_name, small_config(num_pages=16, page_size=4)) as cache:
+        view = hostkv.WorkerView(cache)
+        seg = cache._segment
+        before = snapshot(cache)
+        good = np.arange(9, dtype=np.int32)
+        cases = [
+            ([None], [1], [0], [0], ValueError),
+            ([good.astype(np.int64)], [1], [0], [0], ValueError),
+            ([good[::2]], [1], [0], [0], ValueError),
+            ([good], [1], [0], [3], ValueError),            # 3 pages of a 9-token prompt
+            ([good], [1], [0], [-1], ValueError),
+            ([good], [1], [-1], [0], OverflowError),
+            ([good], [1], [2**64], [0], OverflowError),
+            ([good], [2**63], [0], [0], OverflowError),
+        ]
+        for tokens, ids, namespaces, reuse, error in cases:
+            with pytest.raises(error):
+                _sequences.allocate(seg, tokens, ids, namespaces, reuse, 1, view._number)
+            assert snapshot(cache) == before
+        view.close()

@@ -541,3 +541,25 @@ def test_the_remote_benchmark_runs(redis_server):
     assert "fetch into local pages" in out.stdout and "write-behind" in out.stdout
     assert "ratio" in out.stdout and "engine thread, a miss" in out.stdout
     assert redis_server.cli("dbsize").strip() == "0"          # the benchmark cleans up
+
+
+def test_a_probe_that_never_reports_back_expires():
+    """The open breaker lets one probe through; a probe whose caller never reports an
+    outcome (its batch had nothing to send after all, or failed for a reason that is not
+    the store's) expires after one call's timeouts, so the breaker cannot stay open for
+    good (review of issue 13: it did, until the process restarted)."""
+    import time
+
+    from hostkv.remote.tier import _Breaker
+    config = RemoteConfig("redis://127.0.0.1:1/0", socket_timeout=0.05, connect_timeout=0.05,
+                          failure_threshold=1, backoff_initial=0.01, backoff_max=0.01)
+    breaker = _Breaker(config)
+    breaker.failure("the store", RuntimeError("down"))
+    assert breaker.is_open and not breaker.allow()
+    time.sleep(0.02)
+    assert breaker.allow()                   # the probe ...
+    assert not breaker.allow()               # ... one at a time
+    time.sleep(config.connect_timeout + config.socket_timeout + 1.05)
+    assert breaker.allow()                   # the unanswered probe expired
+    breaker.success()
+    assert not breaker.is_open and breaker.allow()

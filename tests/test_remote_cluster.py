@@ -4,6 +4,8 @@ byte, and a node killed mid-write loses nothing local and never hands out a part
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import redis
 
@@ -164,3 +166,40 @@ def test_a_dead_master_fails_only_its_own_keys(make_host):
         wait_until(lambda: b.tier.fetch(prompts[0], timeout=WAIT) > 0 or
                    b.reuse(prompts[0])[0] == 8 * PAGE_SIZE, "B to fetch from the node back")
         assert b.reuse(prompts[0]) == (8 * PAGE_SIZE, written[0])
+
+
+def test_every_master_paused_opens_the_breaker_and_it_closes_again(make_host):
+    """Every master stopped (SIGSTOP): lookups fail, and as every master is failed or
+    backing off, the store counts as down and the breaker opens (lookups then cost
+    nothing); resumed, the nodes answer again and the breaker closes (review of issue 13:
+    the stream's bookkeeping after its last answer never ran, so the breaker never opened
+    and recovered nodes stayed marked down)."""
+    with redis_cluster() as cluster:
+        a = make_host(fast_config(cluster.url), num_pages=128)
+        tokens = prompt(PAGE_SIZE * 4 + 1, 77)
+        a.compute(tokens, 1)
+        b = make_host(fast_config(cluster.url), num_pages=128)
+        assert b.tier.lookup(prompt(PAGE_SIZE * 4 + 1, 98)).wait(WAIT) == 0   # connected
+        for server in cluster.servers:
+            server.pause()
+        try:
+            # Each lookup waits out a read timeout per node it asks (~1-2 s here) until
+            # every master is marked failed; failure_threshold of them open the breaker.
+            for attempt in range(12):
+                b.tier.lookup(prompt(PAGE_SIZE * 4 + 1, 200 + attempt)).wait(WAIT)
+                if b.tier.stats().breaker_open:
+                    break
+            assert b.tier.stats().breaker_open, "every master stopped, and the breaker shut"
+            began = time.monotonic()
+            assert b.tier.lookup(prompt(PAGE_SIZE * 4 + 1, 300)).wait(WAIT) == 0
+            assert time.monotonic() - began < 0.2      # skipped at once: no timeout to wait
+        finally:
+            for server in cluster.servers:
+                server.resume()
+
+        def fetched():
+            look = b.tier.lookup(tokens)
+            look.wait(WAIT)
+            return look.inserted_pages == 4
+        wait_until(fetched, "the resumed cluster to serve the pages again")
+        assert not b.tier.stats().breaker_open

@@ -176,7 +176,9 @@ class RedisBackend(RemoteBackend):
             if self._cluster_client is None:
                 try:
                     self._cluster_client = self._make_cluster()
-                except self._redis.RedisError as exc:
+                except (self._redis.RedisError,
+                        self._redis.exceptions.RedisClusterException) as exc:
+                    # No seed answers: RedisClusterException, which is not a RedisError.
                     raise self._fail(exc, "connect to the cluster") from None
             return self._cluster_client
 
@@ -376,9 +378,11 @@ class RedisBackend(RemoteBackend):
             for name in conns:
                 if name not in lost:
                     self._node_answered(name)
-            if failure is not None and not answered and self._every_master_down(client):
-                # The store is down, not just a node of it: the caller's breaker counts it.
-                raise self._fail(failure, f"{what} of {sum(map(len, groups))} keys")
+            if lost and not answered and self._every_master_down(client):
+                # The store is down, not just a node of it (every master failed, or still
+                # backs off since it did): the caller's breaker counts it.
+                raise self._fail(failure or ConnectionError("every master is backing off"),
+                                 f"{what} of {sum(map(len, groups))} keys")
         finally:
             for name, (pool, conn) in conns.items():
                 if unread[name]:

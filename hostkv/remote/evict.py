@@ -303,7 +303,8 @@ class EvictWriter:
             tier._breaker.failure(tier.config.redacted_url, exc)
             tier._count(errors=1, writes_dropped=total)
             return False
-        tier._breaker.success()
+        if any(flag is not None for flag in present):
+            tier._breaker.success()          # some node answered (None: its node did not)
         there = [key for key, flag in zip(asking, present) if flag]
         self.note_present(there)
         tier._count(present_pages=len(there))
@@ -321,7 +322,7 @@ class EvictWriter:
         if not items:
             return True              # all evicted meanwhile: look again
         try:
-            tier._backend.put_many(items, tier.config.ttl_seconds)
+            not_stored = tier._backend.put_many(items, tier.config.ttl_seconds)
         except RemoteFullError as exc:
             log.debug("hostkv remote tier: the store refused %d values: %s", len(items), exc)
             tier._count(errors=1, writes_dropped=len(items))
@@ -330,9 +331,16 @@ class EvictWriter:
             tier._breaker.failure(tier.config.redacted_url, exc)
             tier._count(errors=1, writes_dropped=len(items))
             return False
-        tier._breaker.success()
-        self.note_present([key for key, _ in items])
-        tier._count(written_pages=len(items), bytes_up=sum(len(v) for _, v in items))
+        if not_stored < len(items):
+            tier._breaker.success()
+        if not_stored:
+            # A cluster node down while the others stored theirs: which values it lost is
+            # not known, so none is remembered as present (the next look asks again).
+            tier._count(errors=1, writes_dropped=not_stored, unavailable_pages=not_stored)
+        else:
+            self.note_present([key for key, _ in items])
+        tier._count(written_pages=len(items) - not_stored,
+                    bytes_up=sum(len(v) for _, v in items))
         return True
 
     def _hold_and_encode(self, missing: List[Tuple[int, np.ndarray, List[bytes], List[int]]]

@@ -207,7 +207,11 @@ class RemoteLookup:
 
 class _Breaker:
     """Closed -> (failure_threshold failures) -> open for a backoff -> one probe -> closed or
-    open again for twice as long (up to backoff_max)."""
+    open again for twice as long (up to backoff_max).
+
+    A probe that never reports back (its batch turned out to have nothing to send, or
+    failed for a reason that is not the store's) expires after one store call's timeouts,
+    and the next call probes again: the breaker can never stay open for good."""
 
     def __init__(self, config: RemoteConfig, on_change: Any = None) -> None:
         self._config = config
@@ -217,6 +221,8 @@ class _Breaker:
         self._open_until = 0.0
         self._backoff = config.backoff_initial
         self._probing = False
+        self._probe_until = 0.0
+        self._probe_seconds = config.connect_timeout + config.socket_timeout + 1.0
         self.is_open = False
         self.opens = 0
 
@@ -224,9 +230,11 @@ class _Breaker:
         with self._lock:
             if not self.is_open:
                 return True
-            if self._probing or time.monotonic() < self._open_until:
+            now = time.monotonic()
+            if now < self._open_until or (self._probing and now < self._probe_until):
                 return False
             self._probing = True
+            self._probe_until = now + self._probe_seconds
             return True
 
     def success(self) -> None:
@@ -617,7 +625,7 @@ class RemoteTier:
             self._count(lookups_skipped=len(plans))
             return
         began = time.perf_counter()
-        stream = self._backend.get_streamed([keys for _, _, keys in plans])
+        stream = iter(self._backend.get_streamed([keys for _, _, keys in plans]))
         done = 0
         answered = False
         cut = 0
@@ -631,6 +639,11 @@ class RemoteTier:
                     self._breaker.success()
                 cut += self._take(item, start, keys, values, first_cut=not cut)
                 done += 1
+            # Resume the stream past its last answer: a cluster backend's bookkeeping (the
+            # nodes that answered again; every master down, a RemoteError) runs there, and
+            # close() would skip it.
+            for _ in stream:
+                raise RemoteError("the store sent more answers than were asked for")
         except RemoteError as exc:
             self._breaker.failure(self._config.redacted_url, exc)
             self._count(errors=1)
