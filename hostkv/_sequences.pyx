@@ -99,6 +99,27 @@ cdef str out_of_pages_holders(Segment seg, Tree* t, int64_t needed):
             "(their own pages, and the cached prefixes they borrow)")
 
 
+cdef int check_lease(Segment seg) except -1:
+    """Sequences belong to a lease: refuses a handle without one (or one being closed)."""
+    if seg.lease_slot < 0:
+        if seg.closing:
+            # Another thread's close() has given the lease back and is about to unmap.
+            raise ValueError("the segment is closed (another thread is closing it)")
+        raise SequenceError("this handle has no lease (attached with lease=False)")
+    return 0
+
+
+cdef cnp.ndarray raw_token_array(list token_arrays, int64_t i):
+    """token_arrays[i], checked to be what the compiled calls read raw (what WorkerView's
+    as_tokens makes): a contiguous 1-D np.int32 array. ValueError otherwise."""
+    tokens = token_arrays[i]
+    if (not isinstance(tokens, np.ndarray) or tokens.ndim != 1
+            or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32
+            or not cnp.PyArray_IS_C_CONTIGUOUS(tokens)):
+        raise ValueError(f"token_arrays[{i}] must be a contiguous 1-D np.int32 array")
+    return tokens
+
+
 cdef int32_t new_sequence(Segment seg, int64_t seq_id, uint64_t namespace, int32_t lock_node,
                           int32_t view, str call, int64_t batch, int64_t still_needed) except -1:
     """Takes a sequence record for this lease (logged) and fills it: no pages yet, holding
@@ -340,23 +361,14 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
     for i in range(n):
         # Checked before the lock (the tokens are read raw below), and the ids and
         # namespaces converted (OverflowError, TypeError) here, not half way through the batch.
-        if not isinstance(token_arrays[i], np.ndarray):
-            raise ValueError(f"token_arrays[{i}] must be a np.int32 array")
-        tokens = token_arrays[i]
-        if (tokens.ndim != 1 or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32
-                or not cnp.PyArray_IS_C_CONTIGUOUS(tokens)):
-            raise ValueError(f"token_arrays[{i}] must be a contiguous 1-D np.int32 array")
+        tokens = raw_token_array(token_arrays, i)
         mark = seq_ids[i]
         namespace = namespaces[i]
         reuse = reuse_pages[i]
         if reuse < 0 or reuse * page_size > tokens.shape[0]:
             raise ValueError(f"request {i}: reuse count {reuse} is outside "
                              f"[0, {tokens.shape[0] // page_size}]")
-    if seg.lease_slot < 0:
-        if seg.closing:
-            # Another thread's close() has given the lease back and is about to unmap.
-            raise ValueError("the segment is closed (another thread is closing it)")
-        raise SequenceError("this handle has no lease (attached with lease=False)")
+    check_lease(seg)
     results = []
     seg.begin()
     try:
@@ -440,18 +452,10 @@ def hold(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespaces, i
         raise ValueError("hold needs one seq id and one namespace per token array")
     for i in range(n):
         # Read raw below: each must be what WorkerView's as_tokens makes.
-        if not isinstance(token_arrays[i], np.ndarray):
-            raise ValueError(f"token_arrays[{i}] must be a np.int32 array")
-        tokens = token_arrays[i]
-        if (tokens.ndim != 1 or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32
-                or not cnp.PyArray_IS_C_CONTIGUOUS(tokens)):
-            raise ValueError(f"token_arrays[{i}] must be a contiguous 1-D np.int32 array")
+        tokens = raw_token_array(token_arrays, i)
         if not isinstance(namespaces[i], int) or not 0 <= namespaces[i] < 2**64:
             raise ValueError(f"namespaces[{i}] must be an int in [0, 2**64)")
-    if seg.lease_slot < 0:
-        if seg.closing:
-            raise ValueError("the segment is closed (another thread is closing it)")
-        raise SequenceError("this handle has no lease (attached with lease=False)")
+    check_lease(seg)
     results = []
     seg.begin()
     try:
