@@ -352,7 +352,8 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
     cdef HkvSequence* seq
     cdef HkvHeader* hdr
     cdef int64_t reuse
-    cdef uint64_t namespace
+    cdef int64_t checked_id             # converted before the lock, only to check them
+    cdef uint64_t checked_namespace
     cdef list borrowed = []             # per request: (matched pages, locked node, table)
     check_open(seg)
     if len(seq_ids) != n or len(namespaces) != n or len(reuse_pages) != n:
@@ -362,8 +363,8 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
         # Checked before the lock (the tokens are read raw below), and the ids and
         # namespaces converted (OverflowError, TypeError) here, not half way through the batch.
         tokens = raw_token_array(token_arrays, i)
-        mark = seq_ids[i]
-        namespace = namespaces[i]
+        checked_id = seq_ids[i]
+        checked_namespace = namespaces[i]
         reuse = reuse_pages[i]
         if reuse < 0 or reuse * page_size > tokens.shape[0]:
             raise ValueError(f"request {i}: reuse count {reuse} is outside "

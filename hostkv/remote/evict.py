@@ -348,7 +348,6 @@ class EvictWriter:
         """Holds the pages (no recency refreshed, nothing evicted), copies and encodes them,
         releases them. Pages evicted since eviction_candidates are dropped (counted)."""
         tier = self._tier
-        ps = self._page_size
         requests = [SequenceRequest(next(self._seq_ids), tokens, namespace)
                     for namespace, tokens, _keys, _pages in missing]
         try:
@@ -357,20 +356,4 @@ class EvictWriter:
             log.debug("hostkv remote tier: cannot hold pages to write: %s", exc)
             tier._count(writes_dropped=sum(len(p) for _, _, _, p in missing))
             return None
-        items = []
-        try:
-            pool = tier._pool
-            assert pool is not None
-            for (namespace, tokens, keys, pages), hold in zip(missing, holds):
-                held = hold.reused_tokens // ps
-                gone = sum(1 for p in pages if p >= held)
-                if gone:
-                    tier._count(writes_dropped=gone)
-                for page in pages:
-                    if page < held:
-                        items.append((keys[page], codec.encode_value(
-                            tier._fingerprint, namespace, tokens[page * ps:(page + 1) * ps],
-                            pool[hold.page_table[page]])))
-        finally:
-            self._view.release([r.seq_id for r in requests], commit=False)
-        return items
+        return tier._encode_held(self._view, missing, holds)

@@ -63,7 +63,7 @@ from hostkv.remote.backend import (
 from hostkv.remote.config import RemoteConfig
 from hostkv.remote.evict import EvictWriter
 from hostkv.remote.shared_stats import SlotWriter, writer_for
-from hostkv.worker_view import SequenceRequest, WorkerView
+from hostkv.worker_view import SequenceAllocation, SequenceRequest, WorkerView
 
 __all__ = ["RemoteLookup", "RemoteStats", "RemoteTier"]
 
@@ -859,22 +859,31 @@ class RemoteTier:
         except (OutOfPagesError, CapacityError):
             self._count(writes_dropped=sum(len(m) for _, _, _, m in todo))
             return []
+        return self._encode_held(self._write_view, todo, allocs)
+
+    def _encode_held(self, view: WorkerView,
+                     todo: List[Tuple[int, np.ndarray, List[bytes], List[int]]],
+                     holds: List[SequenceAllocation]) -> List[Tuple[bytes, bytes]]:
+        """Copies and encodes each job's listed pages off the pages its sequence holds (an
+        allocation or a hold of view's, one per job), then releases the sequences. Pages no
+        longer held (evicted since they were chosen) are dropped, counted."""
+        ps = self._page_size
         items = []
         try:
             pool = self._pool
             assert pool is not None
-            for (namespace, tokens, keys, missing), alloc in zip(todo, allocs):
-                held = alloc.reused_tokens // ps
-                gone = [p for p in missing if p >= held]
+            for (namespace, tokens, keys, pages), hold in zip(todo, holds):
+                held = hold.reused_tokens // ps
+                gone = sum(1 for page in pages if page >= held)
                 if gone:
-                    self._count(writes_dropped=len(gone))
-                for page in missing:
+                    self._count(writes_dropped=gone)
+                for page in pages:
                     if page < held:
-                        kv = pool[alloc.page_table[page]]
                         items.append((keys[page], codec.encode_value(
-                            self._fingerprint, namespace, tokens[page * ps:(page + 1) * ps], kv)))
+                            self._fingerprint, namespace, tokens[page * ps:(page + 1) * ps],
+                            pool[hold.page_table[page]])))
         finally:
-            self._write_view.release([r.seq_id for r in requests], commit=False)
+            view.release([hold.seq_id for hold in holds], commit=False)
         return items
 
     # -- closing -------------------------------------------------------------------------------
