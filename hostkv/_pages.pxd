@@ -22,7 +22,16 @@ cdef inline int32_t* page_tokens(Segment seg, int32_t page) noexcept nogil:
             + <int64_t>page * seg.hdr.hdr_config.cfg_page_size)
 
 
-cdef int check_page_index(Segment seg, int64_t page) except -1
+cdef int page_index_corrupt(Segment seg, int64_t page) except -1
+
+
+cdef inline int check_page_index(Segment seg, int64_t page) except -1:
+    """CorruptionError unless page names a page of the pool."""
+    if page < 0 or page >= seg.hdr.hdr_config.cfg_num_pages:
+        page_index_corrupt(seg, page)
+    return 0
+
+
 cdef int pages_alloc(Segment seg, int64_t count, int32_t* out) except -1
 cdef int page_incref(Segment seg, int32_t page) except -1
 cdef int page_decref(Segment seg, int32_t page) except -1

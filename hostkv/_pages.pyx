@@ -14,9 +14,9 @@ from hostkv.errors import CorruptionError, OutOfPagesError
 cnp.import_array()
 
 
-cdef int check_page_index(Segment seg, int64_t page) except -1:
-    if page < 0 or page >= seg.hdr.hdr_config.cfg_num_pages:
-        seg.corrupt(f"page index {page} outside [0, {seg.hdr.hdr_config.cfg_num_pages})")
+cdef int page_index_corrupt(Segment seg, int64_t page) except -1:
+    """check_page_index's failure, out of line (the check itself is inlined everywhere)."""
+    seg.corrupt(f"page index {page} outside [0, {seg.hdr.hdr_config.cfg_num_pages})")
     return 0
 
 

@@ -608,7 +608,7 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
     """
     cdef Walk walk
     cdef int64_t existing, i
-    cdef int32_t parent, needed, new_index, page, node_index, prev = -1
+    cdef int32_t parent, needed, new_index, page, node_index
     cdef HkvRadixNode* node
     cdef bint partial
     cdef int32_t* refcounts = page_refcounts(seg)
@@ -659,10 +659,8 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
         if not pages_equal(t, tokens_of(t, page), tokens + i * t.page_size):
             write_tokens(seg, t, page, tokens + i * t.page_size)
         page_incref(seg, page)
-        log_store_i32(seg, &t.page_next[page], END_OF_NODE)
-        if prev != -1:
-            log_store_i32(seg, &t.page_next[prev], page)
-        prev = page
+        # One store per page: its link to the next page of the node, or the node's end.
+        log_store_i32(seg, &t.page_next[page], pages[i + 1] if i + 1 < num_pages else END_OF_NODE)
         out_tree_pages[i] = page
     log_store_i32(seg, &node.rn_parent, parent)
     log_store_i32(seg, &node.rn_num_pages, <int32_t>(num_pages - existing))
@@ -1211,34 +1209,51 @@ def _compare_ceiling(cnp.ndarray a, cnp.ndarray b, int64_t page_size, int64_t re
     return equal
 
 
+cdef int64_t first_negative(const int32_t* data, int64_t n) noexcept nogil:
+    """The index of the first negative id of data[:n], or -1. It ORs blocks of ids (a loop
+    without a branch, which the compiler vectorizes: ~0.05 ns an id, where a loop that
+    stops at the first negative id costs ~0.8) and looks for the index only in a block
+    whose OR is negative."""
+    cdef int64_t i = 0, j, end
+    cdef int32_t acc
+    while i < n:
+        end = min(i + 4096, n)
+        acc = 0
+        for j in range(i, end):
+            acc = acc | data[j]
+        if acc < 0:
+            for j in range(i, end):
+                if data[j] < 0:
+                    return j
+        i = end
+    return -1
+
+
 def first_bad_token(cnp.ndarray tokens):
     """The index of the first token id outside [0, 2**31) in a contiguous int32 array, or -1.
 
     (For int32 only negative ids can be out of range.) A C loop: validating a prompt costs
-    a fraction of a microsecond, not a numpy reduction's call overhead. It ORs blocks of ids
-    (a loop without a branch, which the compiler vectorizes: ~0.05 ns an id, where a loop
-    that stops at the first negative id costs ~0.8) and looks for the index only in a
-    block whose OR is negative."""
-    cdef const int32_t* data
-    cdef int64_t i, j, end, n, found = -1
-    cdef int32_t acc
+    a fraction of a microsecond, not a numpy reduction's call overhead."""
+    cdef int64_t found
     check_i32(tokens, "tokens")
-    data = <const int32_t*>cnp.PyArray_DATA(tokens)
-    n = tokens.shape[0]
     with nogil:
-        i = 0
-        while i < n and found < 0:
-            end = min(i + 4096, n)
-            acc = 0
-            for j in range(i, end):
-                acc = acc | data[j]
-            if acc < 0:
-                for j in range(i, end):
-                    if data[j] < 0:
-                        found = j
-                        break
-            i = end
+        found = first_negative(<const int32_t*>cnp.PyArray_DATA(tokens), tokens.shape[0])
     return found
+
+
+def checked_copy(cnp.ndarray tokens):
+    """A new array holding a copy of a contiguous int32 token array, or None when an id is
+    outside [0, 2**31) (first_bad_token says which): one C call where a check and a numpy
+    copy would be two, for a caller that must not keep the caller's own memory."""
+    cdef int64_t n, found
+    cdef cnp.ndarray out
+    check_i32(tokens, "tokens")
+    n = tokens.shape[0]
+    out = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
+    with nogil:
+        memcpy(cnp.PyArray_DATA(out), cnp.PyArray_DATA(tokens), <size_t>n * 4)
+        found = first_negative(<const int32_t*>cnp.PyArray_DATA(out), n)
+    return out if found < 0 else None
 
 
 cdef extern from "Python.h":

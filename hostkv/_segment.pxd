@@ -59,6 +59,11 @@ cdef class Segment:
     cdef Py_ssize_t exports             # live buffer views of the page pool
     cdef Py_ssize_t _pool_shape[2]
     cdef Py_ssize_t _pool_strides[2]
+    # The slabs (HkvSlab*) the open mutation has freed a record of, so far: records it takes
+    # from any other slab were free when it began (see _slab.slab_alloc_many). Up to 4; a 5th
+    # sets num_freed_slabs to -1 (assume every slab).
+    cdef void* freed_slabs[4]
+    cdef int num_freed_slabs
 
     cdef _map(self, name, int fd, int64_t size)
     cdef _populate_metadata(self)

@@ -1004,6 +1004,7 @@ cdef class Segment:
                 home = 0
         self.hdr.hdr_undo_start = <int32_t>home
         self.undo_start = home
+        self.num_freed_slabs = 0
         return 0
 
     cdef int commit(self) except -1:
@@ -1013,6 +1014,7 @@ cdef class Segment:
             self.crash_point()
         hkv_compiler_barrier()
         self.hdr.hdr_undo_count = 0
+        self.num_freed_slabs = 0
         return 0
 
     cdef void end(self) noexcept:

@@ -19,7 +19,9 @@ from hostkv._layout cimport (
     HkvSlab, HKV_HINT_SLOTS, HKV_LEASE_ACTIVE, HKV_NAMESPACE_SLOTS)
 from hostkv._segment cimport (
     Segment, add_dead_lease_hook, add_rederive_hook, check_open, log_store_i32, log_store_i64)
-from hostkv._slab cimport slab_alloc, slab_check, slab_check_index, slab_free, slab_record, slab_rederive
+from hostkv._slab cimport (
+    slab_alloc_many, slab_check, slab_check_index, slab_free, slab_note_free, slab_record,
+    slab_rederive)
 from hostkv._pages cimport check_page_index, page_decref, page_refcounts, pages_alloc
 from hostkv._radix cimport (
     BORROW_MAY_EVICT, BORROW_REFRESH, Tree, tree_borrow, tree_evict_pages, tree_insert,
@@ -122,53 +124,90 @@ cdef cnp.ndarray raw_token_array(list token_arrays, int64_t i):
 
 cdef int32_t new_sequence(Segment seg, int64_t seq_id, uint64_t namespace, int32_t lock_node,
                           int32_t view, str call, int64_t batch, int64_t still_needed) except -1:
-    """Takes a sequence record for this lease (logged) and fills it: no pages yet, holding
-    lock_node (-1: none), stamped with the caller's view number and a new generation.
-    Returns the record's index.
+    """Takes a sequence record for this lease and fills it: no pages yet, holding lock_node
+    (-1: none), stamped with the caller's view number and a new generation. Returns the
+    record's index.
 
     Raises:
         CapacityError: every record is in use (the message names the call and its batch).
     """
-    cdef int32_t record = slab_alloc(seg, sequence_slab(seg))
+    cdef HkvSlab* slab = sequence_slab(seg)
+    cdef int32_t record
+    cdef int taken = slab_alloc_many(seg, slab, 1, &record)
     cdef HkvSequence* seq
-    if record < 0:
+    if taken == 0:
         raise CapacityError(
-            f"segment {seg.name!r}: all {sequence_slab(seg).sl_capacity} sequence records "
+            f"segment {seg.name!r}: all {slab.sl_capacity} sequence records "
             f"are in use; raise max_sequences ({call} of {batch})",
             resource="sequences", needed=still_needed, available=0)
     seq = sequence_at(seg, record)
-    log_store_i32(seg, &seq.sq_lease_slot, seg.lease_slot)
-    log_store_i32(seg, &seq.sq_num_pages, 0)
-    log_store_i64(seg, <int64_t*>&seq.sq_lease_generation, <int64_t>seg.lease_generation)
-    log_store_i64(seg, &seq.sq_seq_id, seq_id)
-    log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t>namespace)
-    log_store_i32(seg, &seq.sq_first_page, -1)
-    log_store_i32(seg, &seq.sq_last_page, -1)
-    log_store_i32(seg, &seq.sq_lock_node, lock_node)
-    log_store_i32(seg, &seq.sq_view, view)
+    if taken == 2:
+        # Free when the mutation began: a rollback frees it again (see slab_alloc_many).
+        seq.sq_lease_slot = seg.lease_slot
+        seq.sq_num_pages = 0
+        seq.sq_lease_generation = seg.lease_generation
+        seq.sq_seq_id = seq_id
+        seq.sq_namespace = namespace
+        seq.sq_first_page = -1
+        seq.sq_last_page = -1
+        seq.sq_lock_node = lock_node
+        seq.sq_view = view
+    else:
+        log_store_i32(seg, &seq.sq_lease_slot, seg.lease_slot)
+        log_store_i32(seg, &seq.sq_num_pages, 0)
+        log_store_i64(seg, <int64_t*>&seq.sq_lease_generation, <int64_t>seg.lease_generation)
+        log_store_i64(seg, &seq.sq_seq_id, seq_id)
+        log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t>namespace)
+        log_store_i32(seg, &seq.sq_first_page, -1)
+        log_store_i32(seg, &seq.sq_last_page, -1)
+        log_store_i32(seg, &seq.sq_lock_node, lock_node)
+        log_store_i32(seg, &seq.sq_view, view)
+    # Logged either way: a record's generations only ever go up, rollbacks included.
     log_store_i64(seg, &seq.sq_generation, seq.sq_generation + 1)
     return record
 
 
-cdef int append_page(Segment seg, HkvSequence* seq, int32_t page) except -1:
-    """Adds page (already referenced for this sequence) to the end of its page list."""
+cdef int extend_page_list(Segment seg, HkvSequence* seq, const int32_t* pages,
+                          int64_t count) except -1:
+    """Adds `count` pages (already referenced for this sequence) to the end of its page
+    list: one list entry each, taken from the free list in one step."""
     cdef HkvSlab* slab = page_list_slab(seg)
-    cdef int32_t entry_index = slab_alloc(seg, slab)
+    cdef int32_t* entries
+    cdef int32_t first_entry
     cdef HkvSeqPage* entry
-    if entry_index < 0:
-        raise CapacityError(
-            f"segment {seg.name!r}: every sequence page-list record is in use (capacity "
-            f"{slab.sl_capacity}); raise sequence_page_node_capacity",
-            resource="sequence page nodes", needed=1, available=0)
-    entry = page_entry_at(seg, entry_index)
-    log_store_i32(seg, &entry.sp_page, page)
-    log_store_i32(seg, &entry.sp_next, -1)
-    if seq.sq_last_page == -1:
-        log_store_i32(seg, &seq.sq_first_page, entry_index)
-    else:
-        log_store_i32(seg, &page_entry_at(seg, seq.sq_last_page).sp_next, entry_index)
-    log_store_i32(seg, &seq.sq_last_page, entry_index)
-    log_store_i32(seg, &seq.sq_num_pages, seq.sq_num_pages + 1)
+    cdef int64_t k
+    cdef int taken
+    if count <= 0:
+        return 0
+    entries = &first_entry if count == 1 else <int32_t*>malloc(count * sizeof(int32_t))
+    if entries == NULL:
+        raise MemoryError()
+    try:
+        taken = slab_alloc_many(seg, slab, count, entries)
+        if taken == 0:
+            raise CapacityError(
+                f"segment {seg.name!r}: every sequence page-list record is in use (capacity "
+                f"{slab.sl_capacity}); raise sequence_page_node_capacity",
+                resource="sequence page nodes", needed=count,
+                available=slab.sl_capacity - slab.sl_used)
+        for k in range(count):
+            entry = <HkvSeqPage*>slab_record(slab, entries[k])
+            if taken == 2:
+                # Free when the mutation began: a rollback frees it again.
+                entry.sp_page = pages[k]
+                entry.sp_next = entries[k + 1] if k + 1 < count else -1
+            else:
+                log_store_i32(seg, &entry.sp_page, pages[k])
+                log_store_i32(seg, &entry.sp_next, entries[k + 1] if k + 1 < count else -1)
+        if seq.sq_last_page == -1:
+            log_store_i32(seg, &seq.sq_first_page, entries[0])
+        else:
+            log_store_i32(seg, &page_entry_at(seg, seq.sq_last_page).sp_next, entries[0])
+        log_store_i32(seg, &seq.sq_last_page, entries[count - 1])
+        log_store_i32(seg, &seq.sq_num_pages, seq.sq_num_pages + <int32_t>count)
+    finally:
+        if entries != &first_entry:
+            free(entries)
     return 0
 
 
@@ -191,19 +230,30 @@ cdef int release_sequence(Segment seg, Tree* t, int32_t index) except -1:
     cdef HkvSlab* list_slab = page_list_slab(seg)
     cdef int32_t entry_index = seq.sq_first_page, next_index
     cdef int32_t count = 0
+    cdef int32_t free_head = list_slab.sl_free_head
     cdef HkvSeqPage* entry
     set_lock(seg, t, seq, -1)
+    if entry_index != -1:
+        slab_note_free(seg, list_slab)
     while entry_index != -1:
         entry = page_entry_at(seg, entry_index)
+        if entry.sp_slab.sr_in_use != 1:
+            seg.corrupt(f"sequence {index}'s page-list record {entry_index} is free")
         next_index = entry.sp_next
         page_decref(seg, entry.sp_page)
-        slab_free(seg, list_slab, entry_index)
+        # Pushed on the free list one by one, its head and count stored once at the end.
+        log_store_i32(seg, &entry.sp_slab.sr_in_use, 0)
+        log_store_i32(seg, &entry.sp_slab.sr_next_free, free_head)
+        free_head = entry_index
         entry_index = next_index
         count += 1
         if count > seq.sq_num_pages:
             seg.corrupt(f"sequence {index}'s page list is longer than its {seq.sq_num_pages} pages")
     if count != seq.sq_num_pages:
         seg.corrupt(f"sequence {index} lists {count} pages, counts {seq.sq_num_pages}")
+    if count:
+        log_store_i32(seg, &list_slab.sl_free_head, free_head)
+        log_store_i32(seg, &list_slab.sl_used, list_slab.sl_used - count)
     slab_free(seg, sequence_slab(seg), index)
     return 0
 
@@ -416,8 +466,7 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
             # The borrowed prefix is held by the lock on its node (it cannot be evicted while
             # locked), not by page references: only the sequence's own pages are listed.
             pages_alloc(seg, fresh, i32(table) + matched)
-            for j in range(matched, total):
-                append_page(seg, seq, i32(table)[j])
+            extend_page_list(seg, seq, i32(table) + matched, fresh)
             cnp.PyArray_CLEARFLAGS(table, cnp.NPY_ARRAY_WRITEABLE)
             results.append((record, matched, table, seq.sq_generation))
         seg.commit()
@@ -516,7 +565,7 @@ def append_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_ids,
                 available=seg.hdr.hdr_free_pages)
         pages_alloc(seg, n, i32(pages))
         for i in range(n):
-            append_page(seg, owned_sequence(seg, recs[i], ids[i], gens[i]), i32(pages)[i])
+            extend_page_list(seg, owned_sequence(seg, recs[i], ids[i], gens[i]), i32(pages) + i, 1)
         seg.commit()
     finally:
         seg.end()

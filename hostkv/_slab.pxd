@@ -15,8 +15,30 @@ cdef inline HkvSlabRecord* slab_record(HkvSlab* slab, int32_t index) noexcept no
     return <HkvSlabRecord*>((<char*>slab) + sizeof(HkvSlab) + <int64_t>index * slab.sl_record_size)
 
 
-cdef int slab_check_index(Segment seg, HkvSlab* slab, int64_t index, str what) except -1
+cdef int slab_index_corrupt(Segment seg, HkvSlab* slab, int64_t index, str what) except -1
+
+
+cdef inline int slab_check_index(Segment seg, HkvSlab* slab, int64_t index, str what) except -1:
+    """CorruptionError unless index names a record of the slab."""
+    if index < 0 or index >= slab.sl_capacity:
+        slab_index_corrupt(seg, slab, index, what)
+    return 0
+
+
+cdef inline bint slab_freed_in_mutation(Segment seg, HkvSlab* slab) noexcept:
+    """Whether the open mutation has freed a record of this slab (so far)."""
+    cdef int i
+    if seg.num_freed_slabs < 0:
+        return True
+    for i in range(seg.num_freed_slabs):
+        if seg.freed_slabs[i] == <void*>slab:
+            return True
+    return False
+
+
 cdef int32_t slab_alloc(Segment seg, HkvSlab* slab) except -2
+cdef int slab_alloc_many(Segment seg, HkvSlab* slab, int64_t count, int32_t* out) except -1
 cdef int slab_free(Segment seg, HkvSlab* slab, int32_t index) except -1
+cdef int slab_note_free(Segment seg, HkvSlab* slab) except -1
 cdef int slab_rederive(Segment seg, HkvSlab* slab) except -1
 cdef int slab_check(Segment seg, HkvSlab* slab, str what) except -1

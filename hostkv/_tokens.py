@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -15,11 +15,13 @@ _BYTES_LIKE = (str, bytes, bytearray, memoryview)
 NAMESPACE_LIMIT = 2**64
 
 
-def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
-    """Returns token ids as a contiguous 1-D np.int32 array (no copy when it already is one).
+def as_tokens(tokens: Any, what: str = "tokens", private: bool = False) -> np.ndarray:
+    """Returns token ids as a contiguous 1-D np.int32 array (no copy when it already is one,
+    unless private).
 
     Accepts lists or tuples of Python or numpy integers, numpy integer arrays and CPU torch
-    integer tensors.
+    integer tensors. private: the result is never memory the caller can still change (numpy
+    and torch input is copied), for a caller that keeps it.
 
     Raises:
         ValueError: not 1-D, not integers (floats, bools), or an id outside [0, 2**31).
@@ -27,14 +29,28 @@ def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
     if (type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1
             and tokens.flags.c_contiguous):
         # The common case, first and cheap: an engine's own int32 token array.
+        if private:
+            copy = _radix.checked_copy(tokens)
+            if copy is None:
+                _raise_out_of_range(tokens, what)
+            return copy
         if _radix.first_bad_token(tokens) >= 0:
             _raise_out_of_range(tokens, what)
         return tokens
     if type(tokens) is list or type(tokens) is tuple:
-        # The engines' own format, read in one C loop; None: not all plain ints.
+        # The engines' own format, read in one C loop into a new array; None: not all
+        # plain ints.
         arr = _radix.tokens_from_sequence(tokens, what)
         if arr is not None:
             return arr
+    arr = _as_int32_array(tokens, what)
+    if private and (arr is tokens or arr.base is not None):
+        arr = arr.copy()
+    return arr
+
+
+def _as_int32_array(tokens: Any, what: str) -> np.ndarray:
+    """as_tokens for everything but its fast paths (maybe the caller's own memory)."""
     if type(tokens).__module__.startswith("torch"):
         if getattr(tokens, "device", None) is not None and tokens.device.type != "cpu":
             raise ValueError(f"{what} must be on the CPU, got a tensor on {tokens.device}")
@@ -82,7 +98,7 @@ def _refuse_bools(tokens: Sequence, arr: np.ndarray, what: str) -> None:
                              "not bools")
 
 
-def _raise_out_of_range(arr: np.ndarray, what: str) -> None:
+def _raise_out_of_range(arr: np.ndarray, what: str) -> NoReturn:
     bad = np.nonzero((arr < 0) | (arr >= TOKEN_LIMIT))[0][0]
     raise ValueError(f"{what}[{bad}] = {int(arr[bad])} is outside [0, 2**31)")
 

@@ -252,6 +252,44 @@ class ReferenceEngine:
         return int(self.model.evicted)
 
 
+class HashChainEngine:
+    """The algorithm under vLLM's prefix cache, re-implemented as ../shared/peer-bench's
+    hash-chain dict is (no vLLM code): a full page is named by hash((its parent page's
+    name, tuple(its tokens))), and a dict holds the names of cached pages. Reuse is capped
+    as a WorkerView caps it (the last token is always computed). No pages, refcounts or
+    eviction: a lower bound on that design's cost per request. Tokens come as Python
+    lists, its native format."""
+
+    _ROOT = 0x5BD1E995
+
+    def __init__(self) -> None:
+        self._cached: Dict[int, bool] = {}
+        self._live: Dict[int, Tuple[List[int], int, int]] = {}
+
+    def allocate(self, seq_id: int, tokens: List[int]) -> int:
+        """Names the prompt's reusable pages until the first one not cached; returns the
+        reused tokens."""
+        cached, name, matched = self._cached, self._ROOT, 0
+        for start in range(0, (len(tokens) - 1) // PAGE_SIZE * PAGE_SIZE, PAGE_SIZE):
+            following = hash((name, tuple(tokens[start:start + PAGE_SIZE])))
+            if following not in cached:
+                break
+            name = following
+            matched += 1
+        self._live[seq_id] = (tokens, name, matched)
+        return matched * PAGE_SIZE
+
+    def release(self, seq_id: int) -> None:
+        """Caches the full pages after the matched ones."""
+        tokens, name, matched = self._live.pop(seq_id)
+        cached = self._cached
+        for start in range(matched * PAGE_SIZE, len(tokens) // PAGE_SIZE * PAGE_SIZE, PAGE_SIZE):
+            name = hash((name, tuple(tokens[start:start + PAGE_SIZE])))
+            cached[name] = True
+
+    evicted_pages = 0
+
+
 def replay(engine: Any, requests: Sequence[np.ndarray], seq_ids: Sequence[int]
            ) -> Tuple[int, np.ndarray]:
     """Runs allocate -> release for each request, in order.
@@ -396,6 +434,17 @@ def run_engine_reference(model_module: Any, workload: Workload, num_pages: int) 
     return figures
 
 
+def run_engine_hash_chain(workload: Workload) -> Dict[str, Any]:
+    """Replays the workload through HashChainEngine (prompts as lists, converted untimed)."""
+    requests = [tokens.tolist() for tokens in workload.requests]
+    start = time.perf_counter()
+    reused, latencies = replay(HashChainEngine(), requests, range(len(requests)))
+    elapsed = time.perf_counter() - start
+    figures = _figures(workload.tokens, len(requests), elapsed, reused, 0)
+    figures["call_latency"] = latency_summary(latencies)
+    return figures
+
+
 def engine_row(workload: Workload, model_module: Any, ceilings: Dict[str, float]) -> Dict[str, Any]:
     """One workload of the engine section: compiled, reference, and their ratios."""
     num_pages = workload.pool_pages()
@@ -410,6 +459,12 @@ def engine_row(workload: Workload, model_module: Any, ceilings: Dict[str, float]
         row["vs_kv_copy"] = compiled["tokens_per_s"] / ceilings["copy_tokens_per_s"]
     listed = run_engine_compiled(workload, num_pages, as_lists=True)
     row["compiled_list"] = listed
+    if workload.pool_fraction == 1.0:
+        # Without eviction the hash chain reuses exactly what the tree does (it cannot evict).
+        chain = run_engine_hash_chain(workload)
+        row["hash_chain"] = chain
+        row["speedup_vs_hash_chain"] = compiled["tokens_per_s"] / chain["tokens_per_s"]
+        row["list_speedup_vs_hash_chain"] = listed["tokens_per_s"] / chain["tokens_per_s"]
     if model_module is not None:
         reference = run_engine_reference(model_module, workload, num_pages)
         row["reference"] = reference
@@ -973,20 +1028,25 @@ def _format_runs(title: str, rows: List[Dict[str, Any]], engine: bool) -> List[s
     adds the KV-copy ratio and the share of the time the segment's lock was held."""
     header = (f"{'workload':<15} {'requests':>8} {'M tok/s':>9} {'us/req':>8} {'hit rate':>8} "
               f"{'evicted':>8} {'x ref':>7} {'% cmp':>6}"
-              + (f" {'x copy':>7} {'locked':>7}" if engine else ""))
+              + (f" {'x copy':>7} {'locked':>7} {'x chain':>7}" if engine else ""))
     lines = [title, header]
     for row in rows:
         extra = (f" {_ratio(row.get('speedup_vs_reference')):>7} "
                  f"{row['compare_ceiling_fraction']:>6.1%}")
         if engine:
             extra += (f" {_ratio(row.get('vs_kv_copy')):>7} "
-                      f"{_percent(row['compiled'].get('lock_held_fraction')):>7}")
+                      f"{_percent(row['compiled'].get('lock_held_fraction')):>7} "
+                      f"{_ratio(row.get('speedup_vs_hash_chain')):>7}")
         lines.append(_run_line(row["workload"], row["compiled"], row["requests"], extra))
         if "compiled_list" in row:
+            chain = (f" {'':>6} {'':>7} {'':>7} {_ratio(row['list_speedup_vs_hash_chain']):>7}"
+                     if "list_speedup_vs_hash_chain" in row else "")
             lines.append(_run_line("  list input", row["compiled_list"], "",
-                                   f" {_ratio(row.get('list_speedup_vs_reference')):>7}"))
+                                   f" {_ratio(row.get('list_speedup_vs_reference')):>7}" + chain))
         if "reference" in row:
             lines.append(_run_line("  reference", row["reference"], ""))
+        if "hash_chain" in row:
+            lines.append(_run_line("  hash chain", row["hash_chain"], ""))
     return lines
 
 
@@ -1072,6 +1132,9 @@ def format_table(report: Dict[str, Any]) -> str:
                  "the same flow and LRU should reuse and evict exactly as the reference does")
     lines.append("% cmp: of the token-compare ceiling; x copy: over copying those tokens' KV at "
                  "the page-copy ceiling; locked: share of the time the segment's lock was held")
+    lines.append("x chain: tokens/s over the hash chain's (vLLM's algorithm: chained page "
+                 "hashes in a dict, re-implemented without pages, refcounts or eviction; lists "
+                 "in); not run where the pool is too small to cache everything")
     lines.append("rows: numpy int32 input; list input: the same prompts as Python lists (the "
                  "engines' own format), converted inside the timed calls; us/req: one request "
                  "per call (batch 1), allocate + release")

@@ -95,6 +95,13 @@ def test_bench_quick_smoke(tmp_path):
         # List input is the same requests in another format: the same reuse and evictions.
         assert row["compiled_list"]["hit_rate"] == compiled["hit_rate"]
         assert row["compiled_list"]["evicted_pages"] == compiled["evicted_pages"]
+        # The hash chain (vLLM's algorithm) runs where nothing is evicted, and then reuses
+        # exactly what the tree reuses.
+        if name == "eviction":
+            assert "hash_chain" not in row
+        else:
+            assert row["hash_chain"]["hit_rate"] == compiled["hit_rate"]
+            assert row["speedup_vs_hash_chain"] > 0 and row["list_speedup_vs_hash_chain"] > 0
         assert compiled["tokens_per_s"] > 0 and compiled["call_latency"]["p99_us"] > 0
         if name == "no-sharing":
             assert compiled["hit_rate"] == 0

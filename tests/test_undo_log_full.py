@@ -34,10 +34,10 @@ def small_log(segment_name):
     cache = hostkv.HostKVCache.create(segment_name, hostkv.HostKVConfig(
         num_pages=128, page_size=PS, page_bytes=64, max_processes=4, undo_log_capacity=256))
     view = WorkerView(cache)
-    # Three sequences of 20 pages each, allocated one by one (each fits the log alone).
+    # Three sequences of 40 pages each, allocated one by one (each fits the log alone).
     for seq_id in range(3):
         view.allocate_pages_for_sequences_with_prefix(
-            [R(seq_id, [1000 * (seq_id + 1) + t for t in range(20 * PS)])])
+            [R(seq_id, [1000 * (seq_id + 1) + t for t in range(40 * PS)])])
     yield cache, view
     view.close()
     cache.close()
@@ -59,10 +59,10 @@ def test_a_commit_too_big_for_the_undo_log_says_so_and_changes_nothing(small_log
     cache.check()
     # One at a time fits: the same pages are cached then.
     if how == "commit":
-        assert [view.commit([s])[0] for s in range(3)] == [20, 20, 20]
+        assert [view.commit([s])[0] for s in range(3)] == [40, 40, 40]
     else:
-        assert [view.release([s])[0] for s in range(3)] == [20, 20, 20]
-    assert cache.stats().cached_pages == 60
+        assert [view.release([s])[0] for s in range(3)] == [40, 40, 40]
+    assert cache.stats().cached_pages == 120
     cache.check()
 
 
@@ -70,7 +70,7 @@ def test_close_releases_one_sequence_per_mutation_so_it_fits(small_log):
     cache, view = small_log
     before = semantic_state(cache)
     with pytest.raises(CapacityError, match="undo log"):
-        view.release([0, 1, 2], commit=False)          # 60 pages' worth: too big as well
+        view.release([0, 1, 2], commit=False)          # 120 pages' worth: too big as well
     assert semantic_state(cache) == before
     view.close()
     assert cache.stats().active_sequences == 0

@@ -386,10 +386,10 @@ def test_sequence_page_list_capacity_rolls_back(make):
 
 
 def test_undo_log_capacity_rolls_back(make):
-    cache, view = make(num_pages=128, undo_log_capacity=256)
+    cache, view = make(num_pages=400, undo_log_capacity=256)
     cache_prefix(view, P)
     view.allocate_pages_for_sequences_with_prefix([R(LIVE, P + [1])])
-    batch = [R(10, P + [9]), R(11, list(range(5000, 5000 + 100 * PS)))]
+    batch = [R(10, P + [9]), R(11, list(range(5000, 5000 + 200 * PS)))]
     before = snapshot(cache, view, quiet=True)
     with pytest.raises(CapacityError) as info:
         view.allocate_pages_for_sequences_with_prefix(batch)
@@ -1151,3 +1151,18 @@ def test_out_of_pages_says_where_the_pages_are(make):
         view.allocate_pages_for_sequences_with_prefix([R(3, list(range(9000, 9000 + 7 * PS)))])
     view.release([2])
     cache.check()
+
+
+def test_an_allocation_is_the_frozen_dataclass_it_says(make):
+    """The view builds allocations without the dataclass's __init__ (issue 12): they must
+    still be SequenceAllocations, equal to one built the usual way, and frozen."""
+    cache, view = make(num_pages=16)
+    (alloc,) = view.allocate_pages_for_sequences_with_prefix([R(1, P + [1])])
+    assert type(alloc) is hostkv.SequenceAllocation
+    assert alloc == hostkv.SequenceAllocation(1, 0, alloc.page_table, PS)
+    assert [f.name for f in dataclasses.fields(alloc)] == [
+        "seq_id", "reused_tokens", "page_table", "page_size"]
+    assert repr(alloc).startswith("SequenceAllocation(seq_id=1, reused_tokens=0, ")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        alloc.seq_id = 2
+    view.release([1])
