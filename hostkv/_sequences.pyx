@@ -27,7 +27,11 @@ from hostkv._radix cimport (
     BORROW_MAY_EVICT, BORROW_REFRESH, Tree, tree_borrow, tree_evict_pages, tree_insert,
     tree_lock, tree_of, tree_page_hash, tree_unlock)
 
+from hostkv._radix import checked_copy, tokens_from_sequence
+from hostkv._tokens import as_namespace, as_seq_id, as_tokens
 from hostkv.errors import CapacityError, CorruptionError, OutOfPagesError, SequenceError
+
+cdef object INT64_MIN = -(2**63), INT64_MAX = 2**63 - 1, NAMESPACE_LIMIT = 2**64
 
 cnp.import_array()
 
@@ -394,17 +398,12 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
     Raises:
         OutOfPagesError, CapacityError: nothing changed.
     """
-    cdef Tree t
-    cdef int32_t page_size, node, record
-    cdef int64_t i, j, n = len(token_arrays), total, matched, found, fresh, mark
-    cdef int64_t batch_fresh = 0        # fresh pages the whole batch needs
-    cdef cnp.ndarray tokens, table
-    cdef HkvSequence* seq
-    cdef HkvHeader* hdr
+    cdef int32_t page_size
+    cdef int64_t i, n = len(token_arrays)
+    cdef cnp.ndarray tokens
     cdef int64_t reuse
     cdef int64_t checked_id             # converted before the lock, only to check them
     cdef uint64_t checked_namespace
-    cdef list borrowed = []             # per request: (matched pages, locked node, table)
     check_open(seg)
     if len(seq_ids) != n or len(namespaces) != n or len(reuse_pages) != n:
         raise ValueError("allocate needs one seq id, namespace and reuse count per request")
@@ -419,6 +418,104 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
         if reuse < 0 or reuse * page_size > tokens.shape[0]:
             raise ValueError(f"request {i}: reuse count {reuse} is outside "
                              f"[0, {tokens.shape[0] // page_size}]")
+    return allocate_checked(seg, token_arrays, seq_ids, namespaces, reuse_pages, min_reuse_pages,
+                            view)
+
+
+def allocate_requests(Segment seg, requests, request_type, dict live, bint reuse_enabled,
+                      int32_t min_reuse_pages, int32_t view, list seq_ids):
+    """WorkerView's allocation in one call: checks a batch of its SequenceRequests (of class
+    request_type) as the view documents, in the order it documents, reads each prompt into
+    an int32 array of the view's own and each namespace, then allocates them as allocate
+    does, all before anything shared is touched or nothing at all.
+
+    seq_ids is emptied, then receives each request's id once it is checked to be new to
+    the view (live: the view's sequences by id), so that a caller interrupted midway knows
+    which ids may have been recorded. Returns (token arrays, namespaces, allocate's
+    results), one each per request.
+
+    Raises:
+        SequenceError, ValueError: a bad request (nothing changed).
+        OutOfPagesError, CapacityError: nothing changed.
+    """
+    cdef Py_ssize_t index, n
+    cdef int32_t page_size
+    cdef int64_t pool_pages, num_tokens, pages
+    cdef cnp.ndarray tokens
+    cdef set seen
+    cdef list token_arrays = [], namespaces = [], reuse = []
+    check_open(seg)
+    del seq_ids[:]
+    n = len(requests)
+    page_size = seg.hdr.hdr_config.cfg_page_size        # fixed at create
+    pool_pages = seg.hdr.hdr_config.cfg_num_pages
+    seen = set() if n > 1 else None
+    for index in range(n):
+        request = requests[index]
+        if type(request) is not request_type and not isinstance(request, request_type):
+            raise SequenceError(f"requests[{index}] is a {type(request).__name__}, "
+                                "not a SequenceRequest")
+        seq_id = request.seq_id
+        if type(seq_id) is not int or not INT64_MIN <= seq_id <= INT64_MAX:
+            seq_id = as_seq_id(seq_id)
+        if seen is not None:
+            if seq_id in seen:
+                raise SequenceError(f"sequence {seq_id} appears twice in the batch")
+            seen.add(seq_id)
+        if seq_id in live:
+            raise SequenceError(f"sequence {seq_id} is already live in this view")
+        seq_ids.append(seq_id)
+        tokens = private_tokens(request.tokens, index)
+        num_tokens = tokens.shape[0]
+        if num_tokens == 0:
+            raise SequenceError(f"sequence {seq_id} has an empty prompt")
+        pages = (num_tokens + page_size - 1) // page_size
+        if pages > pool_pages:
+            # Can never fit, whatever is evicted: say so before locking (and evicting).
+            raise OutOfPagesError(
+                f"sequence {seq_id}'s prompt of {num_tokens} tokens needs {pages} pages, more "
+                f"than the pool's {pool_pages} pages in all", needed=pages, available=pool_pages)
+        token_arrays.append(tokens)
+        namespace = request.namespace
+        if type(namespace) is not int or not 0 <= namespace < NAMESPACE_LIMIT:
+            namespace = as_namespace(namespace)
+        namespaces.append(namespace)
+        # (n - 1) // page_size full pages at most: the last token is always computed, so
+        # the engine has logits to sample from.
+        reuse.append((num_tokens - 1) // page_size if reuse_enabled else 0)
+    if n == 0:
+        return token_arrays, namespaces, []
+    return token_arrays, namespaces, allocate_checked(
+        seg, token_arrays, seq_ids, namespaces, reuse, min_reuse_pages, view)
+
+
+cdef cnp.ndarray private_tokens(raw, Py_ssize_t index):
+    """A request's prompt as a new contiguous int32 array (never the caller's memory): lists,
+    tuples and int32 arrays in one C call each, anything else through as_tokens."""
+    cdef object tokens = None
+    what = f"requests[{index}].tokens"
+    if type(raw) is list or type(raw) is tuple:
+        tokens = tokens_from_sequence(raw, what)
+    elif (type(raw) is np.ndarray and cnp.PyArray_TYPE(raw) == cnp.NPY_INT32
+          and cnp.PyArray_NDIM(raw) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(raw)):
+        tokens = checked_copy(raw)
+    if tokens is None:
+        tokens = as_tokens(raw, what, True)
+    return tokens
+
+
+cdef list allocate_checked(Segment seg, list token_arrays, list seq_ids, list namespaces,
+                           list reuse_pages, int32_t min_reuse_pages, int32_t view):
+    """allocate's work under the lock, on inputs its callers have checked."""
+    cdef Tree t
+    cdef int32_t page_size, node, record
+    cdef int64_t i, n = len(token_arrays), total, matched, found, fresh, mark
+    cdef int64_t batch_fresh = 0        # fresh pages the whole batch needs
+    cdef cnp.ndarray tokens, table
+    cdef HkvSequence* seq
+    cdef HkvHeader* hdr
+    cdef int64_t reuse
+    cdef list borrowed = []             # per request: (matched pages, locked node, table)
     check_lease(seg)
     results = []
     seg.begin()
@@ -670,6 +767,36 @@ def release(Segment seg, list records, list seq_ids, list generations, list toke
 
     Returns the pages cached for each."""
     return commit_batch(seg, records, seq_ids, generations, token_arrays, tables, num_pages,
+                        namespaces, True)
+
+
+def release_sequences(Segment seg, list sequences, bint commit, int32_t min_store_pages):
+    """WorkerView's release in one call: release() for the view's own records of its
+    sequences (objects with record, seq_id, generation, namespace, tokens, pages,
+    cacheable_tokens and committed_pages), the pages each commits worked out here.
+
+    With commit, a sequence caches its full known pages (cacheable_tokens // page_size)
+    where there are at least min_store_pages of them and more than it has committed
+    already; then every sequence is released. Returns the pages cached for each (0 where
+    it cached nothing new)."""
+    cdef Py_ssize_t i, n = len(sequences)
+    cdef int32_t page_size
+    cdef int64_t full
+    cdef list records = [], seq_ids = [], generations = [], token_arrays = [], tables = []
+    cdef list counts = [], namespaces = []
+    check_open(seg)
+    page_size = seg.hdr.hdr_config.cfg_page_size
+    for i in range(n):
+        sequence = sequences[i]
+        records.append(sequence.record)
+        seq_ids.append(sequence.seq_id)
+        generations.append(sequence.generation)
+        token_arrays.append(sequence.tokens)
+        tables.append(sequence.pages)
+        namespaces.append(sequence.namespace)
+        full = sequence.cacheable_tokens // page_size if commit else 0
+        counts.append(full if full >= min_store_pages and full > sequence.committed_pages else 0)
+    return commit_batch(seg, records, seq_ids, generations, token_arrays, tables, counts,
                         namespaces, True)
 
 

@@ -1,4 +1,4 @@
-"""Validation of token ids and namespaces at the API boundary, before any shared state is touched."""
+"""Validation of token ids, sequence ids and namespaces at the API boundary, before any shared state is touched."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from typing import Any, NoReturn
 import numpy as np
 
 from hostkv import _radix
+from hostkv.errors import SequenceError
 
 TOKEN_LIMIT = 2**31
 _BYTES_LIKE = (str, bytes, bytearray, memoryview)
 NAMESPACE_LIMIT = 2**64
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def as_tokens(tokens: Any, what: str = "tokens", private: bool = False) -> np.ndarray:
@@ -101,6 +103,18 @@ def _refuse_bools(tokens: Sequence, arr: np.ndarray, what: str) -> None:
 def _raise_out_of_range(arr: np.ndarray, what: str) -> NoReturn:
     bad = np.nonzero((arr < 0) | (arr >= TOKEN_LIMIT))[0][0]
     raise ValueError(f"{what}[{bad}] = {int(arr[bad])} is outside [0, 2**31)")
+
+
+def as_seq_id(seq_id: Any) -> int:
+    """Returns a sequence id as an int in [-2**63, 2**63), or raises SequenceError."""
+    if type(seq_id) is int and _INT64_MIN <= seq_id <= _INT64_MAX:
+        return seq_id
+    if isinstance(seq_id, (bool, np.bool_)) or not isinstance(seq_id, numbers.Integral):
+        raise SequenceError(f"sequence ids must be integers, got {seq_id!r}")
+    value = int(seq_id)
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise SequenceError(f"sequence ids must fit int64, got {value}")
+    return value
 
 
 def as_namespace(namespace: Any) -> int:

@@ -46,9 +46,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from hostkv import _sequences
-from hostkv._tokens import TOKEN_LIMIT, as_namespace, as_tokens
+from hostkv._tokens import TOKEN_LIMIT, as_namespace, as_seq_id, as_tokens
 from hostkv.cache import HostKVCache
-from hostkv.errors import HostKVError, OutOfPagesError, SequenceError
+from hostkv.errors import HostKVError, SequenceError
 
 __all__ = [
     "PrefixSequenceState",
@@ -58,7 +58,6 @@ __all__ = [
     "WorkerViewStats",
 ]
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # Iterable, but bytes, not ids: refused wherever a sequence of ids or counts is expected.
 _BYTES_LIKE = (str, bytes, bytearray, memoryview)
 
@@ -330,17 +329,6 @@ class WorkerView:
                                [_NO_TOKENS], [0], [0])
         self._in_flight = None
 
-    @staticmethod
-    def _check_seq_id(seq_id: Any) -> int:
-        if type(seq_id) is int and _INT64_MIN <= seq_id <= _INT64_MAX:
-            return seq_id
-        if isinstance(seq_id, (bool, np.bool_)) or not isinstance(seq_id, numbers.Integral):
-            raise SequenceError(f"sequence ids must be integers, got {seq_id!r}")
-        value = int(seq_id)
-        if not _INT64_MIN <= value <= _INT64_MAX:
-            raise SequenceError(f"sequence ids must fit int64, got {value}")
-        return value
-
     def _live(self, seq_ids: Iterable[Any], what: str) -> List[_Sequence]:
         """The live sequences of seq_ids, each once; SequenceError names the first bad id."""
         if (type(seq_ids) is list or type(seq_ids) is tuple) and len(seq_ids) == 1:
@@ -354,7 +342,7 @@ class WorkerView:
         out = []
         seen = set()
         for raw in seq_ids:
-            seq_id = self._check_seq_id(raw)
+            seq_id = as_seq_id(raw)
             if seq_id in seen:
                 raise SequenceError(f"{what}: sequence {seq_id} is listed twice")
             seen.add(seq_id)
@@ -414,52 +402,20 @@ class WorkerView:
         if type(requests) not in (list, tuple) and (
                 isinstance(requests, SequenceRequest) or not isinstance(requests, Sequence)):
             raise SequenceError("allocate needs a list of SequenceRequest")
-        page_size = self._page_size
-        pool_pages = self._config.num_pages
-        reuse_enabled = self._config.enable_prefix_reuse
-        live = self._sequences
-        seq_ids: List[int] = []
-        token_arrays = []
-        namespaces = []
-        reuse = []
-        seen: Optional[set] = set() if len(requests) > 1 else None
-        for request in requests:
-            index = len(seq_ids)
-            if type(request) is not SequenceRequest and not isinstance(request, SequenceRequest):
-                raise SequenceError(f"requests[{index}] is a {type(request).__name__}, "
-                                    "not a SequenceRequest")
-            seq_id = request.seq_id
-            if type(seq_id) is not int or not _INT64_MIN <= seq_id <= _INT64_MAX:
-                seq_id = self._check_seq_id(seq_id)
-            if seen is not None:
-                if seq_id in seen:
-                    raise SequenceError(f"sequence {seq_id} appears twice in the batch")
-                seen.add(seq_id)
-            if seq_id in live:
-                raise SequenceError(f"sequence {seq_id} is already live in this view")
-            # The view keeps the tokens: never the caller's memory (numpy, torch), which may change.
-            tokens = as_tokens(request.tokens, f"requests[{index}].tokens", private=True)
-            num_tokens = len(tokens)
-            if num_tokens == 0:
-                raise SequenceError(f"sequence {seq_id} has an empty prompt")
-            if -(-num_tokens // page_size) > pool_pages:
-                # Can never fit, whatever is evicted: say so before locking (and evicting).
-                raise OutOfPagesError(
-                    f"sequence {seq_id}'s prompt of {num_tokens} tokens needs "
-                    f"{-(-num_tokens // page_size)} pages, more than the pool's "
-                    f"{pool_pages} pages in all",
-                    needed=-(-num_tokens // page_size), available=pool_pages)
-            seq_ids.append(seq_id)
-            token_arrays.append(tokens)
-            namespaces.append(as_namespace(request.namespace))
-            # (n - 1) // page_size full pages at most: the last token is always computed,
-            # so the engine has logits to sample from.
-            reuse.append((num_tokens - 1) // page_size if reuse_enabled else 0)
-        if not seq_ids:
+        if not requests:
             return []
-        results = self._change(
-            _InFlight(seq_ids), _sequences.allocate, self._segment, token_arrays,
-            seq_ids, namespaces, reuse, self._config.prefix_min_reuse_pages, self._number)
+        # The compiled call checks the requests (in the order the docstring lists the
+        # errors), reads their tokens into arrays of the view's own, and allocates; `in
+        # flight` names the ids it has checked to be new, in case it is interrupted.
+        in_flight = _InFlight([])
+        seq_ids = in_flight.allocating
+        config = self._config
+        token_arrays, namespaces, results = self._change(
+            in_flight, _sequences.allocate_requests, self._segment, requests, SequenceRequest,
+            self._sequences, config.enable_prefix_reuse, config.prefix_min_reuse_pages,
+            self._number, seq_ids)
+        page_size = self._page_size
+        live = self._sequences
         allocations = []
         prompt_tokens = reused_pages_in_all = 0
         for seq_id, tokens, namespace, (record, reused_pages, table, generation) in zip(
@@ -504,7 +460,7 @@ class WorkerView:
             if not isinstance(request, SequenceRequest):
                 raise SequenceError(f"requests[{index}] is a {type(request).__name__}, "
                                     "not a SequenceRequest")
-            seq_id = self._check_seq_id(request.seq_id)
+            seq_id = as_seq_id(request.seq_id)
             if seq_id in seq_ids:
                 raise SequenceError(f"sequence {seq_id} appears twice in the batch")
             if seq_id in self._sequences:
@@ -586,7 +542,7 @@ class WorkerView:
             if num_tokens is None:
                 return [0] * len(sequences)
         elif num_tokens is None:
-            # Every known token: release's case, on the path of every request.
+            # Every known token (release works this out in its compiled call).
             page_size = self._page_size
             min_store = self._config.prefix_min_store_pages
             counts = []
@@ -692,17 +648,10 @@ class WorkerView:
             # A truthy "no" must not commit.
             raise ValueError(f"commit must be True or False, got {commit!r}")
         sequences = self._live(seq_ids, "release")
-        counts = self._commit_plan(sequences, None) if commit else [0] * len(sequences)
-        records, ids, generations, token_arrays, tables, namespaces = [], [], [], [], [], []
-        for seq in sequences:
-            records.append(seq.record)
-            ids.append(seq.seq_id)
-            generations.append(seq.generation)
-            token_arrays.append(seq.tokens)
-            tables.append(seq.pages)
-            namespaces.append(seq.namespace)
-        cached = self._change(_NOTHING_TO_UNDO, _sequences.release, self._segment, records, ids,
-                              generations, token_arrays, tables, counts, namespaces)
+        # The compiled call works out what each sequence commits (as _commit_plan would).
+        cached = self._change(_NOTHING_TO_UNDO, _sequences.release_sequences, self._segment,
+                              sequences, bool(commit) and self._config.enable_prefix_reuse,
+                              self._config.prefix_min_store_pages)
         out = []
         live = self._sequences
         for seq, pages in zip(sequences, cached):

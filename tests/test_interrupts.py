@@ -40,7 +40,9 @@ def icache(segment_name):
 
 def interrupted_after(monkeypatch, name: str) -> None:
     """Makes _sequences.<name> run for real, then raise KeyboardInterrupt (as a Ctrl-C that
-    arrives just as the compiled call returns)."""
+    arrives just as the compiled call returns). "allocate" and "release" name the view's
+    own compiled calls (which check its requests, and plan its commits, too)."""
+    name = {"allocate": "allocate_requests", "release": "release_sequences"}.get(name, name)
     real = getattr(_sequences, name)
 
     def call_then_interrupt(*args):
