@@ -51,7 +51,7 @@ cdef int tree_lock(Segment seg, Tree* t, int32_t node) except -1
 cdef int tree_unlock(Segment seg, Tree* t, int32_t node) except -1
 cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int32_t* pages,
                          int64_t num_pages, uint64_t namespace, int32_t* out_tree_pages,
-                         int32_t* out_node) except -1
+                         int32_t* out_node, int32_t below=*, bint adopt=*) except -1
 cdef int64_t tree_evict_pages(Segment seg, Tree* t, int64_t want) except -1
 cdef int tree_check(Segment seg) except -1
 cdef uint64_t tree_page_hash(Tree* t, const int32_t* tokens) noexcept nogil

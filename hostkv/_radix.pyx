@@ -355,12 +355,20 @@ cdef int tree_walk(Tree* t, const int32_t* tokens, int64_t num_pages, uint64_t n
     Fills walk; out_pages (if not NULL) receives the matched pages. Returns -1 with
     walk.error set when an index read from the segment is out of range or a walk loops.
     """
-    cdef int32_t parent = -1, child, page, in_node
-    cdef int64_t pos = 0, depth = 0
+    return tree_walk_below(t, -1, 0, tokens, num_pages, namespace, out_pages, walk)
+
+
+cdef int tree_walk_below(Tree* t, int32_t start_node, int64_t start_pages,
+                         const int32_t* tokens, int64_t num_pages, uint64_t namespace,
+                         int32_t* out_pages, Walk* walk) noexcept nogil:
+    """tree_walk from the end of start_node, taken as the first start_pages pages matched
+    (-1 and 0: from the root). out_pages[:start_pages] is left as it was."""
+    cdef int32_t parent = start_node, child, page, in_node
+    cdef int64_t pos = start_pages, depth = 0
     cdef HkvRadixNode* node
-    walk.matched = 0
-    walk.node = -1
-    walk.node_matched = 0
+    walk.matched = start_pages
+    walk.node = start_node
+    walk.node_matched = node_ptr(t, start_node).rn_num_pages if start_node != -1 else 0
     walk.error = 0
     while pos < num_pages:
         child = table_find(t, parent, namespace, tokens + pos * t.page_size)
@@ -398,9 +406,11 @@ cdef int tree_walk(Tree* t, const int32_t* tokens, int64_t num_pages, uint64_t n
 
 
 cdef int walk_or_raise(Segment seg, Tree* t, const int32_t* tokens, int64_t num_pages,
-                       uint64_t namespace, int32_t* out_pages, Walk* walk) except -1:
+                       uint64_t namespace, int32_t* out_pages, Walk* walk,
+                       int32_t start_node=-1, int64_t start_pages=0) except -1:
     with nogil:
-        tree_walk(t, tokens, num_pages, namespace, out_pages, walk)
+        tree_walk_below(t, start_node, start_pages, tokens, num_pages, namespace, out_pages,
+                        walk)
     if walk.error:
         seg.corrupt("a radix walk met an out-of-range index or a cycle")
     return 0
@@ -590,9 +600,24 @@ cdef int64_t tree_borrow(Segment seg, Tree* t, const int32_t* tokens, int64_t nu
     return matched
 
 
+cdef int64_t node_depth(Segment seg, Tree* t, int32_t index) except -1:
+    """The pages on the path from the root to the end of a node."""
+    cdef int64_t pages = 0
+    cdef int32_t steps = 0
+    cdef HkvRadixNode* node
+    while index != -1:
+        node = node_at(seg, t, index)
+        pages += node.rn_num_pages
+        index = node.rn_parent
+        steps += 1
+        if steps > t.node_capacity:
+            seg.corrupt("a cycle in the radix tree's parent links")
+    return pages
+
+
 cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int32_t* pages,
                          int64_t num_pages, uint64_t namespace, int32_t* out_tree_pages,
-                         int32_t* out_node) except -1:
+                         int32_t* out_node, int32_t below=-1, bint adopt=False) except -1:
     """Caches num_pages full pages of tokens, held in `pages`, under namespace.
 
     Pages already cached under the same tokens win: out_tree_pages[i] receives the tree's
@@ -600,6 +625,16 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
     were already cached (the caller keeps its own copies of those; the tree adopted the
     rest, adding its own reference). *out_node is the node of the last page. Touches the
     path (a commit is a use).
+
+    below: a node the caller holds locked whose path is the first pages of tokens (a
+    sequence's borrowed or committed prefix, whose KV its later pages were computed on):
+    the walk starts at its end instead of comparing that prefix again, and
+    out_tree_pages[:its depth] is left as it was. -1, or a node deeper than num_pages:
+    from the root.
+
+    adopt: the caller hands its own reference on each page the tree adopts over to the tree
+    (it must drop none of those afterwards), instead of the tree adding one: a sequence
+    that commits and is released in one mutation saves two logged stores a page.
 
     Raises:
         CapacityError: no node record even after eviction (the caller rolls back).
@@ -612,10 +647,15 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
     cdef HkvRadixNode* node
     cdef bint partial
     cdef int32_t* refcounts = page_refcounts(seg)
+    cdef int64_t below_pages = 0
     out_node[0] = -1
     if num_pages <= 0:
         return 0
-    walk_or_raise(seg, t, tokens, num_pages, namespace, out_tree_pages, &walk)
+    if below != -1:
+        below_pages = node_depth(seg, t, below)
+        if below_pages > num_pages:
+            below, below_pages = -1, 0
+    walk_or_raise(seg, t, tokens, num_pages, namespace, out_tree_pages, &walk, below, below_pages)
     existing = walk.matched
     partial = walk.node != -1 and walk.node_matched < node_at(seg, t, walk.node).rn_num_pages
     if existing == num_pages:
@@ -658,7 +698,8 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
             raise ValueError(f"page {page} is listed twice")
         if not pages_equal(t, tokens_of(t, page), tokens + i * t.page_size):
             write_tokens(seg, t, page, tokens + i * t.page_size)
-        page_incref(seg, page)
+        if not adopt:
+            page_incref(seg, page)
         # One store per page: its link to the next page of the node, or the node's end.
         log_store_i32(seg, &t.page_next[page], pages[i + 1] if i + 1 < num_pages else END_OF_NODE)
         out_tree_pages[i] = page

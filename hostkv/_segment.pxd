@@ -64,6 +64,11 @@ cdef class Segment:
     # sets num_freed_slabs to -1 (assume every slab).
     cdef void* freed_slabs[4]
     cdef int num_freed_slabs
+    # The header's config and region offsets as check_shape last found them sound: equal
+    # bytes need no recomputing at every lock.
+    cdef HkvConfig shape_config
+    cdef HkvRegions shape_regions
+    cdef bint shape_checked
 
     cdef _map(self, name, int fd, int64_t size)
     cdef _populate_metadata(self)

@@ -439,17 +439,24 @@ cdef int check_shape(Segment seg) except -1:
     cdef HkvConfig* c = &hdr.hdr_config
     cdef HkvRegions regions
     cdef HkvSlab* slab
-    if (c.cfg_num_pages <= 0 or c.cfg_num_pages >= 2**31 or c.cfg_page_size <= 0
-            or c.cfg_page_size > 2**20 or c.cfg_page_bytes <= 0 or c.cfg_page_bytes >= 2**46
-            or c.cfg_max_processes <= 0 or c.cfg_undo_log_capacity <= 0
-            or c.cfg_radix_node_capacity < 0 or c.cfg_sequence_page_node_capacity < 0
-            or c.cfg_max_sequences < 0 or c.cfg_num_pages * c.cfg_page_bytes >= 2**46
-            or c.cfg_undo_log_capacity != seg.undo_capacity):
-        seg.corrupt("the header's config is impossible or changed")
-    compute_regions(c, &regions)
-    if (memcmp(&regions, &hdr.hdr_regions, sizeof(HkvRegions)) != 0
-            or regions.reg_total_size != <int64_t>seg.size):
-        seg.corrupt("the header's region offsets disagree with its config or the mapping")
+    if not (seg.shape_checked and memcmp(c, &seg.shape_config, sizeof(HkvConfig)) == 0
+            and memcmp(&hdr.hdr_regions, &seg.shape_regions, sizeof(HkvRegions)) == 0):
+        seg.shape_checked = False
+        if (c.cfg_num_pages <= 0 or c.cfg_num_pages >= 2**31 or c.cfg_page_size <= 0
+                or c.cfg_page_size > 2**20 or c.cfg_page_bytes <= 0 or c.cfg_page_bytes >= 2**46
+                or c.cfg_max_processes <= 0 or c.cfg_undo_log_capacity <= 0
+                or c.cfg_radix_node_capacity < 0 or c.cfg_sequence_page_node_capacity < 0
+                or c.cfg_max_sequences < 0 or c.cfg_num_pages * c.cfg_page_bytes >= 2**46
+                or c.cfg_undo_log_capacity != seg.undo_capacity):
+            seg.corrupt("the header's config is impossible or changed")
+        compute_regions(c, &regions)
+        if (memcmp(&regions, &hdr.hdr_regions, sizeof(HkvRegions)) != 0
+                or regions.reg_total_size != <int64_t>seg.size):
+            seg.corrupt("the header's region offsets disagree with its config or the mapping")
+        memcpy(&seg.shape_config, c, sizeof(HkvConfig))
+        memcpy(&seg.shape_regions, &hdr.hdr_regions, sizeof(HkvRegions))
+        seg.shape_checked = True
+    memcpy(&regions, &seg.shape_regions, sizeof(HkvRegions))     # as checked, not as now
     if hdr.hdr_radix.rt_table_capacity != radix_table_capacity(c.cfg_radix_node_capacity):
         seg.corrupt(f"child table capacity {hdr.hdr_radix.rt_table_capacity} disagrees with the config")
     slab = <HkvSlab*>(seg.base + regions.reg_radix_nodes)

@@ -228,13 +228,17 @@ cdef int set_lock(Segment seg, Tree* t, HkvSequence* seq, int32_t node) except -
     return 0
 
 
-cdef int release_sequence(Segment seg, Tree* t, int32_t index) except -1:
-    """Drops everything a sequence holds: its lock, its page references, its records."""
+cdef int release_sequence(Segment seg, Tree* t, int32_t index, const int32_t* adopted=NULL,
+                          int64_t num_adopted=0) except -1:
+    """Drops everything a sequence holds: its lock, its page references (but those of the
+    num_adopted pages listed in adopted, which the tree took over in this mutation: they
+    must be a run of its list, in order), its records."""
     cdef HkvSequence* seq = sequence_at(seg, index)
     cdef HkvSlab* list_slab = page_list_slab(seg)
     cdef int32_t entry_index = seq.sq_first_page, next_index
     cdef int32_t count = 0
     cdef int32_t free_head = list_slab.sl_free_head
+    cdef int64_t skipped = 0
     cdef HkvSeqPage* entry
     set_lock(seg, t, seq, -1)
     if entry_index != -1:
@@ -244,7 +248,10 @@ cdef int release_sequence(Segment seg, Tree* t, int32_t index) except -1:
         if entry.sp_slab.sr_in_use != 1:
             seg.corrupt(f"sequence {index}'s page-list record {entry_index} is free")
         next_index = entry.sp_next
-        page_decref(seg, entry.sp_page)
+        if skipped < num_adopted and entry.sp_page == adopted[skipped]:
+            skipped += 1                     # the tree holds this reference now
+        else:
+            page_decref(seg, entry.sp_page)
         # Pushed on the free list one by one, its head and count stored once at the end.
         log_store_i32(seg, &entry.sp_slab.sr_in_use, 0)
         log_store_i32(seg, &entry.sp_slab.sr_next_free, free_head)
@@ -255,6 +262,9 @@ cdef int release_sequence(Segment seg, Tree* t, int32_t index) except -1:
             seg.corrupt(f"sequence {index}'s page list is longer than its {seq.sq_num_pages} pages")
     if count != seq.sq_num_pages:
         seg.corrupt(f"sequence {index} lists {count} pages, counts {seq.sq_num_pages}")
+    if skipped != num_adopted:
+        seg.corrupt(f"sequence {index}'s list holds {skipped} of the {num_adopted} pages the "
+                    "tree adopted from it")
     if count:
         log_store_i32(seg, &list_slab.sl_free_head, free_head)
         log_store_i32(seg, &list_slab.sl_used, list_slab.sl_used - count)
@@ -670,10 +680,15 @@ def append_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_ids,
 
 
 cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* tokens,
-                        const int32_t* table, int64_t num_pages, uint64_t namespace) except -1:
+                        const int32_t* table, int64_t num_pages, uint64_t namespace,
+                        bint adopt, int64_t* adopted_from) except -1:
     """Caches a sequence's first num_pages pages; best effort for node records. Returns the
     pages the tree now holds for it (0 when radix node records ran out even after eviction:
     that insert is undone, nothing else).
+
+    adopt (the sequence is released in this mutation): the tree takes over the sequence's
+    references on the pages it adopts, table[*adopted_from:num_pages], which the release
+    must then not drop (*adopted_from is num_pages when it adopted none).
 
     Raises:
         CapacityError: the undo log ran out (resource "undo log"). That is not best effort:
@@ -682,17 +697,24 @@ cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* t
             mutation is rolled back, as for any operation too big for the log.
     """
     cdef int32_t node = -1
-    cdef int64_t mark = seg.hdr.hdr_undo_count
+    cdef int64_t mark = seg.hdr.hdr_undo_count, existing
     cdef int32_t* tree_pages = <int32_t*>malloc(num_pages * sizeof(int32_t))
+    adopted_from[0] = num_pages
     if tree_pages == NULL:
         raise MemoryError()
     try:
-        tree_insert(seg, t, tokens, table, num_pages, namespace, tree_pages, &node)
+        # From the end of the prefix the sequence holds (borrowed, or committed before):
+        # its later pages' KV was computed on that prefix, which needs no comparing again.
+        existing = tree_insert(seg, t, tokens, table, num_pages, namespace, tree_pages, &node,
+                               seq.sq_lock_node, adopt)
         set_lock(seg, t, seq, node)
+        if adopt:
+            adopted_from[0] = existing
     except CapacityError as exc:
         if exc.resource != "radix nodes":
             raise
         seg.rollback_to(mark)
+        adopted_from[0] = num_pages
         return 0
     finally:
         free(tree_pages)
@@ -711,7 +733,7 @@ cdef list commit_batch(Segment seg, list records, list seq_ids, list generations
     cdef Tree t
     cdef Py_ssize_t i, n = len(records)
     cdef int32_t record
-    cdef int64_t count
+    cdef int64_t count, adopted_from
     cdef int32_t page_size
     cdef cnp.ndarray tokens, table
     cdef HkvSequence* seq
@@ -740,11 +762,13 @@ cdef list commit_batch(Segment seg, list records, list seq_ids, list generations
             count = num_pages[i]
             # Checked again at each use: a record listed twice is released by its first use.
             seq = owned_sequence(seg, record, seq_ids[i], generations[i])
+            adopted_from = count = max(count, 0)
             if count > 0:
                 cached[i] = commit_one(seg, &t, seq, i32(token_arrays[i]), i32(tables[i]),
-                                       count, namespaces[i])
+                                       count, namespaces[i], release, &adopted_from)
             if release:
-                release_sequence(seg, &t, record)
+                release_sequence(seg, &t, record, i32(tables[i]) + adopted_from,
+                                 count - adopted_from)
         seg.commit()
     finally:
         seg.end()

@@ -656,7 +656,8 @@ class WorkerView:
         live = self._sequences
         for seq, pages in zip(sequences, cached):
             if pages:
-                self._note_cached(seq, pages)
+                self._committed_pages += pages - seq.committed_pages     # _note_cached
+                seq.committed_pages = pages
             out.append(seq.committed_pages)
             del live[seq.seq_id]
         self._in_flight = None

@@ -1166,3 +1166,51 @@ def test_an_allocation_is_the_frozen_dataclass_it_says(make):
     with pytest.raises(dataclasses.FrozenInstanceError):
         alloc.seq_id = 2
     view.release([1])
+
+
+def test_a_commit_continues_below_the_prefix_the_sequence_holds(make):
+    """Commit and release insert a sequence's pages from the end of the prefix it holds
+    (issue 12: the prefix is not compared again). That node may have been split by another
+    sequence meanwhile (it keeps its identity as the tail) or have gained children: the
+    pages still land right after the prefix, and every prompt matches as it should."""
+    cache, view = make(num_pages=64)
+    cache_prefix(view, P)                                        # one 3-page node
+    x = [7000 + i for i in range(2 * PS + 1)]
+    (held,) = view.allocate_pages_for_sequences_with_prefix([R(1, P + x)])
+    assert held.reused_tokens == 12
+    # Another sequence ends inside P's node (a split: its first page becomes the head) and
+    # another puts a sibling of x under P.
+    y = [8000 + i for i in range(PS + 1)]
+    cache_prefix(view, P[:PS] + y, seq_id=2)
+    cache_prefix(view, P + [9000 + i for i in range(PS + 1)], seq_id=3)
+    assert view.commit([1]) == [5]
+    assert view.release([1]) == [5]
+    assert cache.match_prefix(P + x).num_tokens == 20
+    assert cache.match_prefix(P + x).pages[:3].tolist() == held.page_table[:3].tolist()
+    assert cache.match_prefix(P[:PS] + y).num_tokens == 8
+    assert cache.match_prefix(P + [9000 + i for i in range(PS)]).num_tokens == 16
+    # Namespaces stay apart: the same tokens in another namespace match nothing.
+    assert cache.match_prefix(P + x, namespace=5).num_tokens == 0
+    cache.check(exact_references=True)
+
+
+def test_a_release_hands_its_references_to_the_tree_and_refuses_pages_it_never_held(make):
+    """A release that commits lets the tree take over the sequence's own references
+    (issue 12) instead of adding one and dropping one: the refcounts come out exact. Handed
+    pages the sequence's list does not hold (another sequence's), the compiled release
+    refuses the whole mutation and changes nothing."""
+    cache, view = make(num_pages=64)
+    view.allocate_pages_for_sequences_with_prefix([R(1, Q + [1]), R(2, Z + [2])])
+    assert view.release([1]) == [2]
+    cache.check(exact_references=True)
+    seq = view._sequences[2]
+    other = view.allocate_pages_for_sequences_with_prefix([R(3, Z + [3])])[0].page_table
+    wrong = seq.pages.copy()
+    wrong[:3] = other[:3]                      # held pages, not in the tree, not sequence 2's
+    before = snapshot(cache, view, quiet=True)
+    with pytest.raises(hostkv.CorruptionError, match="adopted"):
+        _sequences.release(cache._segment, [seq.record], [2], [seq.generation], [seq.tokens],
+                           [wrong], [3], [0])
+    assert_unchanged(before, snapshot(cache, view), rolled_back=True)
+    assert view.release([2, 3]) == [3, 3]
+    cache.check(exact_references=True)
