@@ -43,7 +43,7 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 6u
+    #define HKV_LAYOUT_VERSION 7u
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
 
@@ -230,11 +230,15 @@ cdef extern from *:
                                                     (record, generation) never names a later use */
     } HkvSequence;
 
-    /* One page of a sequence's page list, in order. */
+    /* A run of a sequence's page list, in order: one cache line holds twelve pages, so a
+       sequence of n own pages takes ceil(n / 12) records (one record a page cost eight
+       undo entries to list and free). Slots past sp_count are nobody's. */
+    #define HKV_SEQ_PAGES_PER_ENTRY 12
     typedef struct {
         HkvSlabRecord sp_slab;
-        int32_t sp_page;
         int32_t sp_next;                         /* next HkvSeqPage, -1 ends the list */
+        int32_t sp_count;                        /* pages in sp_pages: 1..12 */
+        int32_t sp_pages[HKV_SEQ_PAGES_PER_ENTRY];
     } HkvSeqPage;
 
     #define HKV_HISTOGRAM_BUCKETS 40      /* bucket b counts durations in [2^(b-1), 2^b) ns */
@@ -278,7 +282,7 @@ cdef extern from *:
     _Static_assert(sizeof(HkvRadixNode) == 64, "a radix node is one cache line");
     _Static_assert(offsetof(HkvRadixNode, rn_slab) == 0, "slab records start with HkvSlabRecord");
     _Static_assert(sizeof(HkvSequence) == 64, "a sequence is one cache line");
-    _Static_assert(sizeof(HkvSeqPage) == 16, "a page-list entry is four words");
+    _Static_assert(sizeof(HkvSeqPage) == 64, "a page-list entry is one cache line");
     """
     uint64_t HKV_MAGIC
     uint32_t HKV_LAYOUT_VERSION
@@ -406,6 +410,7 @@ cdef extern from *:
         HKV_HISTOGRAM_BUCKETS
         HKV_HINT_SLOTS
         HKV_NAMESPACE_SLOTS
+        HKV_SEQ_PAGES_PER_ENTRY
 
     ctypedef struct HkvNamespaceStats:
         uint64_t ns_namespace
@@ -444,8 +449,9 @@ cdef extern from *:
 
     ctypedef struct HkvSeqPage:
         HkvSlabRecord sp_slab
-        int32_t sp_page
         int32_t sp_next
+        int32_t sp_count
+        int32_t sp_pages[HKV_SEQ_PAGES_PER_ENTRY]
 
     ctypedef struct HkvRadixNode:
         HkvSlabRecord rn_slab

@@ -1724,8 +1724,8 @@ def layout_info():
         ("sq_lock_node", <size_t>&q.sq_lock_node), ("sq_view", <size_t>&q.sq_view),
         ("sq_generation", <size_t>&q.sq_generation)])
     sequence_page = _offsets(<const char*>&sp, [
-        ("sp_slab", <size_t>&sp.sp_slab), ("sp_page", <size_t>&sp.sp_page),
-        ("sp_next", <size_t>&sp.sp_next)])
+        ("sp_slab", <size_t>&sp.sp_slab), ("sp_next", <size_t>&sp.sp_next),
+        ("sp_count", <size_t>&sp.sp_count), ("sp_pages", <size_t>&sp.sp_pages)])
     return {
         "layout_version": HKV_LAYOUT_VERSION,
         "magic": HKV_MAGIC,

@@ -16,12 +16,12 @@ from libc.stdlib cimport free, malloc
 
 from hostkv._layout cimport (
     HkvHeader, HkvLease, HkvMetrics, HkvNamespaceStats, HkvRadixNode, HkvSeqPage, HkvSequence,
-    HkvSlab, HKV_HINT_SLOTS, HKV_LEASE_ACTIVE, HKV_NAMESPACE_SLOTS)
+    HkvSlab, HKV_HINT_SLOTS, HKV_LEASE_ACTIVE, HKV_NAMESPACE_SLOTS, HKV_SEQ_PAGES_PER_ENTRY)
 from hostkv._segment cimport (
     Segment, add_dead_lease_hook, add_rederive_hook, check_open, log_store_i32, log_store_i64)
 from hostkv._slab cimport (
-    slab_alloc_many, slab_check, slab_check_index, slab_free, slab_note_free, slab_record,
-    slab_rederive)
+    slab_alloc_many, slab_check, slab_check_index, slab_free, slab_freed_in_mutation,
+    slab_note_free, slab_record, slab_rederive)
 from hostkv._pages cimport check_page_index, page_decref, page_refcounts, pages_alloc
 from hostkv._radix cimport (
     BORROW_MAY_EVICT, BORROW_REFRESH, Tree, tree_borrow, tree_evict_pages, tree_insert,
@@ -171,47 +171,100 @@ cdef int32_t new_sequence(Segment seg, int64_t seq_id, uint64_t namespace, int32
     return record
 
 
+cdef HkvSeqPage* list_entry_at(Segment seg, int64_t index) except NULL:
+    """Entry `index` of a sequence's page list: in use, holding 1..12 pages."""
+    cdef HkvSeqPage* entry = page_entry_at(seg, index)
+    if entry.sp_slab.sr_in_use != 1:
+        seg.corrupt(f"page-list record {index} is listed but free")
+    if entry.sp_count < 1 or entry.sp_count > HKV_SEQ_PAGES_PER_ENTRY:
+        seg.corrupt(f"page-list record {index} holds {entry.sp_count} pages")
+    return entry
+
+
+cdef list listed_pages(Segment seg, HkvSequence* seq, int32_t index):
+    """A sequence's own pages, in order, from its page list (every index checked)."""
+    cdef int32_t entry_index = seq.sq_first_page, k
+    cdef HkvSeqPage* entry
+    cdef list pages = []
+    while entry_index != -1:
+        entry = list_entry_at(seg, entry_index)
+        for k in range(entry.sp_count):
+            check_page_index(seg, entry.sp_pages[k])
+            pages.append(entry.sp_pages[k])
+        if len(pages) > seq.sq_num_pages:
+            seg.corrupt(f"sequence {index}'s page list is longer than its {seq.sq_num_pages} pages")
+        entry_index = entry.sp_next
+    return pages
+
+
 cdef int extend_page_list(Segment seg, HkvSequence* seq, const int32_t* pages,
                           int64_t count) except -1:
     """Adds `count` pages (already referenced for this sequence) to the end of its page
-    list: one list entry each, taken from the free list in one step."""
+    list: into the room its last entry has, then into new entries taken from the free list
+    in one step.
+
+    Stores into a slot past an entry's count, and into an entry that was free when the
+    mutation began, are not logged: a rollback restores the counts (or frees the entry),
+    and nothing reads past a count. Where the mutation has freed a page-list record (whose
+    rollback would bring its old slots back in use), every store is logged."""
     cdef HkvSlab* slab = page_list_slab(seg)
+    cdef bint unlogged = not slab_freed_in_mutation(seg, slab)
+    cdef HkvSeqPage* entry
     cdef int32_t* entries
     cdef int32_t first_entry
-    cdef HkvSeqPage* entry
-    cdef int64_t k
+    cdef int64_t k, j, here, done = 0, new_entries
     cdef int taken
     if count <= 0:
         return 0
-    entries = &first_entry if count == 1 else <int32_t*>malloc(count * sizeof(int32_t))
-    if entries == NULL:
-        raise MemoryError()
-    try:
-        taken = slab_alloc_many(seg, slab, count, entries)
-        if taken == 0:
-            raise CapacityError(
-                f"segment {seg.name!r}: every sequence page-list record is in use (capacity "
-                f"{slab.sl_capacity}); raise sequence_page_node_capacity",
-                resource="sequence page nodes", needed=count,
-                available=slab.sl_capacity - slab.sl_used)
-        for k in range(count):
-            entry = <HkvSeqPage*>slab_record(slab, entries[k])
-            if taken == 2:
-                # Free when the mutation began: a rollback frees it again.
-                entry.sp_page = pages[k]
-                entry.sp_next = entries[k + 1] if k + 1 < count else -1
+    if seq.sq_last_page != -1:
+        entry = list_entry_at(seg, seq.sq_last_page)
+        done = min(HKV_SEQ_PAGES_PER_ENTRY - entry.sp_count, count)
+        for j in range(done):
+            if unlogged:
+                entry.sp_pages[entry.sp_count + j] = pages[j]
             else:
-                log_store_i32(seg, &entry.sp_page, pages[k])
-                log_store_i32(seg, &entry.sp_next, entries[k + 1] if k + 1 < count else -1)
-        if seq.sq_last_page == -1:
-            log_store_i32(seg, &seq.sq_first_page, entries[0])
-        else:
-            log_store_i32(seg, &page_entry_at(seg, seq.sq_last_page).sp_next, entries[0])
-        log_store_i32(seg, &seq.sq_last_page, entries[count - 1])
-        log_store_i32(seg, &seq.sq_num_pages, seq.sq_num_pages + <int32_t>count)
-    finally:
-        if entries != &first_entry:
-            free(entries)
+                log_store_i32(seg, &entry.sp_pages[entry.sp_count + j], pages[j])
+        if done:
+            log_store_i32(seg, &entry.sp_count, entry.sp_count + <int32_t>done)
+    if done < count:
+        new_entries = (count - done + HKV_SEQ_PAGES_PER_ENTRY - 1) // HKV_SEQ_PAGES_PER_ENTRY
+        entries = (&first_entry if new_entries == 1
+                   else <int32_t*>malloc(new_entries * sizeof(int32_t)))
+        if entries == NULL:
+            raise MemoryError()
+        try:
+            taken = slab_alloc_many(seg, slab, new_entries, entries)
+            if taken == 0:
+                raise CapacityError(
+                    f"segment {seg.name!r}: every sequence page-list record is in use "
+                    f"(capacity {slab.sl_capacity}); raise sequence_page_node_capacity",
+                    resource="sequence page nodes", needed=new_entries,
+                    available=slab.sl_capacity - slab.sl_used)
+            for k in range(new_entries):
+                entry = <HkvSeqPage*>slab_record(slab, entries[k])
+                here = min(HKV_SEQ_PAGES_PER_ENTRY, count - done)
+                if taken == 2:
+                    # Free when the mutation began: a rollback frees it again.
+                    entry.sp_next = entries[k + 1] if k + 1 < new_entries else -1
+                    entry.sp_count = <int32_t>here
+                    for j in range(here):
+                        entry.sp_pages[j] = pages[done + j]
+                else:
+                    log_store_i32(seg, &entry.sp_next,
+                                  entries[k + 1] if k + 1 < new_entries else -1)
+                    log_store_i32(seg, &entry.sp_count, <int32_t>here)
+                    for j in range(here):
+                        log_store_i32(seg, &entry.sp_pages[j], pages[done + j])
+                done += here
+            if seq.sq_last_page == -1:
+                log_store_i32(seg, &seq.sq_first_page, entries[0])
+            else:
+                log_store_i32(seg, &page_entry_at(seg, seq.sq_last_page).sp_next, entries[0])
+            log_store_i32(seg, &seq.sq_last_page, entries[new_entries - 1])
+        finally:
+            if entries != &first_entry:
+                free(entries)
+    log_store_i32(seg, &seq.sq_num_pages, seq.sq_num_pages + <int32_t>count)
     return 0
 
 
@@ -239,35 +292,37 @@ cdef int release_sequence(Segment seg, Tree* t, int32_t index, const int32_t* ad
     cdef int32_t count = 0
     cdef int32_t free_head = list_slab.sl_free_head
     cdef int64_t skipped = 0
+    cdef int32_t freed = 0, k, page
     cdef HkvSeqPage* entry
     set_lock(seg, t, seq, -1)
     if entry_index != -1:
         slab_note_free(seg, list_slab)
     while entry_index != -1:
-        entry = page_entry_at(seg, entry_index)
-        if entry.sp_slab.sr_in_use != 1:
-            seg.corrupt(f"sequence {index}'s page-list record {entry_index} is free")
+        entry = list_entry_at(seg, entry_index)
+        for k in range(entry.sp_count):
+            page = entry.sp_pages[k]
+            if skipped < num_adopted and page == adopted[skipped]:
+                skipped += 1                     # the tree holds this reference now
+            else:
+                page_decref(seg, page)
+        count += entry.sp_count
+        if count > seq.sq_num_pages:
+            seg.corrupt(f"sequence {index}'s page list is longer than its {seq.sq_num_pages} pages")
         next_index = entry.sp_next
-        if skipped < num_adopted and entry.sp_page == adopted[skipped]:
-            skipped += 1                     # the tree holds this reference now
-        else:
-            page_decref(seg, entry.sp_page)
         # Pushed on the free list one by one, its head and count stored once at the end.
         log_store_i32(seg, &entry.sp_slab.sr_in_use, 0)
         log_store_i32(seg, &entry.sp_slab.sr_next_free, free_head)
         free_head = entry_index
+        freed += 1
         entry_index = next_index
-        count += 1
-        if count > seq.sq_num_pages:
-            seg.corrupt(f"sequence {index}'s page list is longer than its {seq.sq_num_pages} pages")
     if count != seq.sq_num_pages:
         seg.corrupt(f"sequence {index} lists {count} pages, counts {seq.sq_num_pages}")
     if skipped != num_adopted:
         seg.corrupt(f"sequence {index}'s list holds {skipped} of the {num_adopted} pages the "
                     "tree adopted from it")
-    if count:
+    if freed:
         log_store_i32(seg, &list_slab.sl_free_head, free_head)
-        log_store_i32(seg, &list_slab.sl_used, list_slab.sl_used - count)
+        log_store_i32(seg, &list_slab.sl_used, list_slab.sl_used - freed)
     slab_free(seg, sequence_slab(seg), index)
     return 0
 
@@ -848,18 +903,7 @@ cdef list owned_by_view(Segment seg, int32_t view):
                 or seq.sq_lease_slot != seg.lease_slot
                 or seq.sq_lease_generation != seg.lease_generation):
             continue
-        pages = []
-        entry_index = seq.sq_first_page
-        count = 0
-        while entry_index != -1:
-            entry = page_entry_at(seg, entry_index)
-            check_page_index(seg, entry.sp_page)
-            pages.append(entry.sp_page)
-            entry_index = entry.sp_next
-            count += 1
-            if count > seq.sq_num_pages:
-                seg.corrupt(f"sequence {i}'s page list is longer than its {seq.sq_num_pages} pages")
-        out.append((i, seq.sq_generation, seq.sq_seq_id, pages))
+        out.append((i, seq.sq_generation, seq.sq_seq_id, listed_pages(seg, seq, i)))
     return out
 
 
@@ -877,7 +921,7 @@ def check_references(Segment seg, bint exact):
     cdef HkvSequence* seq
     cdef HkvSeqPage* entry
     cdef HkvLease* lease
-    cdef int32_t i, entry_index, count, node, steps
+    cdef int32_t i, k, entry_index, count, node, steps
     cdef Tree t
     cdef int32_t* refcounts
     check_open(seg)
@@ -900,13 +944,14 @@ def check_references(Segment seg, bint exact):
         entry_index = seq.sq_first_page
         count = 0
         while entry_index != -1:
-            entry = page_entry_at(seg, entry_index)
-            if entry.sp_slab.sr_in_use != 1 or listed[entry_index]:
+            entry = list_entry_at(seg, entry_index)
+            if listed[entry_index]:
                 seg.corrupt(f"sequence {i}'s page list reuses entry {entry_index}")
             listed[entry_index] = 1
-            check_page_index(seg, entry.sp_page)
-            expected_refs[entry.sp_page] += 1
-            count += 1
+            for k in range(entry.sp_count):
+                check_page_index(seg, entry.sp_pages[k])
+                expected_refs[entry.sp_pages[k]] += 1
+            count += entry.sp_count
             if count > seq.sq_num_pages:
                 seg.corrupt(f"sequence {i}'s page list is longer than its {seq.sq_num_pages} pages")
             if entry.sp_next == -1 and entry_index != seq.sq_last_page:
@@ -959,14 +1004,6 @@ def live_sequences(Segment seg):
         seq = <HkvSequence*>slab_record(slab, i)
         if seq.sq_slab.sr_in_use != 1:
             continue
-        pages = []
-        entry_index = seq.sq_first_page
-        while entry_index != -1 and len(pages) <= seq.sq_num_pages:
-            entry = page_entry_at(seg, entry_index)
-            check_page_index(seg, entry.sp_page)
-            pages.append(entry.sp_page)
-            entry_index = entry.sp_next
-            if len(pages) > list_slab.sl_capacity:
-                seg.corrupt(f"sequence {i}'s page list has a cycle")
-        out.append((i, seq.sq_lease_slot, seq.sq_seq_id, seq.sq_namespace, tuple(pages)))
+        out.append((i, seq.sq_lease_slot, seq.sq_seq_id, seq.sq_namespace,
+                    tuple(listed_pages(seg, seq, i))))
     return out

@@ -265,8 +265,8 @@ class HostKVConfig:
             match is ignored.
         prefix_min_store_pages: The fewest full pages worth committing to the tree, >= 1.
         radix_node_capacity: Radix-tree node records. 0 derives ``max(4096, num_pages // 2)``.
-        sequence_page_node_capacity: Records of sequences' page lists. 0 derives
-            ``4 * num_pages``.
+        sequence_page_node_capacity: Records of sequences' page lists (twelve pages each).
+            0 derives ``ceil(num_pages / 12) + max_sequences``.
         max_sequences: Live sequences across all processes. 0 derives
             ``min(num_pages, 4096)``.
         max_processes: Lease slots, i.e. processes attached at once, at most 4096. 0
@@ -397,14 +397,17 @@ class HostKVConfig:
 
         - ``radix_node_capacity``: ``max(4096, num_pages // 2)``; nodes span several pages,
           so half a node per page is plenty, with a floor for small pools.
-        - ``sequence_page_node_capacity``: ``4 * num_pages``.
         - ``max_sequences``: ``min(num_pages, 4096)``; a live sequence holds at least one page.
+        - ``sequence_page_node_capacity``: ``ceil(num_pages / 12) + max_sequences``: a page
+          is in one sequence's page list at most, a record lists twelve, and each sequence's
+          last record may be part full, so every page of the pool fits.
         - ``max_processes``: 64.
         - ``undo_log_capacity``: ``16 * num_pages + 64 * max_sequences + 65536`` (with
           max_sequences resolved first): every store to shared state during a mutation is
-          logged before it is made. Measured: a batch allocation logs about 9 entries per
-          page and 16 per sequence, a release with commit about 13 per page and 41 per
-          sequence, so a batch of every page and every sequence fits.
+          logged before it is made. Measured (layout 7): a batch allocation logs about 1
+          entry per page and 17 per sequence, a release with commit about 1.2 per page and
+          44 per sequence, one without commit about 4 per page (each page it frees), so a
+          batch of every page and every sequence fits, with room for eviction.
 
         ``HOSTKV_ENABLE_PREFIX_REUSE``, when set to ``0``, ``1``, ``false`` or ``true``
         (any case), overrides ``enable_prefix_reuse``; empty counts as unset.
@@ -420,11 +423,13 @@ class HostKVConfig:
         """
         derived = {
             "radix_node_capacity": max(4096, self.num_pages // 2),
-            "sequence_page_node_capacity": 4 * self.num_pages,
             "max_sequences": min(self.num_pages, 4096),
             "max_processes": 64,
         }
         max_sequences = self.max_sequences or derived["max_sequences"]
+        # A page is in one sequence's list at most, twelve to a record, and each sequence's
+        # last record may be part full.
+        derived["sequence_page_node_capacity"] = -(-self.num_pages // 12) + max_sequences
         derived["undo_log_capacity"] = 16 * self.num_pages + 64 * max_sequences + 65536
         changes: dict = {}
         for field, value in derived.items():

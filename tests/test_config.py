@@ -215,7 +215,7 @@ def test_defaults_small_pool():
     cfg = HostKVConfig(num_pages=100, page_bytes=64).apply_runtime_defaults()
     assert cfg.is_resolved
     assert cfg.radix_node_capacity == 4096
-    assert cfg.sequence_page_node_capacity == 400
+    assert cfg.sequence_page_node_capacity == 9 + 100          # ceil(100 / 12) + max_sequences
     assert cfg.max_sequences == 100
     assert cfg.max_processes == 64
     assert cfg.undo_log_capacity == 16 * 100 + 64 * 100 + 65536
@@ -227,7 +227,7 @@ def test_defaults_large_pool():
     n = 1_000_000
     cfg = HostKVConfig(num_pages=n, page_bytes=4096).apply_runtime_defaults()
     assert cfg.radix_node_capacity == n // 2
-    assert cfg.sequence_page_node_capacity == 4 * n
+    assert cfg.sequence_page_node_capacity == -(-n // 12) + 4096
     assert cfg.max_sequences == 4096
     assert cfg.max_processes == 64
     assert cfg.undo_log_capacity == 16 * n + 64 * 4096 + 65536
@@ -253,13 +253,13 @@ def test_apply_returns_new_and_is_idempotent():
 
 
 def test_derived_value_overflowing_int32_is_an_error():
-    # 2**29 pages of one token: valid as given, but 4 * num_pages page-list records is not.
+    # 2**29 pages of one token: valid as given, but 16 * num_pages undo-log entries is not.
     cfg = HostKVConfig(num_pages=2**29, page_size=1, page_bytes=1)
-    with pytest.raises(ConfigError, match="sequence_page_node_capacity"):
+    with pytest.raises(ConfigError, match="undo_log_capacity"):
         cfg.apply_runtime_defaults()
-    ok = dataclasses.replace(cfg, sequence_page_node_capacity=2**30,
-                             undo_log_capacity=2**30).apply_runtime_defaults()
+    ok = dataclasses.replace(cfg, undo_log_capacity=2**30).apply_runtime_defaults()
     assert ok.is_resolved
+    assert ok.sequence_page_node_capacity == 2**29 // 12 + 1 + 4096
 
 
 @pytest.mark.parametrize(

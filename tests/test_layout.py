@@ -18,7 +18,7 @@ from conftest import small_config
 
 # A layout change must bump HKV_LAYOUT_VERSION (hostkv/_layout.pxd), then update these.
 EXPECTED_LAYOUT = {
-    "layout_version": 6,
+    "layout_version": 7,
     "magic": 0x3130564B54534F48,  # "HOSTKV01" read as a little-endian u64
     "sizes": {
         "HkvHeader": 512,
@@ -27,7 +27,7 @@ EXPECTED_LAYOUT = {
         "HkvSlab": 16,
         "HkvRadixNode": 64,
         "HkvSequence": 64,
-        "HkvSeqPage": 16,
+        "HkvSeqPage": 64,
         "HkvMetrics": 101056,
         "pthread_mutex_t": 40,
     },
@@ -123,8 +123,9 @@ EXPECTED_LAYOUT = {
     },
     "sequence_page": {
         "sp_slab": 0,
-        "sp_page": 8,
-        "sp_next": 12,
+        "sp_next": 8,
+        "sp_count": 12,
+        "sp_pages": 16,
     },
 }
 

@@ -369,11 +369,12 @@ def test_sequence_capacity_rolls_back(make):
 
 
 def test_sequence_page_list_capacity_rolls_back(make):
-    # Page lists record a sequence's own pages; a borrowed prefix is held by its node lock.
-    cache, view = make(sequence_page_node_capacity=7)
+    # Page lists record a sequence's own pages, twelve to a record; a borrowed prefix is
+    # held by its node lock.
+    cache, view = make(sequence_page_node_capacity=3)
     cache_prefix(view, P)                       # page-list records are freed at release
     view.allocate_pages_for_sequences_with_prefix([R(LIVE, P + [1])])    # borrows 3: 1 record
-    batch = [R(10, P[:8] + [9]), R(11, list(range(5000, 5000 + 6 * PS)))]    # 1 + 6
+    batch = [R(10, P[:8] + [9]), R(11, list(range(5000, 5000 + 13 * PS)))]    # 1 + 2
     before = snapshot(cache, view, quiet=True)
     with pytest.raises(CapacityError) as info:
         view.allocate_pages_for_sequences_with_prefix(batch)
@@ -1214,3 +1215,27 @@ def test_a_release_hands_its_references_to_the_tree_and_refuses_pages_it_never_h
     assert_unchanged(before, snapshot(cache, view), rolled_back=True)
     assert view.release([2, 3]) == [3, 3]
     cache.check(exact_references=True)
+
+
+def test_page_lists_fill_twelve_pages_a_record_across_decode_steps(make):
+    """A sequence's page list holds twelve pages a record: a prompt fills whole records
+    and part of one, decode steps fill its room before taking a record, and the segment's
+    list always equals the view's page table; a release gives every record back."""
+    cache, view = make(num_pages=128)
+    seg = cache._segment
+    (alloc,) = view.allocate_pages_for_sequences_with_prefix(
+        [R(1, list(range(4000, 4000 + 25 * PS)))])               # 25 pages: 12 + 12 + 1
+
+    def listed():
+        (record, _, _, pages), = _sequences.view_sequences(seg, view._number)
+        return pages
+
+    assert listed() == alloc.page_table.tolist()
+    for step in range(12 * PS):                                  # 12 more pages, one by one
+        view.append_tokens([1], [step])
+        assert listed() == view.page_table(1).tolist()
+    assert len(listed()) == 37
+    cache.check(exact_references=True)
+    view.release([1])
+    assert _sequences.view_sequences(seg, view._number) == []
+    cache.check(exact_references=True)          # every page-list record is free again
