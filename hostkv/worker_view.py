@@ -67,7 +67,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class SequenceRequest:
     """A sequence to allocate: its id (unique within the view), prompt tokens, namespace.
 
@@ -81,8 +81,16 @@ class SequenceRequest:
     tokens: Any
     namespace: int = 0
 
+    def __init__(self, seq_id: int, tokens: Any, namespace: int = 0) -> None:
+        # Fills the fields in place: a frozen dataclass's own __init__ sets each one through
+        # object.__setattr__, which cost more than the view's other Python for a request.
+        fields = self.__dict__
+        fields["seq_id"] = seq_id
+        fields["tokens"] = tokens
+        fields["namespace"] = namespace
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True, init=False)
 class SequenceAllocation:
     """What the engine needs to run a newly allocated sequence.
 
@@ -99,6 +107,15 @@ class SequenceAllocation:
     page_table: np.ndarray
     page_size: int
 
+    def __init__(self, seq_id: int, reused_tokens: int, page_table: np.ndarray,
+                 page_size: int) -> None:
+        # In place, as SequenceRequest's: the view makes one of these per request.
+        fields = self.__dict__
+        fields["seq_id"] = seq_id
+        fields["reused_tokens"] = reused_tokens
+        fields["page_table"] = page_table
+        fields["page_size"] = page_size
+
     @property
     def num_shared_pages(self) -> int:
         """Leading pages borrowed from the cache: shared with other sequences, read-only."""
@@ -108,20 +125,6 @@ class SequenceAllocation:
     def write_from_token(self) -> int:
         """The first token whose KV the engine must compute and write (== reused_tokens)."""
         return self.reused_tokens
-
-
-def _new_allocation(seq_id: int, reused_tokens: int, page_table: np.ndarray, page_size: int,
-                    _new: Any = object.__new__) -> SequenceAllocation:
-    """SequenceAllocation(seq_id, reused_tokens, page_table, page_size), made in half the
-    time: a frozen dataclass's __init__ sets each field through object.__setattr__, and the
-    view makes one of these per request. Same class, same fields, still frozen."""
-    allocation = _new(SequenceAllocation)
-    fields = allocation.__dict__
-    fields["seq_id"] = seq_id
-    fields["reused_tokens"] = reused_tokens
-    fields["page_table"] = page_table
-    fields["page_size"] = page_size
-    return allocation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +426,7 @@ class WorkerView:
             reused_tokens = reused_pages * page_size
             live[seq_id] = _Sequence(seq_id, record, generation, namespace, tokens,
                                      reused_tokens, reused_pages, table)
-            allocations.append(_new_allocation(seq_id, reused_tokens, table, page_size))
+            allocations.append(SequenceAllocation(seq_id, reused_tokens, table, page_size))
             prompt_tokens += len(tokens)
             reused_pages_in_all += reused_pages
         self._in_flight = None

@@ -1154,11 +1154,19 @@ def test_out_of_pages_says_where_the_pages_are(make):
     cache.check()
 
 
-def test_an_allocation_is_the_frozen_dataclass_it_says(make):
-    """The view builds allocations without the dataclass's __init__ (issue 12): they must
-    still be SequenceAllocations, equal to one built the usual way, and frozen."""
+def test_requests_and_allocations_are_the_frozen_dataclasses_they_say(make):
+    """Both fill their fields in their own __init__ (issue 12: the generated one of a
+    frozen dataclass is slow): they must still be frozen dataclasses with the same fields,
+    defaults, keywords, equality, hashing and repr."""
     cache, view = make(num_pages=16)
-    (alloc,) = view.allocate_pages_for_sequences_with_prefix([R(1, P + [1])])
+    request = R(1, P + [1])
+    assert request == R(seq_id=1, tokens=P + [1], namespace=0) != R(1, P + [1], 2)
+    assert hash(R(1, (1, 2))) == hash(R(1, (1, 2)))
+    assert [(f.name, f.default) for f in dataclasses.fields(request)][2] == ("namespace", 0)
+    assert repr(R(1, [2])) == "SequenceRequest(seq_id=1, tokens=[2], namespace=0)"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.seq_id = 2
+    (alloc,) = view.allocate_pages_for_sequences_with_prefix([request])
     assert type(alloc) is hostkv.SequenceAllocation
     assert alloc == hostkv.SequenceAllocation(1, 0, alloc.page_table, PS)
     assert [f.name for f in dataclasses.fields(alloc)] == [
@@ -1166,6 +1174,8 @@ def test_an_allocation_is_the_frozen_dataclass_it_says(make):
     assert repr(alloc).startswith("SequenceAllocation(seq_id=1, reused_tokens=0, ")
     with pytest.raises(dataclasses.FrozenInstanceError):
         alloc.seq_id = 2
+    with pytest.raises(TypeError):
+        R(1)                                     # tokens are required, as before
     view.release([1])
 
 
