@@ -916,9 +916,11 @@ cdef class Segment:
         cdef timespec deadline
         cdef int64_t deadline_ns, wait_start, timeout_ns
         cdef int spins
+        cdef bint waited
         check_mutex(self, &self.hdr.hdr_mutex, "the segment lock")
         wait_start = now_ns(CLOCK_MONOTONIC)
         rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
+        waited = rc == EBUSY
         if rc == EBUSY:
             # Holds are a few microseconds: spin that long before sleeping in the kernel,
             # whose wake-up costs more than the wait (glibc's adaptive mutexes do the same,
@@ -957,7 +959,8 @@ cdef class Segment:
             raise os_error(rc, "lock segment", self.name)
         self.locked = True
         self.lock_owner = pthread_self()
-        self.locked_at_ns = now_ns(CLOCK_MONOTONIC)
+        # Taken at the first try: no wait to time (and one clock read fewer a lock).
+        self.locked_at_ns = now_ns(CLOCK_MONOTONIC) if waited else wait_start
         record_duration(self.metrics.mt_lock_wait_histogram, &self.metrics.mt_lock_wait_ns,
                         self.locked_at_ns - wait_start)
         self.metrics.mt_lock_acquisitions += 1
