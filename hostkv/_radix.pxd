@@ -49,6 +49,7 @@ cdef int64_t tree_borrow(Segment seg, Tree* t, const int32_t* tokens, int64_t nu
                          int flags) except -1
 cdef int tree_lock(Segment seg, Tree* t, int32_t node) except -1
 cdef int tree_unlock(Segment seg, Tree* t, int32_t node) except -1
+cdef int64_t node_depth(Segment seg, Tree* t, int32_t index) except -1
 cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int32_t* pages,
                          int64_t num_pages, uint64_t namespace, int32_t* out_tree_pages,
                          int32_t* out_node, int32_t below=*, bint adopt=*) except -1

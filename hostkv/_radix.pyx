@@ -902,7 +902,10 @@ cdef inline int32_t* i32_data(cnp.ndarray arr) noexcept:
 
 cdef int check_i32(cnp.ndarray arr, str what) except -1:
     """The compiled entry points read arrays raw: they must be 1-D, int32 and contiguous."""
-    if arr.ndim != 1 or cnp.PyArray_TYPE(arr) != cnp.NPY_INT32 or not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+    if (arr.ndim != 1 or cnp.PyArray_TYPE(arr) != cnp.NPY_INT32
+            or not cnp.PyArray_IS_C_CONTIGUOUS(arr) or not cnp.PyArray_ISNOTSWAPPED(arr)
+            or not cnp.PyArray_ISALIGNED(arr)):
+        # (A big-endian '>i4' array is NPY_INT32 too: read raw, its ids would be others.)
         raise ValueError(f"{what} must be a contiguous 1-D np.int32 array, got {arr.dtype} "
                          f"with shape {(<object>arr).shape}")
     return 0

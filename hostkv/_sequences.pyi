@@ -12,8 +12,8 @@ def allocate(seg: Segment, token_arrays: List[npt.NDArray[np.int32]],
              reuse_pages: List[int], min_reuse_pages: int,
              view: int) -> List[Tuple[int, int, npt.NDArray[np.int32], int]]: ...
 def allocate_requests(seg: Segment, requests: Sequence[Any], request_type: type,
-                      live: Dict[int, Any], reuse_enabled: bool, min_reuse_pages: int,
-                      view: int, seq_ids: List[int]
+                      live: Dict[int, Any], page_size: int, pool_pages: int,
+                      reuse_enabled: bool, min_reuse_pages: int, view: int, seq_ids: List[int]
                       ) -> Tuple[List[npt.NDArray[np.int32]], List[int],
                                  List[Tuple[int, int, npt.NDArray[np.int32], int]]]: ...
 def hold(seg: Segment, token_arrays: List[npt.NDArray[np.int32]],

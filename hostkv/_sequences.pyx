@@ -24,7 +24,7 @@ from hostkv._slab cimport (
     slab_note_free, slab_record, slab_rederive)
 from hostkv._pages cimport check_page_index, page_decref, page_refcounts, pages_alloc
 from hostkv._radix cimport (
-    BORROW_MAY_EVICT, BORROW_REFRESH, Tree, tree_borrow, tree_evict_pages, tree_insert,
+    BORROW_MAY_EVICT, BORROW_REFRESH, Tree, node_depth, tree_borrow, tree_evict_pages, tree_insert,
     tree_lock, tree_of, tree_page_hash, tree_unlock)
 
 from hostkv._radix import checked_copy, tokens_from_sequence
@@ -121,8 +121,10 @@ cdef cnp.ndarray raw_token_array(list token_arrays, int64_t i):
     tokens = token_arrays[i]
     if (not isinstance(tokens, np.ndarray) or tokens.ndim != 1
             or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32
-            or not cnp.PyArray_IS_C_CONTIGUOUS(tokens)):
-        raise ValueError(f"token_arrays[{i}] must be a contiguous 1-D np.int32 array")
+            or not cnp.PyArray_IS_C_CONTIGUOUS(tokens) or not cnp.PyArray_ISNOTSWAPPED(tokens)
+            or not cnp.PyArray_ISALIGNED(tokens)):
+        raise ValueError(f"token_arrays[{i}] must be a contiguous, aligned, native-order "
+                         "1-D np.int32 array")
     return tokens
 
 
@@ -166,7 +168,7 @@ cdef int32_t new_sequence(Segment seg, int64_t seq_id, uint64_t namespace, int32
         log_store_i32(seg, &seq.sq_last_page, -1)
         log_store_i32(seg, &seq.sq_lock_node, lock_node)
         log_store_i32(seg, &seq.sq_view, view)
-    # Logged either way: a record's generations only ever go up, rollbacks included.
+    # Logged either way: a rollback gives the record back its generation exactly.
     log_store_i64(seg, &seq.sq_generation, seq.sq_generation + 1)
     return record
 
@@ -487,8 +489,9 @@ def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
                             view)
 
 
-def allocate_requests(Segment seg, requests, request_type, dict live, bint reuse_enabled,
-                      int32_t min_reuse_pages, int32_t view, list seq_ids):
+def allocate_requests(Segment seg, requests, request_type, dict live, int32_t page_size,
+                      int64_t pool_pages, bint reuse_enabled, int32_t min_reuse_pages,
+                      int32_t view, list seq_ids):
     """WorkerView's allocation in one call: checks a batch of its SequenceRequests (of class
     request_type) as the view documents, in the order it documents, reads each prompt into
     an int32 array of the view's own and each namespace, then allocates them as allocate
@@ -504,16 +507,14 @@ def allocate_requests(Segment seg, requests, request_type, dict live, bint reuse
         OutOfPagesError, CapacityError: nothing changed.
     """
     cdef Py_ssize_t index, n
-    cdef int32_t page_size
-    cdef int64_t pool_pages, num_tokens, pages
+    cdef int64_t num_tokens, pages
     cdef cnp.ndarray tokens
     cdef set seen
     cdef list token_arrays = [], namespaces = [], reuse = []
-    check_open(seg)
+    if page_size <= 0:
+        raise ValueError(f"page size must be positive, got {page_size}")
     del seq_ids[:]
     n = len(requests)
-    page_size = seg.hdr.hdr_config.cfg_page_size        # fixed at create
-    pool_pages = seg.hdr.hdr_config.cfg_num_pages
     seen = set() if n > 1 else None
     for index in range(n):
         request = requests[index]
@@ -550,6 +551,10 @@ def allocate_requests(Segment seg, requests, request_type, dict live, bint reuse
         reuse.append((num_tokens - 1) // page_size if reuse_enabled else 0)
     if n == 0:
         return token_arrays, namespaces, []
+    check_open(seg)
+    if page_size != seg.hdr.hdr_config.cfg_page_size:
+        raise ValueError(f"page size {page_size} is not the segment's "
+                         f"{seg.hdr.hdr_config.cfg_page_size}")
     return token_arrays, namespaces, allocate_checked(
         seg, token_arrays, seq_ids, namespaces, reuse, min_reuse_pages, view)
 
@@ -562,7 +567,8 @@ cdef cnp.ndarray private_tokens(raw, Py_ssize_t index):
     if type(raw) is list or type(raw) is tuple:
         tokens = tokens_from_sequence(raw, what)
     elif (type(raw) is np.ndarray and cnp.PyArray_TYPE(raw) == cnp.NPY_INT32
-          and cnp.PyArray_NDIM(raw) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(raw)):
+          and cnp.PyArray_NDIM(raw) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(raw)
+          and cnp.PyArray_ISNOTSWAPPED(raw) and cnp.PyArray_ISALIGNED(raw)):
         tokens = checked_copy(raw)
     if tokens is None:
         tokens = as_tokens(raw, what, True)
@@ -762,6 +768,13 @@ cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* t
         # its later pages' KV was computed on that prefix, which needs no comparing again.
         existing = tree_insert(seg, t, tokens, table, num_pages, namespace, tree_pages, &node,
                                seq.sq_lock_node, adopt)
+        # The lock must end exactly where this sequence's tokens have been matched, since
+        # the next commit starts from its end without comparing: an insert that found every
+        # page cached inside a node it could not split answers that whole node, whose later
+        # pages may hold other tokens. Keep the old lock then (the prefix it ends stays
+        # exact; the pages past it are the tree's or held by this sequence's references).
+        if node != -1 and node_depth(seg, t, node) > num_pages:
+            node = seq.sq_lock_node
         set_lock(seg, t, seq, node)
         if adopt:
             adopted_from[0] = existing

@@ -29,7 +29,7 @@ def as_tokens(tokens: Any, what: str = "tokens", private: bool = False) -> np.nd
         ValueError: not 1-D, not integers (floats, bools), or an id outside [0, 2**31).
     """
     if (type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1
-            and tokens.flags.c_contiguous):
+            and tokens.flags.c_contiguous and tokens.flags.aligned):
         # The common case, first and cheap: an engine's own int32 token array.
         if private:
             copy = _radix.checked_copy(tokens)
@@ -81,8 +81,9 @@ def _as_int32_array(tokens: Any, what: str) -> np.ndarray:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{what} must be integer ids, got dtype {arr.dtype}")
-    if arr.dtype == np.int32:
-        arr = np.ascontiguousarray(arr)
+    if arr.dtype == np.int32:              # native order ('>i4' is not equal to it)
+        if not (arr.flags.c_contiguous and arr.flags.aligned):
+            arr = arr.copy()                  # the compiled layer reads it raw
         if _radix.first_bad_token(arr) >= 0:
             _raise_out_of_range(arr, what)
         return arr

@@ -415,8 +415,8 @@ class WorkerView:
         config = self._config
         token_arrays, namespaces, results = self._change(
             in_flight, _sequences.allocate_requests, self._segment, requests, SequenceRequest,
-            self._sequences, config.enable_prefix_reuse, config.prefix_min_reuse_pages,
-            self._number, seq_ids)
+            self._sequences, self._page_size, config.num_pages, config.enable_prefix_reuse,
+            config.prefix_min_reuse_pages, self._number, seq_ids)
         page_size = self._page_size
         live = self._sequences
         allocations = []

@@ -1249,3 +1249,67 @@ def test_page_lists_fill_twelve_pages_a_record_across_decode_steps(make):
     view.release([1])
     assert _sequences.view_sequences(seg, view._number) == []
     cache.check(exact_references=True)          # every page-list record is free again
+
+
+def test_a_commit_never_locks_past_what_it_matched(make):
+    """Found in review (issue 12): a commit whose pages were all cached, ending inside a
+    node it could not split (no node record free), locked that whole node; the next commit
+    then continued below its end without comparing, and hung this sequence's KV under
+    another prompt's pages. The lock must stay where the sequence's tokens were matched."""
+    cache, view = make(num_pages=64, radix_node_capacity=2)
+    page = lambda x: [x] * PS
+    a = page(1) + page(2) + page(3) + page(4)                      # X: a0 a1 a2 a3
+    s = page(1) + page(2) + page(7) + page(8) + page(9) + page(10)  # S: a0 a1 b2 b3 b4 b5
+    view.allocate_pages_for_sequences_with_prefix([R(1, s + [0])])  # nothing cached yet
+    cache_prefix(view, a + [0], seq_id=2)
+    view.allocate_pages_for_sequences_with_prefix([R(3, page(20) + page(21) + [0])])
+    view.commit([3])                                     # the second (last) node record
+    view.commit([1], num_tokens=2 * PS)                  # all cached, inside X, no split
+    view.release([3], commit=False)
+    view.commit([1])
+    cache.check(exact_references=True)
+    # Pages 4 and 5 of S hold KV computed after b2 b3: never an answer for a2 a3.
+    assert cache.match_prefix(a + page(9) + page(10)).num_tokens == 4 * PS
+    assert cache.match_prefix(a).num_tokens == 4 * PS
+    view.release([1])
+    cache.check(exact_references=True)
+
+
+def test_big_endian_int32_prompts_are_read_as_their_ids(make):
+    """Found in review (issue 12): a '>i4' array is NPY_INT32 too, and the compiled fast
+    path copied its bytes raw, caching ids 1 << 24, 2 << 24, ... for 1, 2, ... It is
+    converted like any other dtype; the raw compiled calls refuse it."""
+    cache, view = make(num_pages=32)
+    ids = list(range(1, 10))
+    big = np.array(ids, dtype=">i4")
+    (alloc,) = view.allocate_pages_for_sequences_with_prefix([R(1, big)])
+    assert view.state(1).tokens.tolist() == ids
+    view.release([1])
+    assert cache.match_prefix(ids).num_tokens == 8
+    assert cache.match_prefix(big).num_tokens == 8
+    assert cache.match_prefix([i << 24 for i in ids]).num_tokens == 0
+    (again,) = view.allocate_pages_for_sequences_with_prefix([R(2, big)])
+    assert again.reused_tokens == 8
+    view.release([2])
+    with pytest.raises(ValueError, match="contiguous 1-D np.int32"):
+        _radix.checked_copy(big)
+    with pytest.raises(ValueError, match="native-order"):
+        _sequences.allocate(cache._segment, [big], [3], [0], [0], 1, view._number)
+    cache.check(exact_references=True)
+
+
+def test_a_closed_cache_still_names_the_bad_request_first(segment_name):
+    """The view's documented errors come before "closed", as they did when the view checked
+    requests in Python (a regression found in review, issue 12)."""
+    cache = hostkv.HostKVCache.create(segment_name, hostkv.HostKVConfig(
+        num_pages=32, page_size=PS, page_bytes=64))
+    view = WorkerView(cache)
+    cache.close()
+    with pytest.raises(SequenceError, match="empty prompt"):
+        view.allocate_pages_for_sequences_with_prefix([R(1, [])])
+    with pytest.raises(ValueError, match=r"tokens\[0\] = -1 is outside"):
+        view.allocate_pages_for_sequences_with_prefix([R(1, [-1])])
+    with pytest.raises(SequenceError, match="not a SequenceRequest"):
+        view.allocate_pages_for_sequences_with_prefix(["x"])
+    with pytest.raises(ValueError, match="closed"):
+        view.allocate_pages_for_sequences_with_prefix([R(1, [1, 2])])
