@@ -53,6 +53,7 @@ Only vLLM processes import this module; ``import hostkv`` never needs vLLM or to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -88,7 +89,7 @@ from hostkv.errors import (
     SegmentExistsError,
     SegmentNotFoundError,
 )
-from hostkv.remote.config import RemoteConfig
+from hostkv.remote.config import RemoteConfig, _number
 from hostkv.worker_view import SequenceRequest, WorkerView
 
 if TYPE_CHECKING:
@@ -133,8 +134,8 @@ class HostKVSettings:
             values never share pages (the model's name, dtype and layout, each request's
             cache_salt and LoRA adapter are always mixed in).
         max_processes: Lease slots when this engine creates the segment (0: hostkv's
-            default, 64): each engine takes two to three (scheduler, workers), and one
-            more with a remote tier.
+            default, 64): each engine takes two to three (scheduler, workers); a remote
+            tier shares its process's.
         remote: The remote tier shared by every host (key ``remote``: a URL such as
             ``redis://host:6379/0`` or ``redis+cluster://h1:7000,h2:7000``), None: off.
             Keys ``remote_<field>`` set the other RemoteConfig fields (``remote_key_prefix``,
@@ -206,12 +207,8 @@ class HostKVSettings:
             except ConfigError as exc:
                 raise ConfigError(f"hostkv: kv_connector_extra_config 'remote': {exc}") from None
             if "remote_wait" in extra:
-                wait = extra["remote_wait"]
-                if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (
-                        0 <= wait <= 600):
-                    raise ConfigError(f"hostkv: remote_wait must be seconds in [0, 600], "
-                                      f"got {wait!r}")
-                values["remote_wait"] = float(wait)
+                values["remote_wait"] = float(_number(
+                    extra["remote_wait"], "hostkv: remote_wait (seconds)", 0, 600, False))
         return cls(**values)
 
 
@@ -685,7 +682,9 @@ class _SchedulerSide:
         """Queues the pages the sequence newly committed for the remote tier's writer (the
         first time with the prefix it borrowed, whose TTL the writer renews)."""
         assert self.tier is not None
-        first = 0 if st.committed_pages <= st.reused_pages else st.committed_pages
+        from hostkv.remote.tier import first_unpublished_page
+
+        first = first_unpublished_page(st.committed_pages, st.reused_pages)
         try:
             self.tier.publish(st.request.all_token_ids[:pages * self.block_size],
                               st.namespace, pages, first, st.reused_pages)
@@ -1075,7 +1074,10 @@ class HostKVConnector(KVConnectorBase_V1):
                 try:
                     tier = RemoteTier(self._cache, self._settings.remote)
                 except BaseException:
-                    self._cache.close()
+                    # A tier that failed half way may still pin the pool until it is
+                    # collected: the close can wait, the cause must show.
+                    with contextlib.suppress(BufferError):
+                        self._cache.close()
                     raise
                 logger.info("hostkv: remote tier %s (key prefix %r)",
                             self._settings.remote.redacted_url,

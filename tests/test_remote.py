@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -417,7 +418,7 @@ def test_process_killed_mid_fetch_has_its_fresh_pages_reclaimed(redis_server, ma
     "redis://h:65536", "redis://h:port", "redis://h/x", "redis://h/1?db=2", "redis://a,b",
     "redis+cluster://a:1/2", "redis://h?timeout=3", "redis://h?ssl_ca_certs=/x",
     "rediss://h?ssl_cert_reqs=maybe", "unix://", "redis://h h", "redis://h:1#frag",
-    "redis://h:1:2", "redis://h?db=1&db=2",
+    "redis://h:1:2", "redis://h?db=1&db=2", "redis://[::1/0",
 ])
 def test_bad_urls_are_config_errors(url):
     with pytest.raises(hostkv.ConfigError):
@@ -563,3 +564,31 @@ def test_a_probe_that_never_reports_back_expires():
     assert breaker.allow()                   # the unanswered probe expired
     breaker.success()
     assert not breaker.is_open and breaker.allow()
+
+
+def test_a_forked_child_closes_its_copy_of_the_tier_without_the_parents_locks(
+        redis_server, make_host):
+    """Found in review: a child forked while a parent thread held the tier's condition
+    lock hung in tier.close(), which took that lock. The child's close now only lets go of
+    its own references; the tier refuses the child's calls, and its cache then closes."""
+    from conftest import run_in_fork
+
+    host = make_host(fast_config(redis_server.url))
+
+    def child() -> int:
+        signal.alarm(30)                        # a hang would end the child, not the suite
+        with pytest.raises(hostkv.HostKVError, match="forked child"):
+            host.tier.lookup(prompt(PAGE_SIZE * 2 + 1))
+        with pytest.raises(hostkv.HostKVError, match="forked child"):
+            host.tier.release(host.view, [1])
+        host.tier.close()                       # the parent's lock is held: must not wait
+        host.view.close()
+        host.cache.close()
+        return 0
+
+    with host.tier._cond:                       # held by a parent thread at the fork
+        code = run_in_fork(child)
+    assert code == 0
+    # The parent's tier is untouched by the child's close.
+    assert host.tier.lookup(prompt(PAGE_SIZE * 2 + 1)).wait(WAIT) == 0
+    assert not host.tier.closed

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import multiprocessing
+import os
 import re
 import subprocess
 import sys
@@ -214,6 +215,28 @@ def test_a_segment_created_again_does_not_read_the_old_ones_counters(redis_serve
             tier.lookup(prompt(PAGE_SIZE * 2 + 1)).wait(WAIT)
         assert stats_json(segment_name)["remote"]["lookups"] == 2
         assert len(glob.glob(f"/dev/shm/{segment_name}@*")) == 2
+    finally:
+        cache.close()
+    hostkv.HostKVCache.unlink_segment(segment_name)
+    assert glob.glob(f"/dev/shm/{segment_name}@*") == []
+
+
+def test_a_damaged_side_block_is_left_unshared_and_stats_still_answer(redis_server,
+                                                                      segment_name):
+    """Found in review: a file at the side block's path shorter than its header raised
+    struct.error out of RemoteTier() and `python -m hostkv stats`. The tier now works on
+    with its counters unshared, and stats answers without a remote section."""
+    from hostkv.remote.shared_stats import side_path
+
+    cache = hostkv.HostKVCache.create(segment_name, host_config())
+    try:
+        path = side_path(segment_name, os.stat(f"/dev/shm/{segment_name}").st_ino)
+        with open(path, "wb") as damaged:
+            damaged.write(b"123456789")
+        with RemoteTier(cache, fast_config(redis_server.url)) as tier:
+            tier.lookup(prompt(PAGE_SIZE * 2 + 1)).wait(WAIT)
+            assert tier.stats().lookups == 1
+        assert "remote" not in stats_json(segment_name)
     finally:
         cache.close()
     hostkv.HostKVCache.unlink_segment(segment_name)

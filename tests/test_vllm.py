@@ -816,7 +816,10 @@ def test_remote_tier_paused_fails_open(new_name, redis_server):
             request = _vllm_request("a", _tokens(rng, 200))
             offered, waits = _ask_until_answered(one, request)
             assert offered == 0 and waits >= 1
-            assert one.counters.values["remote_timeouts"] == 1
+            # Given up at remote_wait (0.2 s), or failed at the socket timeout (0.3 s) when
+            # a loaded machine polls late: either way counted, and the request went on.
+            values = one.counters.values
+            assert values["remote_timeouts"] + values["remote_failed"] == 1
             one.request_finished(request)
             # After the breaker opens, a lookup is answered at once: no wait at all.
             assert one.tier.flush(10)

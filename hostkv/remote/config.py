@@ -118,7 +118,10 @@ def parse_url(url: Any) -> ParsedURL:
         path, _, query = ("/" + path_query).partition("?")
         hosts_text = ""
     else:
-        split = urlsplit("x://" + rest)
+        try:
+            split = urlsplit("x://" + rest)
+        except ValueError as exc:           # e.g. an unclosed IPv6 bracket
+            raise ConfigError(f"remote URL {shown}: {exc}") from None
         if split.fragment:
             raise ConfigError(f"remote URL {shown}: a fragment (#...) is not allowed")
         netloc, path, query = split.netloc, split.path, split.query

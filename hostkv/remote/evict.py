@@ -52,7 +52,6 @@ import numpy as np
 
 from hostkv.errors import CapacityError, OutOfPagesError
 from hostkv.remote import codec
-from hostkv.remote.backend import RemoteError, RemoteFullError
 from hostkv.worker_view import SequenceRequest, WorkerView
 
 if TYPE_CHECKING:
@@ -107,15 +106,9 @@ class EvictWriter:
         #: Send a near-eviction page's missing chain prefix too (see the module docstring).
         #: The benchmark turns it off to measure the pages alone.
         self.send_prefix = True
-        self.rounds = 0             # rounds that sent or checked something
         self.known_skipped = 0      # pages skipped because they were known to be there
         self._thread = threading.Thread(target=self._loop, name="hostkv-remote-evict",
                                         daemon=True)
-
-    @property
-    def headroom_pages(self) -> int:
-        """The free pages below which the writer sends the coldest pages."""
-        return self._headroom
 
     def start(self) -> None:
         """Starts the thread."""
@@ -292,55 +285,38 @@ class EvictWriter:
         if not jobs:
             self._settled, self._settled_at = state, now
             return False
-        self.rounds += 1
         if not tier._breaker.allow():
-            tier._count(writes_dropped=total)
-            return False
+            return False             # nothing is lost: the pages are looked at again
         asking = [keys[p] for _, _, keys, todo in jobs for p in todo]
-        try:
-            present = tier._backend.touch_many(asking, tier.config.ttl_seconds)
-        except RemoteError as exc:
-            tier._breaker.failure(tier.config.redacted_url, exc)
-            tier._count(errors=1, writes_dropped=total)
+        present = tier._ask_store(asking)
+        if present is None:
             return False
-        if any(flag is not None for flag in present):
-            tier._breaker.success()          # some node answered (None: its node did not)
         there = [key for key, flag in zip(asking, present) if flag]
         self.note_present(there)
         tier._count(present_pages=len(there))
+        # A page whose node did not answer (None) is not sent: that node is down; the page
+        # is looked at again at the next round.
+        unknown = {key for key, flag in zip(asking, present) if flag is None}
         there_set = set(there)
         missing = []
         for namespace, tokens, keys, todo in jobs:
-            pages = [p for p in todo if keys[p] not in there_set]
+            pages = [p for p in todo if keys[p] not in there_set and keys[p] not in unknown]
             if pages:
                 missing.append((namespace, tokens, keys, pages))
         if not missing:
-            return True
+            return not unknown       # a node that did not answer: wait for the next poll
         items = self._hold_and_encode(missing)
         if items is None:
             return False             # no sequence record to hold with: try at the next look
         if not items:
             return True              # all evicted meanwhile: look again
-        try:
-            not_stored = tier._backend.put_many(items, tier.config.ttl_seconds)
-        except RemoteFullError as exc:
-            log.debug("hostkv remote tier: the store refused %d values: %s", len(items), exc)
-            tier._count(errors=1, writes_dropped=len(items))
+        not_stored = tier._send(items)
+        if not_stored is None:
             return False
-        except RemoteError as exc:
-            tier._breaker.failure(tier.config.redacted_url, exc)
-            tier._count(errors=1, writes_dropped=len(items))
-            return False
-        if not_stored < len(items):
-            tier._breaker.success()
-        if not_stored:
-            # A cluster node down while the others stored theirs: which values it lost is
-            # not known, so none is remembered as present (the next look asks again).
-            tier._count(errors=1, writes_dropped=not_stored, unavailable_pages=not_stored)
-        else:
+        if not not_stored:
+            # Not remembered when a cluster node lost some (which is not known): the next
+            # look asks again.
             self.note_present([key for key, _ in items])
-        tier._count(written_pages=len(items) - not_stored,
-                    bytes_up=sum(len(v) for _, v in items))
         return True
 
     def _hold_and_encode(self, missing: List[Tuple[int, np.ndarray, List[bytes], List[int]]]

@@ -83,6 +83,8 @@ class _Block:
     def __init__(self, path: str, mm: mmap.mmap) -> None:
         self.path = path
         self._mm = mm
+        if len(mm) < HEADER_BYTES:
+            raise ValueError(f"{path}: {len(mm)} bytes, shorter than a side block's header")
         magic, version, slots, slot_words, count = _HEADER.unpack_from(mm, 0)
         if magic != MAGIC or version != VERSION:
             raise ValueError(f"{path}: not a hostkv remote-stats block of version {VERSION}")
@@ -129,6 +131,9 @@ def _open_block(path: str, mode: int, slots: int, names: Sequence[str]) -> _Bloc
         try:
             os.fchmod(fd, mode)         # past the umask, like the segment's own mode
             os.ftruncate(fd, size)
+            # Reserved now, as the segment's memory is: a store into an unbacked page of a
+            # full /dev/shm would kill the process with SIGBUS (ENOSPC here: not shared).
+            os.posix_fallocate(fd, 0, size)
             os.pwrite(fd, header, 0)
             try:
                 os.link(tmp, path)

@@ -268,6 +268,14 @@ class _Breaker:
                 self._on_change(self.is_open, opened)
 
 
+
+def first_unpublished_page(committed_pages: int, reused_pages: int) -> int:
+    """The first page of a sequence the tier has not been given yet: 0 until the sequence
+    committed a page of its own (its borrowed prefix goes once, with that), then its
+    committed pages."""
+    return 0 if committed_pages <= reused_pages else committed_pages
+
+
 class RemoteTier:
     """The remote tier of one process over a HostKVCache (see the module docstring).
 
@@ -495,6 +503,7 @@ class RemoteTier:
         A sequence's first publish includes the prefix it borrowed: the writer's EXPIRE
         then renews the TTL of prefixes every host keeps reusing locally, and refills a
         store that was flushed or restarted (the values it has cost one small command)."""
+        self._check_open()
         before = [self._published_from(view.state(seq_id)) for seq_id in seq_ids]
         counts = view.commit(seq_ids, num_tokens)
         if self._evict_writer is not None:
@@ -510,6 +519,7 @@ class RemoteTier:
     def release(self, view: WorkerView, seq_ids: Sequence[Any], commit: bool = True) -> List[int]:
         """view.release(seq_ids, commit), then publish the pages it newly committed (see
         commit)."""
+        self._check_open()
         if self._evict_writer is not None:
             counts = view.release(seq_ids, commit)
             self._evict_writer.wake()
@@ -524,11 +534,8 @@ class RemoteTier:
         return counts
 
     def _published_from(self, state: Any) -> int:
-        """The first page of a sequence not published yet: 0 until it committed a page of
-        its own (its borrowed prefix goes once), then its committed pages."""
-        if state.committed_tokens <= state.reused_tokens:
-            return 0
-        return state.committed_tokens // self._page_size
+        return first_unpublished_page(state.committed_tokens // self._page_size,
+                                      state.reused_tokens // self._page_size)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Waits until every queued lookup and write is done; False on timeout. With
@@ -795,17 +802,11 @@ class RemoteTier:
         asking = [keys[p] for _, _, keys, ask, _ in jobs for p in ask]
         present: List[Optional[bool]] = []
         if asking:
-            try:
-                present = self._backend.touch_many(asking, self._config.ttl_seconds)
-            except RemoteError as exc:
-                self._breaker.failure(self._config.redacted_url, exc)
-                self._count(errors=1, writes_dropped=total)
+            answer = self._ask_store(asking)
+            if answer is None:
+                self._count(writes_dropped=total)
                 return
-            unknown = sum(1 for flag in present if flag is None)
-            if unknown < len(present):
-                self._breaker.success()
-            if unknown:
-                self._count(errors=1)
+            present = answer
         offset = 0
         todo = []
         for namespace, tokens, keys, ask, send in jobs:
@@ -822,8 +823,30 @@ class RemoteTier:
         if not todo:
             return
         items = self._borrow_and_encode(todo)
-        if not items:
-            return
+        if items:
+            self._send(items)
+
+    def _ask_store(self, keys: List[bytes]) -> Optional[List[Optional[bool]]]:
+        """Which keys the store holds, renewing their TTL: True or False each, None where
+        the key's node did not answer (one error counted). None in all when the store
+        failed (counted, and the breaker told): the caller keeps or drops its pages."""
+        try:
+            present = self._backend.touch_many(keys, self._config.ttl_seconds)
+        except RemoteError as exc:
+            self._breaker.failure(self._config.redacted_url, exc)
+            self._count(errors=1)
+            return None
+        unknown = sum(1 for flag in present if flag is None)
+        if unknown < len(present):
+            self._breaker.success()               # some node answered
+        if unknown:
+            self._count(errors=1)
+        return present
+
+    def _send(self, items: List[Tuple[bytes, bytes]]) -> Optional[int]:
+        """Stores encoded pages; returns how many were not stored (a cluster node down
+        while the others stored theirs: which ones is not known), or None when the store
+        refused them all. Every outcome is counted; the breaker is told of failures."""
         try:
             not_stored = self._backend.put_many(items, self._config.ttl_seconds)
         except RemoteFullError as exc:
@@ -831,18 +854,18 @@ class RemoteTier:
             # stays closed; the pages are dropped and counted.
             log.debug("hostkv remote tier: the store refused %d values: %s", len(items), exc)
             self._count(errors=1, writes_dropped=len(items))
-            return
+            return None
         except RemoteError as exc:
             self._breaker.failure(self._config.redacted_url, exc)
             self._count(errors=1, writes_dropped=len(items))
-            return
+            return None
         if not_stored < len(items):
             self._breaker.success()
         if not_stored:
-            # A cluster node down (or refusing) while the others stored theirs.
             self._count(errors=1, writes_dropped=not_stored, unavailable_pages=not_stored)
         self._count(written_pages=len(items) - not_stored,
                     bytes_up=sum(len(v) for _, v in items))
+        return not_stored
 
     def _borrow_and_encode(self, todo: List[Tuple[int, np.ndarray, List[bytes], List[int]]]
                            ) -> List[Tuple[bytes, bytes]]:
@@ -899,7 +922,13 @@ class RemoteTier:
         if self._closed:
             return
         if os.getpid() != self._pid:
-            self._shared = None      # a forked child: that slot is the parent's to write
+            # A forked child: the threads, the shared slot and the locks are the parent's (a
+            # lock one of its threads held at the fork stays held here for good). Let go of
+            # the child's references only, so that its cache can close.
+            self._closed = True
+            self._shared = None
+            self._pool = None
+            return
         with self._cond:
             self._closed = True
             pending = list(self._lookups)
@@ -911,8 +940,6 @@ class RemoteTier:
         for item in pending:
             item._finish("skipped")
         self._count(lookups_skipped=len(pending), writes_dropped=dropped)
-        if os.getpid() != self._pid:
-            return       # a forked child: the threads and the handle are the parent's
         writer = self._evict_writer
         if writer is not None:
             writer.stop()
