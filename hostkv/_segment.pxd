@@ -65,7 +65,9 @@ cdef class Segment:
     cdef void* freed_slabs[4]
     cdef int num_freed_slabs
     # The header's config and region offsets as check_shape last found them sound: equal
-    # bytes need no recomputing at every lock.
+    # bytes need no recomputing at every lock. check_shape also runs in unlocked readers;
+    # threads of one process can share these because it holds the GIL throughout and only
+    # ever stores bytes equal to a header it has just validated.
     cdef HkvConfig shape_config
     cdef HkvRegions shape_regions
     cdef bint shape_checked

@@ -7,15 +7,13 @@ import numpy.typing as npt
 
 from hostkv._segment import Segment
 
-def allocate(seg: Segment, token_arrays: List[npt.NDArray[np.int32]],
-             seq_ids: List[int], namespaces: List[int],
-             reuse_pages: List[int], min_reuse_pages: int,
-             view: int) -> List[Tuple[int, int, npt.NDArray[np.int32], int]]: ...
 def allocate_requests(seg: Segment, requests: Sequence[Any], request_type: type,
                       live: Dict[int, Any], page_size: int, pool_pages: int,
                       reuse_enabled: bool, min_reuse_pages: int, view: int, seq_ids: List[int]
                       ) -> Tuple[List[npt.NDArray[np.int32]], List[int],
                                  List[Tuple[int, int, npt.NDArray[np.int32], int]]]: ...
+def check_requests(requests: Sequence[Any], request_type: type, live: Dict[int, Any],
+                   seq_ids: List[int]) -> Tuple[List[npt.NDArray[np.int32]], List[int]]: ...
 def hold(seg: Segment, token_arrays: List[npt.NDArray[np.int32]],
          seq_ids: npt.NDArray[np.int64], namespaces: List[int],
          view: int) -> List[Tuple[int, int, npt.NDArray[np.int32], int]]: ...

@@ -448,71 +448,61 @@ cdef int64_t* i64(cnp.ndarray arr) noexcept:
     return <int64_t*>cnp.PyArray_DATA(arr)
 
 
-def allocate(Segment seg, list token_arrays, list seq_ids, list namespaces,
-             list reuse_pages, int32_t min_reuse_pages, int32_t view):
-    """Allocates a batch of sequences under one lock, all or nothing.
-
-    For request i: borrows up to reuse_pages[i] cached pages (kept only if at least
-    min_reuse_pages match), allocates the rest of ceil(len(tokens) / page_size) pages
-    (evicting as needed), and records the sequence, stamped with the caller's view number.
-    Every request borrows its prefix before anything is evicted for the batch, so one
-    request's eviction never takes the prefix another request of the same batch matched.
-    seq_ids and reuse_pages are lists of Python ints (int64, and >= 0), one per request.
-    Returns a list of (record index, reused pages, page table, record generation): the
-    record, sequence id and generation name the sequence in every later call. The page
-    tables are read-only arrays.
-
-    Raises:
-        OutOfPagesError, CapacityError: nothing changed.
-    """
-    cdef int32_t page_size
-    cdef int64_t i, n = len(token_arrays)
-    cdef cnp.ndarray tokens
-    cdef int64_t reuse
-    cdef int64_t checked_id             # converted before the lock, only to check them
-    cdef uint64_t checked_namespace
-    check_open(seg)
-    if len(seq_ids) != n or len(namespaces) != n or len(reuse_pages) != n:
-        raise ValueError("allocate needs one seq id, namespace and reuse count per request")
-    page_size = seg.hdr.hdr_config.cfg_page_size        # fixed at create
-    for i in range(n):
-        # Checked before the lock (the tokens are read raw below), and the ids and
-        # namespaces converted (OverflowError, TypeError) here, not half way through the batch.
-        tokens = raw_token_array(token_arrays, i)
-        checked_id = seq_ids[i]
-        checked_namespace = namespaces[i]
-        reuse = reuse_pages[i]
-        if reuse < 0 or reuse * page_size > tokens.shape[0]:
-            raise ValueError(f"request {i}: reuse count {reuse} is outside "
-                             f"[0, {tokens.shape[0] // page_size}]")
-    return allocate_checked(seg, token_arrays, seq_ids, namespaces, reuse_pages, min_reuse_pages,
-                            view)
-
-
 def allocate_requests(Segment seg, requests, request_type, dict live, int32_t page_size,
                       int64_t pool_pages, bint reuse_enabled, int32_t min_reuse_pages,
                       int32_t view, list seq_ids):
-    """WorkerView's allocation in one call: checks a batch of its SequenceRequests (of class
-    request_type) as the view documents, in the order it documents, reads each prompt into
-    an int32 array of the view's own and each namespace, then allocates them as allocate
-    does, all before anything shared is touched or nothing at all.
+    """WorkerView's allocation in one call: checks a batch of its SequenceRequests as
+    checked_requests does, then allocates them (allocate_checked), all before anything shared
+    is touched or nothing at all. Returns (token arrays, namespaces, allocate_checked's results),
+    one each per request.
+
+    Raises:
+        SequenceError, ValueError, OutOfPagesError: a bad request (nothing changed).
+        OutOfPagesError, CapacityError: nothing changed.
+    """
+    cdef Py_ssize_t i
+    cdef int64_t num_tokens
+    cdef list token_arrays, namespaces, reuse = []
+    if page_size <= 0:
+        raise ValueError(f"page size must be positive, got {page_size}")
+    token_arrays, namespaces = checked_requests(requests, request_type, live, page_size,
+                                                pool_pages, seq_ids)
+    if not token_arrays:
+        return token_arrays, namespaces, []
+    for i in range(len(token_arrays)):
+        num_tokens = (<cnp.ndarray>token_arrays[i]).shape[0]
+        # (n - 1) // page_size full pages at most: the last token is always computed, so
+        # the engine has logits to sample from.
+        reuse.append((num_tokens - 1) // page_size if reuse_enabled else 0)
+    check_open(seg)
+    if page_size != seg.hdr.hdr_config.cfg_page_size:
+        raise ValueError(f"page size {page_size} is not the segment's "
+                         f"{seg.hdr.hdr_config.cfg_page_size}")
+    return token_arrays, namespaces, allocate_checked(
+        seg, token_arrays, seq_ids, namespaces, reuse, min_reuse_pages, view)
+
+
+def check_requests(requests, request_type, dict live, list seq_ids):
+    """checked_requests without the pool's size (WorkerView.hold_cached_pages: a hold takes
+    no page): returns (token arrays, namespaces)."""
+    return checked_requests(requests, request_type, live, 1, 0, seq_ids)
+
+
+cdef tuple checked_requests(requests, request_type, dict live, int32_t page_size,
+                            int64_t pool_pages, list seq_ids):
+    """Checks a batch of a WorkerView's SequenceRequests (of class request_type) as the view
+    documents, in the order it documents, and reads each prompt into an int32 array of the
+    view's own and each namespace; touches nothing shared. pool_pages > 0: a prompt longer
+    than the pool (in pages of page_size) is an OutOfPagesError.
 
     seq_ids is emptied, then receives each request's id once it is checked to be new to
     the view (live: the view's sequences by id), so that a caller interrupted midway knows
-    which ids may have been recorded. Returns (token arrays, namespaces, allocate's
-    results), one each per request.
-
-    Raises:
-        SequenceError, ValueError: a bad request (nothing changed).
-        OutOfPagesError, CapacityError: nothing changed.
-    """
+    which ids may have been recorded. Returns (token arrays, namespaces)."""
     cdef Py_ssize_t index, n
     cdef int64_t num_tokens, pages
     cdef cnp.ndarray tokens
     cdef set seen
-    cdef list token_arrays = [], namespaces = [], reuse = []
-    if page_size <= 0:
-        raise ValueError(f"page size must be positive, got {page_size}")
+    cdef list token_arrays = [], namespaces = []
     del seq_ids[:]
     n = len(requests)
     seen = set() if n > 1 else None
@@ -536,7 +526,7 @@ def allocate_requests(Segment seg, requests, request_type, dict live, int32_t pa
         if num_tokens == 0:
             raise SequenceError(f"sequence {seq_id} has an empty prompt")
         pages = (num_tokens + page_size - 1) // page_size
-        if pages > pool_pages:
+        if 0 < pool_pages < pages:
             # Can never fit, whatever is evicted: say so before locking (and evicting).
             raise OutOfPagesError(
                 f"sequence {seq_id}'s prompt of {num_tokens} tokens needs {pages} pages, more "
@@ -546,17 +536,7 @@ def allocate_requests(Segment seg, requests, request_type, dict live, int32_t pa
         if type(namespace) is not int or not 0 <= namespace < NAMESPACE_LIMIT:
             namespace = as_namespace(namespace)
         namespaces.append(namespace)
-        # (n - 1) // page_size full pages at most: the last token is always computed, so
-        # the engine has logits to sample from.
-        reuse.append((num_tokens - 1) // page_size if reuse_enabled else 0)
-    if n == 0:
-        return token_arrays, namespaces, []
-    check_open(seg)
-    if page_size != seg.hdr.hdr_config.cfg_page_size:
-        raise ValueError(f"page size {page_size} is not the segment's "
-                         f"{seg.hdr.hdr_config.cfg_page_size}")
-    return token_arrays, namespaces, allocate_checked(
-        seg, token_arrays, seq_ids, namespaces, reuse, min_reuse_pages, view)
+    return token_arrays, namespaces
 
 
 cdef cnp.ndarray private_tokens(raw, Py_ssize_t index):
@@ -577,7 +557,20 @@ cdef cnp.ndarray private_tokens(raw, Py_ssize_t index):
 
 cdef list allocate_checked(Segment seg, list token_arrays, list seq_ids, list namespaces,
                            list reuse_pages, int32_t min_reuse_pages, int32_t view):
-    """allocate's work under the lock, on inputs its callers have checked."""
+    """Allocates a batch of checked sequences under one lock, all or nothing.
+
+    For request i: borrows up to reuse_pages[i] cached pages (kept only if at least
+    min_reuse_pages match), allocates the rest of ceil(len(tokens) / page_size) pages
+    (evicting as needed), and records the sequence, stamped with the caller's view number.
+    Every request borrows its prefix before anything is evicted for the batch, so one
+    request's eviction never takes the prefix another request of the same batch matched.
+    Returns a list of (record index, reused pages, page table, record generation): the
+    record, sequence id and generation name the sequence in every later call. The page
+    tables are read-only arrays.
+
+    Raises:
+        OutOfPagesError, CapacityError: nothing changed.
+    """
     cdef Tree t
     cdef int32_t page_size, node, record
     cdef int64_t i, n = len(token_arrays), total, matched, found, fresh, mark
@@ -651,7 +644,7 @@ def hold(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespaces, i
     takes no fresh page and evicts nothing (a borrow ending inside a node splits it only if
     a node record is free, else stops at the node's start). A tier copies the held pages
     out, then releases the sequences. Returns a list of (record index, held pages, page
-    table of the held pages, record generation), as allocate does.
+    table of the held pages, record generation), as an allocation does.
 
     Raises:
         CapacityError: sequence records ran out; nothing changed.

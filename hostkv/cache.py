@@ -389,14 +389,11 @@ class HostKVCache:
             ValueError: max_pages or skip_pages is not an int (a bool, a float, a str) or
                 is outside [0, 2**63).
         """
-        for what, value in (("max_pages", max_pages), ("skip_pages", skip_pages)):
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-                raise ValueError(f"{what} must be an int, got {value!r}")
-            if not 0 <= int(value) < 2**63:
-                raise ValueError(f"{what} must be in [0, 2**63), got {int(value)}")
+        max_pages = _page_count(max_pages, "max_pages")
+        skip_pages = _page_count(skip_pages, "skip_pages")
         return [EvictionCandidate(int(namespace), tokens, pages, int(num_pages), int(position))
                 for namespace, tokens, pages, num_pages, position
-                in _radix.eviction_candidates(self._segment, int(max_pages), int(skip_pages))]
+                in _radix.eviction_candidates(self._segment, max_pages, skip_pages)]
 
     def evict(self, num_pages: int) -> int:
         """Evicts up to num_pages cached pages that no borrower holds, least recently used
@@ -406,12 +403,7 @@ class HostKVCache:
             ValueError: num_pages is not an int (a bool, a float, a str) or is outside
                 [0, 2**63).
         """
-        if isinstance(num_pages, (bool, np.bool_)) or not isinstance(num_pages, numbers.Integral):
-            # No int() of it: 0.9 pages is not 0 pages, "3" is not 3.
-            raise ValueError(f"num_pages must be an int, got {num_pages!r}")
-        if not 0 <= int(num_pages) < 2**63:
-            raise ValueError(f"num_pages must be in [0, 2**63), got {int(num_pages)}")
-        return _radix.evict(self._segment, int(num_pages))
+        return _radix.evict(self._segment, _page_count(num_pages, "num_pages"))
 
     def reap(self) -> int:
         """Releases what dead processes held, now. Returns how many dead processes it found."""
@@ -506,3 +498,13 @@ class HostKVCache:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self._config.num_pages} pages"
         return f"<HostKVCache {self.name!r} {state}>"
+
+
+def _page_count(value: Any, what: str) -> int:
+    """A count of pages as an int in [0, 2**63), or ValueError naming it. No int() of
+    anything else: 0.9 pages is not 0 pages, "3" is not 3, True is not 1."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{what} must be an int, got {value!r}")
+    if not 0 <= int(value) < 2**63:
+        raise ValueError(f"{what} must be in [0, 2**63), got {int(value)}")
+    return int(value)

@@ -46,7 +46,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from hostkv import _sequences
-from hostkv._tokens import TOKEN_LIMIT, as_namespace, as_seq_id, as_tokens
+from hostkv._tokens import TOKEN_LIMIT, as_seq_id
 from hostkv.cache import HostKVCache
 from hostkv.errors import HostKVError, SequenceError
 
@@ -458,22 +458,11 @@ class WorkerView:
         if type(requests) not in (list, tuple) and (
                 isinstance(requests, SequenceRequest) or not isinstance(requests, Sequence)):
             raise SequenceError("hold_cached_pages needs a list of SequenceRequest")
-        seq_ids, token_arrays, namespaces = [], [], []
-        for index, request in enumerate(requests):
-            if not isinstance(request, SequenceRequest):
-                raise SequenceError(f"requests[{index}] is a {type(request).__name__}, "
-                                    "not a SequenceRequest")
-            seq_id = as_seq_id(request.seq_id)
-            if seq_id in seq_ids:
-                raise SequenceError(f"sequence {seq_id} appears twice in the batch")
-            if seq_id in self._sequences:
-                raise SequenceError(f"sequence {seq_id} is already live in this view")
-            tokens = as_tokens(request.tokens, f"requests[{index}].tokens")
-            if len(tokens) == 0:
-                raise SequenceError(f"sequence {seq_id} has no tokens")
-            seq_ids.append(seq_id)
-            token_arrays.append(tokens)
-            namespaces.append(as_namespace(request.namespace))
+        # The same checks, order and messages as an allocation's (no pool size: a hold takes
+        # no page).
+        seq_ids: List[int] = []
+        token_arrays, namespaces = _sequences.check_requests(requests, SequenceRequest,
+                                                             self._sequences, seq_ids)
         if not requests:
             return []
         results = self._change(
@@ -540,19 +529,8 @@ class WorkerView:
         self._in_flight = None
 
     def _commit_plan(self, sequences: List[_Sequence], num_tokens: Any) -> List[int]:
-        """What commit would cache: per sequence, its full known pages (0: nothing new)."""
-        if not self._config.enable_prefix_reuse:
-            if num_tokens is None:
-                return [0] * len(sequences)
-        elif num_tokens is None:
-            # Every known token (release works this out in its compiled call).
-            page_size = self._page_size
-            min_store = self._config.prefix_min_store_pages
-            counts = []
-            for seq in sequences:
-                full = seq.cacheable_tokens // page_size
-                counts.append(full if full >= min_store and full > seq.committed_pages else 0)
-            return counts
+        """What commit would cache: per sequence, its full known pages (0: nothing new).
+        (release_sequences applies the same rule, with every known token, in C.)"""
         limits: List[Optional[int]]
         if num_tokens is None:
             limits = [None] * len(sequences)

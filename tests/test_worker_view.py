@@ -1294,7 +1294,7 @@ def test_big_endian_int32_prompts_are_read_as_their_ids(make):
     with pytest.raises(ValueError, match="contiguous 1-D np.int32"):
         _radix.checked_copy(big)
     with pytest.raises(ValueError, match="native-order"):
-        _sequences.allocate(cache._segment, [big], [3], [0], [0], 1, view._number)
+        _sequences.hold(cache._segment, [big], np.array([3], dtype=np.int64), [0], view._number)
     cache.check(exact_references=True)
 
 

@@ -372,3 +372,46 @@ def test_exceptions_mid_batch_roll_back(view_cache, mode):
         view.release([1, 2, 3], commit=False)
         break
     assert step > 50
+
+
+# -- page lists longer than one record (twelve pages a record, layout 7) ---------------------
+
+@pytest.fixture
+def long_cache(segment_name):
+    cache = hostkv.HostKVCache.create(
+        segment_name, small_config(num_pages=96, page_size=PAGE, radix_node_capacity=8))
+    yield cache
+    cache.close()
+
+
+def long_requests():
+    return [hostkv.SequenceRequest(1, list(range(1000, 1000 + 12 * PAGE))),  # one full record
+            hostkv.SequenceRequest(2, list(range(2000, 2000 + 30 * PAGE + 1)))]  # 31: three
+
+
+def long_allocate_op(cache, ctx):
+    hostkv.WorkerView(cache).allocate_pages_for_sequences_with_prefix(long_requests())
+
+
+def long_allocated_view(cache):
+    view = hostkv.WorkerView(cache)
+    view.allocate_pages_for_sequences_with_prefix(long_requests())
+    return view
+
+
+def test_allocate_filling_several_page_list_records_crash_at_every_step(long_cache):
+    steps = crash_every_step(long_cache, long_allocate_op, unreaped=True)
+    assert steps > 50
+
+
+def test_append_starting_a_page_list_record_crash_at_every_step(long_cache):
+    # Sequence 1 needs its 13th page, in a new record; sequence 2's token fits its last page.
+    steps = crash_every_step(long_cache, lambda cache, view: view.append_tokens([1, 2], [5, 6]),
+                             setup=long_allocated_view, unreaped=True)
+    assert steps > 5
+
+
+def test_release_freeing_several_page_list_records_crash_at_every_step(long_cache):
+    steps = crash_every_step(long_cache, lambda cache, view: view.release([1, 2], commit=True),
+                             setup=long_allocated_view, unreaped=True)
+    assert steps > 50
