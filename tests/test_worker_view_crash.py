@@ -57,13 +57,13 @@ def requests():
             hostkv.SequenceRequest(3, [1, 2, 3])]
 
 
-def allocate_op(cache, ctx):
-    hostkv.WorkerView(cache).allocate_pages_for_sequences_with_prefix(requests())
+def allocate_op(cache, ctx, make_requests=requests):
+    hostkv.WorkerView(cache).allocate_pages_for_sequences_with_prefix(make_requests())
 
 
-def allocated_view(cache):
+def allocated_view(cache, make_requests=requests):
     view = hostkv.WorkerView(cache)
-    view.allocate_pages_for_sequences_with_prefix(requests())
+    view.allocate_pages_for_sequences_with_prefix(make_requests())
     return view
 
 
@@ -389,18 +389,13 @@ def long_requests():
             hostkv.SequenceRequest(2, list(range(2000, 2000 + 30 * PAGE + 1)))]  # 31: three
 
 
-def long_allocate_op(cache, ctx):
-    hostkv.WorkerView(cache).allocate_pages_for_sequences_with_prefix(long_requests())
-
-
 def long_allocated_view(cache):
-    view = hostkv.WorkerView(cache)
-    view.allocate_pages_for_sequences_with_prefix(long_requests())
-    return view
+    return allocated_view(cache, long_requests)
 
 
 def test_allocate_filling_several_page_list_records_crash_at_every_step(long_cache):
-    steps = crash_every_step(long_cache, long_allocate_op, unreaped=True)
+    steps = crash_every_step(long_cache, lambda cache, ctx: allocate_op(cache, ctx, long_requests),
+                             unreaped=True)
     assert steps > 50
 
 
