@@ -7,11 +7,27 @@ import numpy.typing as npt
 
 from hostkv._segment import Segment
 
+class ViewSequence:
+    seq_id: int
+    record: int
+    generation: int
+    namespace: int
+    tokens: npt.NDArray[np.int32]
+    num_tokens: int
+    cacheable_tokens: int
+    reused_tokens: int
+    committed_pages: int
+    pages: npt.NDArray[np.int32]
+    num_pages: int
+    def __init__(self, seq_id: int, record: int, generation: int, namespace: int,
+                 tokens: npt.NDArray[np.int32], reused_tokens: int, reused_pages: int,
+                 pages: npt.NDArray[np.int32]) -> None: ...
+    def append_page(self, page: int) -> None: ...
+
 def allocate_requests(seg: Segment, requests: Sequence[Any], request_type: type,
-                      live: Dict[int, Any], page_size: int, pool_pages: int,
-                      reuse_enabled: bool, min_reuse_pages: int, view: int, seq_ids: List[int]
-                      ) -> Tuple[List[npt.NDArray[np.int32]], List[int],
-                                 List[Tuple[int, int, npt.NDArray[np.int32], int]]]: ...
+                      allocation_type: type, live: Dict[int, ViewSequence], page_size: int,
+                      pool_pages: int, reuse_enabled: bool, min_reuse_pages: int, view: int,
+                      seq_ids: List[int]) -> Tuple[List[Any], int, int]: ...
 def check_requests(requests: Sequence[Any], request_type: type, live: Dict[int, Any],
                    seq_ids: List[int]) -> Tuple[List[npt.NDArray[np.int32]], List[int]]: ...
 def hold(seg: Segment, token_arrays: List[npt.NDArray[np.int32]],
@@ -25,8 +41,14 @@ def commit(seg: Segment, records: List[int], seq_ids: List[int], generations: Li
 def release(seg: Segment, records: List[int], seq_ids: List[int], generations: List[int],
             token_arrays: List[npt.NDArray[np.int32]], tables: List[npt.NDArray[np.int32]],
             num_pages: List[int], namespaces: List[int]) -> List[int]: ...
-def release_sequences(seg: Segment, sequences: List[Any], commit: bool,
-                      min_store_pages: int) -> List[int]: ...
+def commit_view_sequences(seg: Segment, sequences: List[ViewSequence],
+                          num_pages: List[int]) -> List[int]: ...
+def release_sequences(seg: Segment, sequences: List[ViewSequence], commit: bool,
+                      min_store_pages: int, live: Dict[int, ViewSequence]
+                      ) -> Tuple[List[int], int]: ...
+def live_of(live: Dict[int, ViewSequence], seq_ids: Any, what: str) -> List[ViewSequence]: ...
+def append_tokens(seg: Segment, sequences: List[ViewSequence], token_ids: Any,
+                  page_size: int) -> None: ...
 def view_sequences(seg: Segment, view: int) -> List[Tuple[int, int, int, List[int]]]: ...
 def check_references(seg: Segment, exact: bool) -> None: ...
 def live_sequences(seg: Segment) -> List[Tuple[int, int, int, int, Tuple[int, ...]]]: ...

@@ -8,11 +8,17 @@ moves to the node its committed pages end at. Each entry point is one lock and o
 policy (what to reuse, what to commit) is WorkerView's, in Python.
 """
 
+import numbers
+from collections.abc import Iterable
+
+cimport cython
+
 import numpy as np
 cimport numpy as cnp
 
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 
 from hostkv._layout cimport (
     HkvHeader, HkvLease, HkvMetrics, HkvNamespaceStats, HkvRadixNode, HkvSeqPage, HkvSequence,
@@ -444,31 +450,150 @@ cdef HkvSequence* owned_sequence(Segment seg, int64_t index, int64_t seq_id,
     return seq
 
 
+
+# -- the view's side of a sequence -------------------------------------------------------------
+
+@cython.auto_pickle(False)        # names a record of this process's view: never pickled
+cdef class ViewSequence:
+    """A WorkerView's own bookkeeping of one live sequence (process-private).
+
+    The segment's record is named by (record, seq_id, generation). Compiled so that the
+    view's calls fill, step and release these without Python per sequence; what to do with
+    them (the view's policy) stays in worker_view.py.
+
+    Attributes:
+        seq_id, record, generation, namespace: the sequence and its segment record (the
+            record's generation at allocation names this use of it).
+        tokens: its token ids (np.int32, the view's own, never the caller's); the first
+            num_tokens are used, the rest is room (grown by doubling).
+        num_tokens: tokens so far; cacheable_tokens: leading tokens with known ids.
+        reused_tokens: prompt tokens borrowed at allocation.
+        committed_pages: leading pages the cache holds for it.
+        pages: its page table (np.int32); the first num_pages are used. The allocation's
+            table is shared with the caller read-only, so a step never writes into it: it
+            grows into an array of the view's own first.
+    """
+
+    cdef readonly int64_t seq_id
+    cdef readonly int32_t record
+    cdef readonly int64_t generation
+    cdef uint64_t _namespace
+    cdef readonly cnp.ndarray tokens
+    cdef readonly int64_t num_tokens, cacheable_tokens, reused_tokens, num_pages
+    cdef public int64_t committed_pages
+    cdef readonly cnp.ndarray pages
+
+    def __init__(self, int64_t seq_id, int32_t record, int64_t generation, uint64_t namespace,
+                 cnp.ndarray tokens, int64_t reused_tokens, int64_t reused_pages,
+                 cnp.ndarray pages):
+        if (tokens is None or pages is None or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32
+                or cnp.PyArray_TYPE(pages) != cnp.NPY_INT32 or tokens.ndim != 1 or pages.ndim != 1
+                or not cnp.PyArray_IS_C_CONTIGUOUS(tokens)
+                or not cnp.PyArray_IS_C_CONTIGUOUS(pages)):
+            raise ValueError("a ViewSequence needs contiguous 1-D np.int32 tokens and pages")
+        fill_view_sequence(self, seq_id, record, generation, namespace, tokens, reused_tokens,
+                           reused_pages, pages)
+
+    @property
+    def namespace(self):
+        return self._namespace
+
+    def append_page(self, int32_t page):
+        """Appends a page to the page table."""
+        reserve_page(self)
+        (<int32_t*>cnp.PyArray_DATA(self.pages))[self.num_pages] = page
+        self.num_pages += 1
+
+
+cdef object TOKEN_LIMIT = 2**31
+
+
+cdef int fill_view_sequence(ViewSequence seq, int64_t seq_id, int32_t record, int64_t generation,
+                            uint64_t namespace, cnp.ndarray tokens, int64_t reused_tokens,
+                            int64_t reused_pages, cnp.ndarray pages) except -1:
+    seq.seq_id = seq_id
+    seq.record = record
+    seq.generation = generation
+    seq._namespace = namespace
+    # Exact-size arrays: the first decode step grows them, so most sequences of a
+    # prefill-heavy load never pay for room they do not use.
+    seq.tokens = tokens
+    seq.num_tokens = seq.cacheable_tokens = tokens.shape[0]
+    seq.reused_tokens = reused_tokens
+    seq.committed_pages = reused_pages
+    seq.pages = pages
+    seq.num_pages = pages.shape[0]
+    return 0
+
+
+cdef cnp.ndarray grown(cnp.ndarray arr, int64_t used, int64_t least):
+    """A new writable int32 array of twice arr's length (at least `least`), holding arr's
+    first `used` ids."""
+    cdef int64_t size = max(2 * arr.shape[0], least)
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, [size], cnp.NPY_INT32, 0)
+    memcpy(cnp.PyArray_DATA(out), cnp.PyArray_DATA(arr), used * sizeof(int32_t))
+    return out
+
+
+cdef int reserve_token(ViewSequence seq) except -1:
+    """Makes room for one more token (may allocate; changes nothing the view can see)."""
+    if seq.num_tokens == seq.tokens.shape[0]:
+        seq.tokens = grown(seq.tokens, seq.num_tokens, 16)
+    return 0
+
+
+cdef int reserve_page(ViewSequence seq) except -1:
+    """Makes room for one more page in an array of the view's own (the allocation's table is
+    the caller's to read: never written)."""
+    if (seq.num_pages == seq.pages.shape[0]
+            or not cnp.PyArray_CHKFLAGS(seq.pages, cnp.NPY_ARRAY_WRITEABLE)):
+        seq.pages = grown(seq.pages, seq.num_pages, 4)
+    return 0
+
+
+cdef inline void push_token(ViewSequence seq, int64_t token) noexcept:
+    """Appends a token after reserve_token (-1: unknown, stored as 0). Cannot fail."""
+    cdef int32_t* data = <int32_t*>cnp.PyArray_DATA(seq.tokens)
+    if token < 0:
+        data[seq.num_tokens] = 0
+        seq.cacheable_tokens = min(seq.cacheable_tokens, seq.num_tokens)
+    else:
+        data[seq.num_tokens] = <int32_t>token
+        if seq.cacheable_tokens == seq.num_tokens:
+            seq.cacheable_tokens += 1
+    seq.num_tokens += 1
+
+
 cdef int64_t* i64(cnp.ndarray arr) noexcept:
     return <int64_t*>cnp.PyArray_DATA(arr)
 
 
-def allocate_requests(Segment seg, requests, request_type, dict live, int32_t page_size,
-                      int64_t pool_pages, bint reuse_enabled, int32_t min_reuse_pages,
-                      int32_t view, list seq_ids):
+def allocate_requests(Segment seg, requests, request_type, allocation_type, dict live,
+                      int32_t page_size, int64_t pool_pages, bint reuse_enabled,
+                      int32_t min_reuse_pages, int32_t view, list seq_ids):
     """WorkerView's allocation in one call: checks a batch of its SequenceRequests as
-    checked_requests does, then allocates them (allocate_checked), all before anything shared
-    is touched or nothing at all. Returns (token arrays, namespaces, allocate_checked's results),
-    one each per request.
+    checked_requests does, allocates them (allocate_checked), all before anything shared is
+    touched or nothing at all, then records each in live (seq id -> ViewSequence).
+
+    Returns (allocations, prompt tokens, reused tokens): one allocation_type(seq_id,
+    reused_tokens, page_table, page_size) per request, in order, and the batch's totals.
+    seq_ids names the ids that may have been recorded, for a caller interrupted midway.
 
     Raises:
         SequenceError, ValueError, OutOfPagesError: a bad request (nothing changed).
         OutOfPagesError, CapacityError: nothing changed.
     """
     cdef Py_ssize_t i
-    cdef int64_t num_tokens
-    cdef list token_arrays, namespaces, reuse = []
+    cdef int64_t num_tokens, matched, prompt_tokens = 0, reused_tokens = 0
+    cdef list token_arrays, namespaces, results, allocations, reuse = []
+    cdef ViewSequence seq
+    cdef cnp.ndarray tokens
     if page_size <= 0:
         raise ValueError(f"page size must be positive, got {page_size}")
     token_arrays, namespaces = checked_requests(requests, request_type, live, page_size,
                                                 pool_pages, seq_ids)
     if not token_arrays:
-        return token_arrays, namespaces, []
+        return [], 0, 0
     for i in range(len(token_arrays)):
         num_tokens = (<cnp.ndarray>token_arrays[i]).shape[0]
         # (n - 1) // page_size full pages at most: the last token is always computed, so
@@ -478,8 +603,20 @@ def allocate_requests(Segment seg, requests, request_type, dict live, int32_t pa
     if page_size != seg.hdr.hdr_config.cfg_page_size:
         raise ValueError(f"page size {page_size} is not the segment's "
                          f"{seg.hdr.hdr_config.cfg_page_size}")
-    return token_arrays, namespaces, allocate_checked(
-        seg, token_arrays, seq_ids, namespaces, reuse, min_reuse_pages, view)
+    results = allocate_checked(seg, token_arrays, seq_ids, namespaces, reuse, min_reuse_pages,
+                               view)
+    allocations = []
+    for i in range(len(results)):
+        record, matched, table, generation = results[i]
+        tokens = token_arrays[i]
+        seq = ViewSequence.__new__(ViewSequence)
+        fill_view_sequence(seq, seq_ids[i], record, generation, namespaces[i], tokens,
+                           matched * page_size, matched, table)
+        live[seq.seq_id] = seq
+        allocations.append(allocation_type(seq.seq_id, seq.reused_tokens, table, page_size))
+        prompt_tokens += tokens.shape[0]
+        reused_tokens += seq.reused_tokens
+    return allocations, prompt_tokens, reused_tokens
 
 
 def check_requests(requests, request_type, dict live, list seq_ids):
@@ -697,6 +834,11 @@ def append_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_ids,
     allocate returned them. All or nothing; evicts when short. Returns the new pages
     (np.int32, one per record).
     """
+    return step_pages(seg, records, seq_ids, generations)
+
+
+cdef cnp.ndarray step_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_ids,
+                            cnp.ndarray generations):
     cdef Tree t
     cdef int64_t i, n = records.shape[0]
     cdef int32_t* recs = i32(records)
@@ -782,58 +924,64 @@ cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* t
     return num_pages
 
 
-cdef list commit_batch(Segment seg, list records, list seq_ids, list generations,
-                       list token_arrays, list tables, list num_pages, list namespaces,
-                       bint release):
-    """Commits each sequence's first num_pages[i] pages (best effort, where > 0), then, with
-    release, releases it; one lock and one mutation. Returns the pages cached for each.
+cdef list commit_sequences(Segment seg, list sequences, list num_pages, bint release):
+    """Commits each ViewSequence's first num_pages[i] pages (best effort, where > 0), then,
+    with release, releases it; one lock and one mutation. Returns the pages cached for each.
 
-    token_arrays[i] and tables[i] are the sequence's whole token and page arrays (contiguous
-    int32); only their first num_pages[i] pages are read. records, seq_ids and generations
-    name the caller's sequences, as allocate returned them."""
+    Only a sequence's first num_pages[i] pages and their tokens are read; its record, seq id
+    and generation name it to the segment, as allocate returned them."""
     cdef Tree t
-    cdef Py_ssize_t i, n = len(records)
-    cdef int32_t record
+    cdef Py_ssize_t i, n = len(sequences)
     cdef int64_t count, adopted_from
     cdef int32_t page_size
-    cdef cnp.ndarray tokens, table
-    cdef HkvSequence* seq
+    cdef ViewSequence seq
+    cdef HkvSequence* record
     check_open(seg)
-    if not (len(seq_ids) == len(generations) == len(token_arrays) == len(tables)
-            == len(num_pages) == len(namespaces) == n):
-        raise ValueError("commit/release need one seq id, generation, token array, table, "
-                         "page count and namespace per record")
+    if len(num_pages) != n:
+        raise ValueError("commit/release need one page count per sequence")
     page_size = seg.hdr.hdr_config.cfg_page_size
     for i in range(n):
+        seq = sequences[i]
         count = num_pages[i]
-        if count > 0:
-            tokens = token_arrays[i]
-            table = tables[i]
-            if count * page_size > tokens.shape[0] or count > table.shape[0]:
-                raise ValueError(f"commit of {count} pages: only {tokens.shape[0]} tokens and "
-                                 f"{table.shape[0]} pages given")
+        if count > 0 and (count * page_size > seq.num_tokens or count > seq.num_pages):
+            raise ValueError(f"commit of {count} pages: only {seq.num_tokens} tokens and "
+                             f"{seq.num_pages} pages given")
     cached = [0] * n
     seg.begin()
     try:
         t = tree_of(seg)
         for i in range(n):
-            owned_sequence(seg, records[i], seq_ids[i], generations[i])
+            seq = sequences[i]
+            owned_sequence(seg, seq.record, seq.seq_id, seq.generation)
         for i in range(n):
-            record = records[i]
+            seq = sequences[i]
             count = num_pages[i]
             # Checked again at each use: a record listed twice is released by its first use.
-            seq = owned_sequence(seg, record, seq_ids[i], generations[i])
+            record = owned_sequence(seg, seq.record, seq.seq_id, seq.generation)
             adopted_from = count = max(count, 0)
             if count > 0:
-                cached[i] = commit_one(seg, &t, seq, i32(token_arrays[i]), i32(tables[i]),
-                                       count, namespaces[i], release, &adopted_from)
+                cached[i] = commit_one(seg, &t, record, i32(seq.tokens), i32(seq.pages),
+                                       count, seq._namespace, release, &adopted_from)
             if release:
-                release_sequence(seg, &t, record, i32(tables[i]) + adopted_from,
+                release_sequence(seg, &t, seq.record, i32(seq.pages) + adopted_from,
                                  count - adopted_from)
         seg.commit()
     finally:
         seg.end()
     return cached
+
+
+cdef list named_sequences(list records, list seq_ids, list generations, list token_arrays,
+                          list tables, list num_pages, list namespaces):
+    """ViewSequences for the raw commit and release: (record, seq id, generation, whole token
+    and page arrays, namespace) per sequence."""
+    cdef Py_ssize_t i, n = len(records)
+    if not (len(seq_ids) == len(generations) == len(token_arrays) == len(tables)
+            == len(num_pages) == len(namespaces) == n):
+        raise ValueError("commit/release need one seq id, generation, token array, table, "
+                         "page count and namespace per record")
+    return [ViewSequence(seq_ids[i], records[i], generations[i], namespaces[i],
+                         token_arrays[i], 0, 0, tables[i]) for i in range(n)]
 
 
 def commit(Segment seg, list records, list seq_ids, list generations, list token_arrays,
@@ -842,8 +990,9 @@ def commit(Segment seg, list records, list seq_ids, list generations, list token
 
     Best effort per sequence: returns the pages cached for each (0 where node records ran
     out even after eviction)."""
-    return commit_batch(seg, records, seq_ids, generations, token_arrays, tables, num_pages,
-                        namespaces, False)
+    return commit_sequences(seg, named_sequences(records, seq_ids, generations, token_arrays,
+                                                 tables, num_pages, namespaces),
+                            num_pages, False)
 
 
 def release(Segment seg, list records, list seq_ids, list generations, list token_arrays,
@@ -851,38 +1000,163 @@ def release(Segment seg, list records, list seq_ids, list generations, list toke
     """Commits (where num_pages[i] > 0, best effort) then releases each sequence; one lock.
 
     Returns the pages cached for each."""
-    return commit_batch(seg, records, seq_ids, generations, token_arrays, tables, num_pages,
-                        namespaces, True)
+    return commit_sequences(seg, named_sequences(records, seq_ids, generations, token_arrays,
+                                                 tables, num_pages, namespaces),
+                            num_pages, True)
 
 
-def release_sequences(Segment seg, list sequences, bint commit, int32_t min_store_pages):
-    """WorkerView's release in one call: release() for the view's own records of its
-    sequences (objects with record, seq_id, generation, namespace, tokens, pages,
-    cacheable_tokens and committed_pages), the pages each commits worked out here.
+def commit_view_sequences(Segment seg, list sequences, list num_pages):
+    """WorkerView's commit: caches the first num_pages[i] pages of each of its ViewSequences
+    (best effort per sequence); returns the pages cached for each."""
+    return commit_sequences(seg, sequences, num_pages, False)
+
+
+def release_sequences(Segment seg, list sequences, bint commit, int32_t min_store_pages,
+                      dict live):
+    """WorkerView's release in one call: release() for its ViewSequences, the pages each
+    commits worked out here, then each is dropped from live (seq id -> ViewSequence).
 
     With commit, a sequence caches its full known pages (cacheable_tokens // page_size)
     where there are at least min_store_pages of them and more than it has committed
-    already; then every sequence is released. Returns the pages cached for each (0 where
-    it cached nothing new)."""
+    already; then every sequence is released. Returns (per sequence, the pages the cache
+    held for it at the end; how many more pages than before the sequences have committed)."""
     cdef Py_ssize_t i, n = len(sequences)
     cdef int32_t page_size
-    cdef int64_t full
-    cdef list records = [], seq_ids = [], generations = [], token_arrays = [], tables = []
-    cdef list counts = [], namespaces = []
+    cdef int64_t full, pages, newly_committed = 0
+    cdef ViewSequence seq
+    cdef list counts = [], cached, out = []
     check_open(seg)
     page_size = seg.hdr.hdr_config.cfg_page_size
     for i in range(n):
-        sequence = sequences[i]
-        records.append(sequence.record)
-        seq_ids.append(sequence.seq_id)
-        generations.append(sequence.generation)
-        token_arrays.append(sequence.tokens)
-        tables.append(sequence.pages)
-        namespaces.append(sequence.namespace)
-        full = sequence.cacheable_tokens // page_size if commit else 0
-        counts.append(full if full >= min_store_pages and full > sequence.committed_pages else 0)
-    return commit_batch(seg, records, seq_ids, generations, token_arrays, tables, counts,
-                        namespaces, True)
+        seq = sequences[i]
+        full = seq.cacheable_tokens // page_size if commit else 0
+        counts.append(full if full >= min_store_pages and full > seq.committed_pages else 0)
+    cached = commit_sequences(seg, sequences, counts, True)
+    for i in range(n):
+        seq = sequences[i]
+        pages = cached[i]
+        if pages:
+            newly_committed += pages - seq.committed_pages
+            seq.committed_pages = pages
+        out.append(seq.committed_pages)
+        live.pop(seq.seq_id, None)
+    return out, newly_committed
+
+
+def live_of(dict live, seq_ids, str what):
+    """The ViewSequences of seq_ids in live (seq id -> ViewSequence), each once, in order.
+
+    Raises:
+        SequenceError: not a sequence of ids, an id listed twice, or not live (naming the
+            first bad id; `what` names the caller's call).
+    """
+    cdef Py_ssize_t index, n
+    cdef list out = []
+    cdef set seen
+    if type(seq_ids) is list or type(seq_ids) is tuple:
+        n = len(seq_ids)
+        if n == 1 and type(seq_ids[0]) is int:
+            # One request per call, the engines' common case: one dict lookup.
+            seq = live.get(seq_ids[0])
+            if seq is not None:
+                return [seq]
+    elif isinstance(seq_ids, (str, bytes, bytearray, memoryview)) or not isinstance(
+            seq_ids, Iterable):
+        raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}")
+    else:
+        seq_ids = list(seq_ids)
+    seen = set()
+    for raw in seq_ids:
+        seq_id = raw if type(raw) is int and INT64_MIN <= raw <= INT64_MAX else as_seq_id(raw)
+        if seq_id in seen:
+            raise SequenceError(f"{what}: sequence {seq_id} is listed twice")
+        seen.add(seq_id)
+        seq = live.get(seq_id)
+        if seq is None:
+            raise SequenceError(f"{what}: sequence {seq_id} is not live in this view "
+                                "(never allocated, or released already)")
+        out.append(seq)
+    return out
+
+
+def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
+    """WorkerView's decode step in one call: one token id (an int in [0, 2**31), or None if
+    unknown) per ViewSequence; a sequence whose last page is full gets a new page. All or
+    nothing: the step's new pages are taken under one lock (evicting when short), and only
+    then is each sequence given its page and token, in C that cannot fail half way.
+    page_size is the segment's (the view's copy: a step that takes no page reads nothing of
+    the segment).
+
+    Raises:
+        SequenceError: not one token per sequence.
+        ValueError: a token id outside [0, 2**31) or not an integer (naming its sequence).
+        OutOfPagesError: not enough pages even after evicting. Nothing changes when any of
+            these is raised.
+    """
+    cdef Py_ssize_t i, n = len(sequences), needing = 0
+    cdef ViewSequence seq
+    cdef cnp.ndarray values, records, ids, generations, pages
+    cdef int64_t* value
+    cdef int32_t* recs
+    cdef int64_t* seq_id_data
+    cdef int64_t* gens
+    cdef int32_t* new_pages
+    if type(token_ids) is not list and type(token_ids) is not tuple:
+        if isinstance(token_ids, (str, bytes, bytearray, memoryview)) or not isinstance(
+                token_ids, Iterable):
+            raise ValueError("append_tokens needs a sequence of token ids (int or None), one "
+                             f"per sequence, got {type(token_ids).__name__}")
+        token_ids = list(token_ids)
+    if len(token_ids) != n:
+        raise SequenceError(f"append_tokens got {n} sequence ids but {len(token_ids)} tokens")
+    values = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT64, 0)
+    value = i64(values)
+    for i in range(n):
+        seq = sequences[i]
+        token = token_ids[i]
+        if type(token) is int and 0 <= token < TOKEN_LIMIT:
+            value[i] = token                             # the common case, cheaply
+        elif token is None:
+            value[i] = -1
+        elif not isinstance(token, numbers.Integral) or isinstance(token, (bool, np.bool_)):
+            raise ValueError(f"sequence {seq.seq_id}: token ids must be integers or None, "
+                             f"got {token!r}")
+        elif not 0 <= int(token) < TOKEN_LIMIT:
+            raise ValueError(f"sequence {seq.seq_id}: token id {int(token)} is outside "
+                             "[0, 2**31)")
+        else:
+            value[i] = int(token)
+        if seq.num_tokens == seq.num_pages * page_size:
+            needing += 1
+    # Room first (allocations that may fail), so that nothing can fail once pages are taken.
+    for i in range(n):
+        seq = sequences[i]
+        reserve_token(seq)
+        if seq.num_tokens == seq.num_pages * page_size:
+            reserve_page(seq)
+    if needing:
+        records = cnp.PyArray_EMPTY(1, [needing], cnp.NPY_INT32, 0)
+        ids = cnp.PyArray_EMPTY(1, [needing], cnp.NPY_INT64, 0)
+        generations = cnp.PyArray_EMPTY(1, [needing], cnp.NPY_INT64, 0)
+        recs, seq_id_data, gens = i32(records), i64(ids), i64(generations)
+        needing = 0
+        for i in range(n):
+            seq = sequences[i]
+            if seq.num_tokens == seq.num_pages * page_size:
+                recs[needing], seq_id_data[needing] = seq.record, seq.seq_id
+                gens[needing] = seq.generation
+                needing += 1
+        pages = step_pages(seg, records, ids, generations)
+        new_pages = i32(pages)
+        needing = 0
+        for i in range(n):
+            seq = sequences[i]
+            if seq.num_tokens == seq.num_pages * page_size:
+                (<int32_t*>cnp.PyArray_DATA(seq.pages))[seq.num_pages] = new_pages[needing]
+                seq.num_pages += 1
+                needing += 1
+    for i in range(n):
+        push_token(<ViewSequence>sequences[i], value[i])
 
 
 def view_sequences(Segment seg, int32_t view):

@@ -16,8 +16,9 @@ The engine's loop, and what each step promises:
    ``num_tokens`` when only a leading part of a sequence's KV is written yet.
 5. ``release(seq_ids, commit=True)`` - commits, then drops every reference the sequence holds.
 
-This module is pure Python: it keeps per-sequence state (tokens, page table) and policy
-(what to reuse and commit); every change to shared state is one call into _sequences.
+This module is pure Python: it keeps policy (what to reuse and commit) and the view's
+sequences by id; every step is one call into _sequences, which also fills and steps the
+per-sequence state (tokens, page table: _sequences.ViewSequence) without Python per sequence.
 
 The view's bookkeeping changes with the shared state or not at all. A sequence is named to
 the compiled layer by its record, its id and the record's generation, which the compiled
@@ -30,8 +31,8 @@ settles on them (issue 10, item 3):
 - an interrupted allocation is undone whole: its sequences are released without commit
   (the caller, who got an exception, never learned their pages);
 - an interrupted release drops the sequences the segment no longer holds;
-- an interrupted decode step keeps the pages it was given (a retried step uses them) but
-  none of its tokens;
+- a decode step's bookkeeping is done by its compiled call, in C that runs no Python
+  code once the step's pages are taken: interrupted, the step happened whole or not at all;
 - an interrupted commit keeps what it cached (commit is idempotent).
 """
 
@@ -46,7 +47,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from hostkv import _sequences
-from hostkv._tokens import TOKEN_LIMIT, as_seq_id
+from hostkv._sequences import ViewSequence
 from hostkv.cache import HostKVCache
 from hostkv.errors import HostKVError, SequenceError
 
@@ -171,58 +172,6 @@ class WorkerViewStats:
     live_sequences: int
 
 
-class _Sequence:
-    """The view's own bookkeeping of one live sequence (process-private)."""
-
-    __slots__ = ("seq_id", "record", "generation", "namespace", "tokens", "num_tokens",
-                 "cacheable_tokens", "reused_tokens", "committed_pages", "pages", "num_pages")
-
-    def __init__(self, seq_id: int, record: int, generation: int, namespace: int,
-                 tokens: np.ndarray, reused_tokens: int, reused_pages: int,
-                 pages: np.ndarray) -> None:
-        self.seq_id = seq_id
-        self.record = record
-        self.generation = generation      # the record's, at allocation: names this use of it
-        self.namespace = namespace
-        # Exact-size arrays, the view's own (never the caller's): the first decode step
-        # grows them (doubling), most sequences of a prefill-heavy load never pay for room
-        # they do not use.
-        self.tokens = tokens
-        self.num_tokens = len(tokens)
-        self.cacheable_tokens = self.num_tokens
-        self.reused_tokens = reused_tokens
-        self.committed_pages = reused_pages
-        self.pages = pages                                   # read-only, shared with the result
-        self.num_pages = len(pages)
-
-    def append_token(self, token: Optional[int]) -> None:
-        if self.num_tokens == len(self.tokens):
-            grown = np.empty(max(2 * len(self.tokens), 16), dtype=np.int32)
-            grown[:self.num_tokens] = self.tokens[:self.num_tokens]
-            self.tokens = grown
-        if token is None:
-            self.tokens[self.num_tokens] = 0
-            self.cacheable_tokens = min(self.cacheable_tokens, self.num_tokens)
-        else:
-            self.tokens[self.num_tokens] = token
-            if self.cacheable_tokens == self.num_tokens:
-                self.cacheable_tokens += 1
-        self.num_tokens += 1
-
-    def undo_token(self) -> None:
-        """Takes back the last append_token (an interrupted decode step)."""
-        self.num_tokens -= 1
-        self.cacheable_tokens = min(self.cacheable_tokens, self.num_tokens)
-
-    def append_page(self, page: int) -> None:
-        if self.num_pages == len(self.pages):
-            grown = np.empty(max(2 * len(self.pages), 4), dtype=np.int32)
-            grown[:self.num_pages] = self.pages[:self.num_pages]
-            self.pages = grown
-        self.pages[self.num_pages] = page
-        self.num_pages += 1
-
-
 _fork_epoch = 0
 
 # Each WorkerView of a process stamps its records with its own number, so that after an
@@ -235,21 +184,9 @@ def _next_view_number() -> int:
     return next(_view_numbers) % (2**31 - 1) + 1
 
 
-class _InFlight:
-    """What a view's call was doing when it may have been interrupted (see the module
-    docstring): the ids of an allocation to undo, the sequences of a decode step whose
-    token to take back if they got it."""
-
-    __slots__ = ("allocating", "stepping", "marks")
-
-    def __init__(self, allocating: Sequence[int] = (), stepping: Sequence[Any] = (),
-                 marks: Sequence[int] = ()) -> None:
-        self.allocating = allocating
-        self.stepping = stepping          # a decode step's sequences ...
-        self.marks = marks                # ... and their num_tokens before it
-
-
-_NOTHING_TO_UNDO = _InFlight()
+# What a view's call was doing when it may have been interrupted (see the module docstring):
+# the ids an allocation may have recorded, to undo; the other calls undo nothing.
+_NOTHING_TO_UNDO: Sequence[int] = ()
 _NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
@@ -279,12 +216,13 @@ class WorkerView:
         self._segment = cache._segment
         self._config = cache.config
         self._page_size = cache.config.page_size
-        self._sequences: Dict[int, _Sequence] = {}
+        self._sequences: Dict[int, ViewSequence] = {}
         self._fork_epoch = _fork_epoch
         self._closed = False
         self._number = _next_view_number()
-        # Not None while a call that changes shared state has not finished its bookkeeping.
-        self._in_flight: Optional[_InFlight] = None
+        # Not None while a call that changes shared state has not finished its bookkeeping:
+        # the ids an interrupted allocation may have recorded.
+        self._in_flight: Optional[Sequence[int]] = None
         self._requests = 0
         self._prompt_tokens = 0
         self._reused_tokens = 0
@@ -309,11 +247,8 @@ class WorkerView:
         in_flight = self._in_flight
         if in_flight is None:
             return
-        for seq_id in in_flight.allocating:
+        for seq_id in in_flight:
             self._sequences.pop(seq_id, None)
-        for seq, num_tokens in zip(in_flight.stepping, in_flight.marks):
-            if seq.num_tokens > num_tokens:          # compared, not counted: idempotent
-                seq.undo_token()
         held = {record: (generation, seq_id, pages) for record, generation, seq_id, pages
                 in _sequences.view_sequences(self._segment, self._number)}
         for seq in list(self._sequences.values()):
@@ -332,31 +267,7 @@ class WorkerView:
                                [_NO_TOKENS], [0], [0])
         self._in_flight = None
 
-    def _live(self, seq_ids: Iterable[Any], what: str) -> List[_Sequence]:
-        """The live sequences of seq_ids, each once; SequenceError names the first bad id."""
-        if (type(seq_ids) is list or type(seq_ids) is tuple) and len(seq_ids) == 1:
-            # One request per call, the engines' common case: one dict lookup.
-            seq = self._sequences.get(seq_ids[0]) if type(seq_ids[0]) is int else None
-            if seq is not None:
-                return [seq]
-        elif type(seq_ids) not in (list, tuple) and (
-                isinstance(seq_ids, _BYTES_LIKE) or not isinstance(seq_ids, Iterable)):
-            raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}")
-        out = []
-        seen = set()
-        for raw in seq_ids:
-            seq_id = as_seq_id(raw)
-            if seq_id in seen:
-                raise SequenceError(f"{what}: sequence {seq_id} is listed twice")
-            seen.add(seq_id)
-            seq = self._sequences.get(seq_id)
-            if seq is None:
-                raise SequenceError(f"{what}: sequence {seq_id} is not live in this view "
-                                    "(never allocated, or released already)")
-            out.append(seq)
-        return out
-
-    def _change(self, in_flight: _InFlight, operation: Any, *args: Any) -> Any:
+    def _change(self, in_flight: Sequence[int], operation: Any, *args: Any) -> Any:
         """Runs a compiled call that changes shared state, the view marked unsettled until
         the caller's bookkeeping after it is done (the caller then clears _in_flight).
 
@@ -408,32 +319,20 @@ class WorkerView:
         if not requests:
             return []
         # The compiled call checks the requests (in the order the docstring lists the
-        # errors), reads their tokens into arrays of the view's own, and allocates; `in
-        # flight` names the ids it has checked to be new, in case it is interrupted.
-        in_flight = _InFlight([])
-        seq_ids = in_flight.allocating
+        # errors), reads their tokens into arrays of the view's own, allocates and records
+        # the sequences in self._sequences; `seq_ids` names the ids it has checked to be new,
+        # in case it is interrupted.
+        seq_ids: List[int] = []
         config = self._config
-        token_arrays, namespaces, results = self._change(
-            in_flight, _sequences.allocate_requests, self._segment, requests, SequenceRequest,
-            self._sequences, self._page_size, config.num_pages, config.enable_prefix_reuse,
-            config.prefix_min_reuse_pages, self._number, seq_ids)
-        page_size = self._page_size
-        live = self._sequences
-        allocations = []
-        prompt_tokens = reused_pages_in_all = 0
-        for seq_id, tokens, namespace, (record, reused_pages, table, generation) in zip(
-                seq_ids, token_arrays, namespaces, results):
-            reused_tokens = reused_pages * page_size
-            live[seq_id] = _Sequence(seq_id, record, generation, namespace, tokens,
-                                     reused_tokens, reused_pages, table)
-            allocations.append(SequenceAllocation(seq_id, reused_tokens, table, page_size))
-            prompt_tokens += len(tokens)
-            reused_pages_in_all += reused_pages
+        allocations, prompt_tokens, reused_tokens = self._change(
+            seq_ids, _sequences.allocate_requests, self._segment, requests, SequenceRequest,
+            SequenceAllocation, self._sequences, self._page_size, config.num_pages,
+            config.enable_prefix_reuse, config.prefix_min_reuse_pages, self._number, seq_ids)
         self._in_flight = None
         # The view's own counters, after the bookkeeping: best effort if interrupted here.
-        self._requests += len(results)
+        self._requests += len(allocations)
         self._prompt_tokens += prompt_tokens
-        self._reused_tokens += reused_pages_in_all * page_size
+        self._reused_tokens += reused_tokens
         return allocations
 
     def hold_cached_pages(
@@ -466,16 +365,16 @@ class WorkerView:
         if not requests:
             return []
         results = self._change(
-            _InFlight(allocating=seq_ids), _sequences.hold, self._segment, token_arrays,
+            seq_ids, _sequences.hold, self._segment, token_arrays,
             np.array(seq_ids, dtype=np.int64), namespaces, self._number)
         page_size = self._page_size
         holds = []
         for seq_id, tokens, namespace, (record, held, table, generation) in zip(
                 seq_ids, token_arrays, namespaces, results):
             table.flags.writeable = False
-            self._sequences[seq_id] = _Sequence(seq_id, record, generation, namespace,
-                                                tokens[:held * page_size].copy(),
-                                                held * page_size, held, table)
+            self._sequences[seq_id] = ViewSequence(seq_id, record, generation, namespace,
+                                                   tokens[:held * page_size].copy(),
+                                                   held * page_size, held, table)
             holds.append(SequenceAllocation(seq_id, held * page_size, table, page_size))
         self._in_flight = None
         return holds
@@ -491,44 +390,12 @@ class WorkerView:
             ValueError: a token id outside [0, 2**31) or not an integer.
         """
         self._check_usable()
-        sequences = self._live(seq_ids, "append_tokens")
-        if type(token_ids) not in (list, tuple) and (
-                isinstance(token_ids, _BYTES_LIKE) or not isinstance(token_ids, Iterable)):
-            raise ValueError("append_tokens needs a sequence of token ids (int or None), one "
-                             f"per sequence, got {type(token_ids).__name__}")
-        tokens = list(token_ids)
-        if len(tokens) != len(sequences):
-            raise SequenceError(
-                f"append_tokens got {len(sequences)} sequence ids but {len(tokens)} tokens")
-        for seq, token in zip(sequences, tokens):
-            if type(token) is int and 0 <= token < TOKEN_LIMIT:
-                continue                                 # the common case, cheaply
-            if token is None:
-                continue
-            if not _is_int(token):
-                raise ValueError(f"sequence {seq.seq_id}: token ids must be integers or None, "
-                                 f"got {token!r}")
-            if not 0 <= int(token) < TOKEN_LIMIT:
-                raise ValueError(f"sequence {seq.seq_id}: token id {int(token)} is outside "
-                                 "[0, 2**31)")
-        page_size = self._page_size
-        needing = [seq for seq in sequences if seq.num_tokens == seq.num_pages * page_size]
-        in_flight = _InFlight(stepping=sequences, marks=[seq.num_tokens for seq in sequences])
-        if needing:
-            pages = self._change(
-                in_flight, _sequences.append_pages, self._segment,
-                np.array([seq.record for seq in needing], dtype=np.int32),
-                np.array([seq.seq_id for seq in needing], dtype=np.int64),
-                np.array([seq.generation for seq in needing], dtype=np.int64))
-            for seq, page in zip(needing, pages):
-                seq.append_page(int(page))
-        else:
-            self._in_flight = in_flight
-        for seq, token in zip(sequences, tokens):
-            seq.append_token(None if token is None else int(token))
+        sequences = _sequences.live_of(self._sequences, seq_ids, "append_tokens")
+        self._change(_NOTHING_TO_UNDO, _sequences.append_tokens, self._segment, sequences,
+                     token_ids, self._page_size)
         self._in_flight = None
 
-    def _commit_plan(self, sequences: List[_Sequence], num_tokens: Any) -> List[int]:
+    def _commit_plan(self, sequences: List[ViewSequence], num_tokens: Any) -> List[int]:
         """What commit would cache: per sequence, its full known pages (0: nothing new).
         (release_sequences applies the same rule, with every known token, in C.)"""
         limits: List[Optional[int]]
@@ -563,7 +430,7 @@ class WorkerView:
             counts.append(full if full >= min_store and full > seq.committed_pages else 0)
         return counts
 
-    def _note_cached(self, seq: _Sequence, pages: int) -> None:
+    def _note_cached(self, seq: ViewSequence, pages: int) -> None:
         if pages:
             self._committed_pages += pages - seq.committed_pages
             seq.committed_pages = pages
@@ -591,16 +458,13 @@ class WorkerView:
                 fewer sequences at a time or raise undo_log_capacity).
         """
         self._check_usable()
-        sequences = self._live(seq_ids, "commit")
+        sequences = _sequences.live_of(self._sequences, seq_ids, "commit")
         counts = self._commit_plan(sequences, num_tokens)
         todo = [(seq, count) for seq, count in zip(sequences, counts) if count]
         if todo:
             cached = self._change(
-                _NOTHING_TO_UNDO, _sequences.commit, self._segment,
-                [seq.record for seq, _ in todo], [seq.seq_id for seq, _ in todo],
-                [seq.generation for seq, _ in todo], [seq.tokens for seq, _ in todo],
-                [seq.pages for seq, _ in todo], [count for _, count in todo],
-                [seq.namespace for seq, _ in todo])
+                _NOTHING_TO_UNDO, _sequences.commit_view_sequences, self._segment,
+                [seq for seq, _ in todo], [count for _, count in todo])
             for (seq, _), pages in zip(todo, cached):
                 self._note_cached(seq, pages)
             self._in_flight = None
@@ -628,28 +492,23 @@ class WorkerView:
         if commit is not True and commit is not False and not isinstance(commit, np.bool_):
             # A truthy "no" must not commit.
             raise ValueError(f"commit must be True or False, got {commit!r}")
-        sequences = self._live(seq_ids, "release")
-        # The compiled call works out what each sequence commits (as _commit_plan would).
-        cached = self._change(_NOTHING_TO_UNDO, _sequences.release_sequences, self._segment,
-                              sequences, bool(commit) and self._config.enable_prefix_reuse,
-                              self._config.prefix_min_store_pages)
-        out = []
-        live = self._sequences
-        for seq, pages in zip(sequences, cached):
-            if pages:
-                self._committed_pages += pages - seq.committed_pages     # _note_cached
-                seq.committed_pages = pages
-            out.append(seq.committed_pages)
-            del live[seq.seq_id]
+        sequences = _sequences.live_of(self._sequences, seq_ids, "release")
+        # The compiled call works out what each sequence commits (as _commit_plan would) and
+        # drops the released sequences from self._sequences.
+        cached, newly_committed = self._change(
+            _NOTHING_TO_UNDO, _sequences.release_sequences, self._segment, sequences,
+            bool(commit) and self._config.enable_prefix_reuse,
+            self._config.prefix_min_store_pages, self._sequences)
         self._in_flight = None
-        return out
+        self._committed_pages += newly_committed
+        return cached
 
     # -- reading ---------------------------------------------------------------------------------
 
     def page_table(self, seq_id: int) -> np.ndarray:
         """The sequence's pages in token order (a read-only view, valid until its next step)."""
         self._check_usable()
-        seq = self._live([seq_id], "page_table")[0]
+        seq = _sequences.live_of(self._sequences, [seq_id], "page_table")[0]
         view = seq.pages[:seq.num_pages]
         view.flags.writeable = False
         return view
@@ -657,7 +516,7 @@ class WorkerView:
     def state(self, seq_id: int) -> PrefixSequenceState:
         """A snapshot of the sequence's prefix state."""
         self._check_usable()
-        seq = self._live([seq_id], "state")[0]
+        seq = _sequences.live_of(self._sequences, [seq_id], "state")[0]
         return PrefixSequenceState(
             seq_id=seq.seq_id, namespace=seq.namespace, num_tokens=seq.num_tokens,
             tokens=seq.tokens[:seq.num_tokens].copy(), reused_tokens=seq.reused_tokens,

@@ -40,9 +40,11 @@ def icache(segment_name):
 
 def interrupted_after(monkeypatch, name: str) -> None:
     """Makes _sequences.<name> run for real, then raise KeyboardInterrupt (as a Ctrl-C that
-    arrives just as the compiled call returns). "allocate" and "release" name the view's
-    own compiled calls (which check its requests, and plan its commits, too)."""
-    name = {"allocate": "allocate_requests", "release": "release_sequences"}.get(name, name)
+    arrives just as the compiled call returns). The names are the view's calls: each maps
+    to the compiled call it makes (which also checks its requests, plans its commits or
+    steps its sequences)."""
+    name = {"allocate": "allocate_requests", "append": "append_tokens",
+            "commit": "commit_view_sequences", "release": "release_sequences"}[name]
     real = getattr(_sequences, name)
 
     def call_then_interrupt(*args):
@@ -116,7 +118,7 @@ def test_the_compiled_layer_refuses_a_stale_name_and_changes_nothing(icache, ent
     icache.check()
 
 
-@pytest.mark.parametrize("entry", ["allocate", "append_pages", "commit", "release"])
+@pytest.mark.parametrize("entry", ["allocate", "append", "commit", "release"])
 def test_an_interrupt_after_each_compiled_call_settles(icache, monkeypatch, entry):
     view = WorkerView(icache)
     view.allocate_pages_for_sequences_with_prefix([R(1, SYS + [1, 2, 3, 4]), R(2, [5, 6, 7])])
@@ -124,7 +126,7 @@ def test_an_interrupt_after_each_compiled_call_settles(icache, monkeypatch, entr
     with pytest.raises(KeyboardInterrupt):
         if entry == "allocate":
             view.allocate_pages_for_sequences_with_prefix([R(3, SYS + [8]), R(4, [9])])
-        elif entry == "append_pages":
+        elif entry == "append":
             view.append_tokens([1, 2], [10, 11])     # sequence 1 needs a page, 2 does not
         elif entry == "commit":
             view.commit([1])
@@ -137,13 +139,11 @@ def test_an_interrupt_after_each_compiled_call_settles(icache, monkeypatch, entr
         assert sorted(view.live_sequences) == [1, 2]
         assert sorted(s[1] for s in segment_sequences(icache)) == [1, 2]
         view.allocate_pages_for_sequences_with_prefix([R(3, SYS + [8]), R(4, [9])])
-    elif entry == "append_pages":
-        # No token taken, the page kept: the retried step uses it and needs no other.
-        assert view.state(1).num_tokens == 16 and view.state(2).num_tokens == 3
-        free = icache.stats().free_pages
-        view.append_tokens([1, 2], [10, 11])
-        assert icache.stats().free_pages == free
+    elif entry == "append":
+        # The compiled call did the step's bookkeeping itself: the step happened whole.
+        assert view.state(1).num_tokens == 17 and view.state(2).num_tokens == 4
         assert len(view.page_table(1)) == 5 and view.state(1).tokens[-1] == 10
+        assert view.state(2).tokens[-1] == 11
     elif entry == "commit":
         assert view.commit([1]) == [4]
     else:
@@ -243,7 +243,7 @@ SETTLED_AFTER = {
     # entry interrupted -> (the call, the live ids once settled)
     "allocate": (lambda v: v.allocate_pages_for_sequences_with_prefix(
         [R(3, SYS + [8, 8]), R(4, [1])]), {1, 2}),
-    "append_pages": (lambda v: v.append_tokens([1, 2], [10, 11]), {1, 2}),
+    "append": (lambda v: v.append_tokens([1, 2], [10, 11]), {1, 2}),
     "release": (lambda v: v.release([1, 2]), set()),
 }
 
@@ -271,8 +271,8 @@ def test_settling_is_idempotent_when_interrupted_itself(icache, monkeypatch, ent
             pass
         assert_agrees(icache, view)                 # settles again, to the same end
         assert set(view.live_sequences) == expected, (k, view.live_sequences)
-        if entry == "append_pages":
-            assert {s: view.state(s).num_tokens for s in (1, 2)} == before
+        if entry == "append":                      # the step happened whole
+            assert {s: view.state(s).num_tokens - 1 for s in (1, 2)} == before
         view.close()
         assert icache.stats().active_sequences == 0
         icache.check()

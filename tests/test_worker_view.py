@@ -999,6 +999,24 @@ def test_forked_child_cannot_use_the_parents_view(make):
     cache.check()
 
 
+def test_a_decode_step_never_writes_into_the_allocations_table(make):
+    """The allocation's page table is the caller's to read: a step that takes a page grows
+    the view's own table instead, whatever room the shared one has."""
+    cache, view = make()
+    (alloc,) = view.allocate_pages_for_sequences_with_prefix([R(1, list(range(1, 9)))])
+    before = alloc.page_table.tolist()
+    assert len(before) == 2                          # both pages full: the next token needs one
+    for token in range(20, 25):
+        view.append_tokens([1], [token])
+    assert alloc.page_table.tolist() == before and not alloc.page_table.flags.writeable
+    table = view.page_table(1)
+    assert len(table) == 4 and table[:2].tolist() == before
+    assert len(set(table.tolist())) == 4
+    assert view.state(1).tokens.tolist() == list(range(1, 9)) + list(range(20, 25))
+    view.release([1])
+    cache.check()
+
+
 def test_page_table_is_a_read_only_view(make):
     cache, view = make()
     view.allocate_pages_for_sequences_with_prefix([R(1, [1, 2, 3, 4, 5])])
