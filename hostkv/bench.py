@@ -7,6 +7,8 @@ Sections of the report:
   reference model (tests/reference_model.py, when run from a source checkout) and the C-level
   ceilings (token comparison with memcmp, copying pages of the pool);
 * eviction: the cost of `cache.evict` per evicted token on a filled tree;
+* decode: `append_tokens` per sequence per step at batch 1 to 128, beside a Python
+  list.append per sequence (the least an engine's own bookkeeping costs);
 * processes: the shared-prompt and multi-turn workloads split across 1, 2 and 4 spawned
   processes sharing one segment (aggregate throughput, lock or call latency percentiles);
 * data path: gathering and scattering KV pages through `cache.pages_tensor()` against a
@@ -999,11 +1001,57 @@ def run(quick: bool = False, seed: int = 0) -> Dict[str, Any]:
         "engine": engine,
         "eviction": eviction_cost(workloads["eviction"], model_module),
         "eviction_by_demand": eviction_by_demand(workloads["shared-prompt"]),
+        "decode": decode_steps(quick, seed),
         "processes": process_scaling(process_specs(quick, seed), quick),
         "data_path": kv,
         "tree": [tree_row(workloads[n], model_module, ceilings)
                  for n in ("shared-prompt", "multi-turn")],
     }
+
+
+# -- decode steps -------------------------------------------------------------------------------
+
+
+DECODE_BATCHES = (1, 8, 32, 128)
+
+
+def decode_steps(quick: bool, seed: int) -> List[Dict[str, Any]]:
+    """append_tokens through a WorkerView: one decode step of a batch of sequences per call
+    (a 100-token prompt each; a page is taken every PAGE_SIZE steps), ns per sequence per
+    step at each batch size, beside the least an engine's own bookkeeping costs (a Python
+    list.append per sequence per step), timed alternately in the same process."""
+    steps = 64 if quick else 512
+    rng = np.random.default_rng(seed)
+    rows = []
+    for batch in DECODE_BATCHES:
+        cache = _create(batch * (steps // PAGE_SIZE + 10) + 64, batch)
+        try:
+            view = WorkerView(cache)
+            step_tokens = rng.integers(0, VOCAB, (steps, batch)).tolist()
+            best = {"view": float("inf"), "list": float("inf")}
+            for rep in range(3):
+                seq_ids = list(range(rep * batch, (rep + 1) * batch))
+                view.allocate_pages_for_sequences_with_prefix(
+                    [SequenceRequest(s, rng.integers(0, VOCAB, 100).tolist()) for s in seq_ids])
+                start = time.perf_counter()
+                for tokens in step_tokens:
+                    view.append_tokens(seq_ids, tokens)
+                best["view"] = min(best["view"], time.perf_counter() - start)
+                view.release(seq_ids, commit=False)
+                histories: List[List[int]] = [[] for _ in range(batch)]
+                start = time.perf_counter()
+                for tokens in step_tokens:
+                    for history, token in zip(histories, tokens):
+                        history.append(token)
+                best["list"] = min(best["list"], time.perf_counter() - start)
+            view.close()
+        finally:
+            _destroy(cache)
+        view_ns = best["view"] / (steps * batch) * 1e9
+        list_ns = best["list"] / (steps * batch) * 1e9
+        rows.append({"batch": batch, "steps": steps, "ns_per_sequence_step": view_ns,
+                     "list_append_ns": list_ns, "vs_list_append": view_ns / list_ns})
+    return rows
 
 
 # -- the table -------------------------------------------------------------------------------------
@@ -1082,6 +1130,18 @@ def _format_processes(rows: List[Dict[str, Any]]) -> List[str]:
     return lines
 
 
+def _format_decode(rows: List[Dict[str, Any]]) -> List[str]:
+    lines = ["decode: append_tokens(seq_ids, tokens) through a WorkerView, one step of the "
+             "batch per call (best of 3)",
+             "batch   steps  ns/seq/step  list.append ns  x list.append"]
+    for row in rows:
+        lines.append(f"{row['batch']:5d} {row['steps']:7d} {row['ns_per_sequence_step']:12.0f} "
+                     f"{row['list_append_ns']:15.1f} {row['vs_list_append']:14.1f}")
+    lines.append("x list.append: the step's time over a Python loop that appends each token to "
+                 "a list per sequence (the least an engine's own bookkeeping costs)")
+    return lines
+
+
 def _format_data_path(kv: Dict[str, Any]) -> List[str]:
     """The KV data path section: GB/s of each op and the pages_tensor / plain ratios."""
     layout = kv["layout"]
@@ -1147,6 +1207,8 @@ def format_table(report: Dict[str, Any]) -> str:
               f"pages that evicts {report['eviction_by_demand']['evicted_pages']} on the "
               f"{report['eviction_by_demand']['workload']} workload's cache: "
               f"{report['eviction_by_demand']['ns_per_token']:.1f} ns per evicted token", ""]
+    lines += _format_decode(report["decode"])
+    lines.append("")
     lines += _format_processes(report["processes"])
     lines.append("")
     lines += _format_data_path(report["data_path"])

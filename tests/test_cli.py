@@ -120,6 +120,12 @@ def test_bench_quick_smoke(tmp_path):
     demand = report["eviction_by_demand"]
     assert 0 < demand["evicted_pages"] < demand["allocated_pages"] and demand["ns_per_token"] > 0
 
+    decode = {row["batch"]: row for row in report["decode"]}
+    assert set(decode) == {1, 8, 32, 128}
+    for row in decode.values():
+        assert row["ns_per_sequence_step"] > 0 and row["list_append_ns"] > 0
+        assert row["vs_list_append"] == row["ns_per_sequence_step"] / row["list_append_ns"]
+
     runs = {(row["workload"], row["processes"]): row for row in report["processes"]}
     assert set(runs) == {(w, n) for w in ("shared-prompt", "multi-turn") for n in (1, 2, 4)}
     for (name, count), row in runs.items():
