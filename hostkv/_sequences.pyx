@@ -38,6 +38,7 @@ from hostkv._tokens import as_namespace, as_seq_id, as_tokens
 from hostkv.errors import CapacityError, CorruptionError, OutOfPagesError, SequenceError
 
 cdef object INT64_MIN = -(2**63), INT64_MAX = 2**63 - 1, NAMESPACE_LIMIT = 2**64
+cdef int64_t INT32_MAX = 2**31 - 1
 
 cnp.import_array()
 
@@ -453,6 +454,7 @@ cdef HkvSequence* owned_sequence(Segment seg, int64_t index, int64_t seq_id,
 
 # -- the view's side of a sequence -------------------------------------------------------------
 
+@cython.final                     # no subclass can skip filling it
 @cython.auto_pickle(False)        # names a record of this process's view: never pickled
 cdef class ViewSequence:
     """A WorkerView's own bookkeeping of one live sequence (process-private).
@@ -475,22 +477,21 @@ cdef class ViewSequence:
     """
 
     cdef readonly int64_t seq_id
-    cdef readonly int32_t record
+    cdef readonly int64_t record      # checked against the segment at every use
     cdef readonly int64_t generation
     cdef uint64_t _namespace
     cdef readonly cnp.ndarray tokens
     cdef readonly int64_t num_tokens, cacheable_tokens, reused_tokens, num_pages
     cdef public int64_t committed_pages
     cdef readonly cnp.ndarray pages
+    cdef int64_t step_mark            # the last decode step that listed it (see append_tokens)
 
-    def __init__(self, int64_t seq_id, int32_t record, int64_t generation, uint64_t namespace,
+    def __init__(self, int64_t seq_id, int64_t record, int64_t generation, uint64_t namespace,
                  cnp.ndarray tokens, int64_t reused_tokens, int64_t reused_pages,
                  cnp.ndarray pages):
-        if (tokens is None or pages is None or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32
-                or cnp.PyArray_TYPE(pages) != cnp.NPY_INT32 or tokens.ndim != 1 or pages.ndim != 1
-                or not cnp.PyArray_IS_C_CONTIGUOUS(tokens)
-                or not cnp.PyArray_IS_C_CONTIGUOUS(pages)):
-            raise ValueError("a ViewSequence needs contiguous 1-D np.int32 tokens and pages")
+        if not (plain_int32(tokens) and plain_int32(pages)):
+            raise ValueError("a ViewSequence needs contiguous, aligned, native-order 1-D "
+                             "np.int32 tokens and pages")
         fill_view_sequence(self, seq_id, record, generation, namespace, tokens, reused_tokens,
                            reused_pages, pages)
 
@@ -500,15 +501,31 @@ cdef class ViewSequence:
 
     def append_page(self, int32_t page):
         """Appends a page to the page table."""
+        check_filled(self)
         reserve_page(self)
         (<int32_t*>cnp.PyArray_DATA(self.pages))[self.num_pages] = page
         self.num_pages += 1
 
 
 cdef object TOKEN_LIMIT = 2**31
+cdef int64_t last_step_mark = 0       # numbers append_tokens calls (see ViewSequence.step_mark)
 
 
-cdef int fill_view_sequence(ViewSequence seq, int64_t seq_id, int32_t record, int64_t generation,
+cdef bint plain_int32(cnp.ndarray arr) noexcept:
+    """A contiguous, aligned, native-order 1-D np.int32 array (read raw by the C code)."""
+    return (arr is not None and cnp.PyArray_TYPE(arr) == cnp.NPY_INT32
+            and cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(arr)
+            and cnp.PyArray_ISNOTSWAPPED(arr) and cnp.PyArray_ISALIGNED(arr))
+
+
+cdef int check_filled(ViewSequence seq) except -1:
+    """Refuses a ViewSequence made without its __init__ (its arrays are None)."""
+    if seq.tokens is None or seq.pages is None:
+        raise ValueError("this ViewSequence was never filled (made without __init__)")
+    return 0
+
+
+cdef int fill_view_sequence(ViewSequence seq, int64_t seq_id, int64_t record, int64_t generation,
                             uint64_t namespace, cnp.ndarray tokens, int64_t reused_tokens,
                             int64_t reused_pages, cnp.ndarray pages) except -1:
     seq.seq_id = seq_id
@@ -942,6 +959,7 @@ cdef list commit_sequences(Segment seg, list sequences, list num_pages, bint rel
     page_size = seg.hdr.hdr_config.cfg_page_size
     for i in range(n):
         seq = sequences[i]
+        check_filled(seq)
         count = num_pages[i]
         if count > 0 and (count * page_size > seq.num_tokens or count > seq.num_pages):
             raise ValueError(f"commit of {count} pages: only {seq.num_tokens} tokens and "
@@ -963,7 +981,7 @@ cdef list commit_sequences(Segment seg, list sequences, list num_pages, bint rel
                 cached[i] = commit_one(seg, &t, record, i32(seq.tokens), i32(seq.pages),
                                        count, seq._namespace, release, &adopted_from)
             if release:
-                release_sequence(seg, &t, seq.record, i32(seq.pages) + adopted_from,
+                release_sequence(seg, &t, <int32_t>seq.record, i32(seq.pages) + adopted_from,
                                  count - adopted_from)
         seg.commit()
     finally:
@@ -980,6 +998,9 @@ cdef list named_sequences(list records, list seq_ids, list generations, list tok
             == len(num_pages) == len(namespaces) == n):
         raise ValueError("commit/release need one seq id, generation, token array, table, "
                          "page count and namespace per record")
+    for i in range(n):
+        if not isinstance(namespaces[i], int) or not 0 <= namespaces[i] < NAMESPACE_LIMIT:
+            raise ValueError(f"namespaces[{i}] must be an int in [0, 2**64)")
     return [ViewSequence(seq_ids[i], records[i], generations[i], namespaces[i],
                          token_arrays[i], 0, 0, tables[i]) for i in range(n)]
 
@@ -1061,8 +1082,10 @@ def live_of(dict live, seq_ids, str what):
             if seq is not None:
                 return [seq]
     elif isinstance(seq_ids, (str, bytes, bytearray, memoryview)) or not isinstance(
-            seq_ids, Iterable):
-        raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}")
+            seq_ids, Iterable) or (isinstance(seq_ids, np.ndarray) and seq_ids.ndim != 1):
+        raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}"
+                            + (f" of {seq_ids.ndim} dimensions" if isinstance(seq_ids, np.ndarray)
+                               else ""))
     else:
         seq_ids = list(seq_ids)
     seen = set()
@@ -1093,6 +1116,7 @@ def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
         OutOfPagesError: not enough pages even after evicting. Nothing changes when any of
             these is raised.
     """
+    global last_step_mark
     cdef Py_ssize_t i, n = len(sequences), needing = 0
     cdef ViewSequence seq
     cdef cnp.ndarray values, records, ids, generations, pages
@@ -1103,7 +1127,8 @@ def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
     cdef int32_t* new_pages
     if type(token_ids) is not list and type(token_ids) is not tuple:
         if isinstance(token_ids, (str, bytes, bytearray, memoryview)) or not isinstance(
-                token_ids, Iterable):
+                token_ids, Iterable) or (isinstance(token_ids, np.ndarray)
+                                         and token_ids.ndim != 1):
             raise ValueError("append_tokens needs a sequence of token ids (int or None), one "
                              f"per sequence, got {type(token_ids).__name__}")
         token_ids = list(token_ids)
@@ -1111,8 +1136,17 @@ def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
         raise SequenceError(f"append_tokens got {n} sequence ids but {len(token_ids)} tokens")
     values = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT64, 0)
     value = i64(values)
+    # A sequence listed twice would be stepped twice on one reservation: refused. Marking
+    # each with this call's number finds it without a set per step.
+    last_step_mark += 1
     for i in range(n):
         seq = sequences[i]
+        check_filled(seq)
+        if seq.step_mark == last_step_mark:
+            raise SequenceError(f"append_tokens: sequence {seq.seq_id} is listed twice")
+        if not 0 <= seq.record <= INT32_MAX:
+            raise SequenceError(f"sequence {seq.seq_id}: record {seq.record} is no record")
+        seq.step_mark = last_step_mark
         token = token_ids[i]
         if type(token) is int and 0 <= token < TOKEN_LIMIT:
             value[i] = token                             # the common case, cheaply
@@ -1143,7 +1177,7 @@ def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
         for i in range(n):
             seq = sequences[i]
             if seq.num_tokens == seq.num_pages * page_size:
-                recs[needing], seq_id_data[needing] = seq.record, seq.seq_id
+                recs[needing], seq_id_data[needing] = <int32_t>seq.record, seq.seq_id
                 gens[needing] = seq.generation
                 needing += 1
         pages = step_pages(seg, records, ids, generations)

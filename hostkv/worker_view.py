@@ -258,8 +258,11 @@ class WorkerView:
                 continue
             del held[seq.record]
             own = seq.num_pages - seq.reused_tokens // self._page_size
+            # A page the segment lists that the view does not: kept. A decode step's
+            # compiled call records its pages itself, so this is a safeguard, not a path
+            # any call is known to take.
             for page in found[2][own:]:
-                seq.append_page(page)                    # a decode step's page: keep it
+                seq.append_page(page)
         # Records of this view that no bookkeeping names: an interrupted allocation's.
         # One per mutation, as close() does: the undo log always has room for one.
         for record, (generation, seq_id, _pages) in held.items():
@@ -391,6 +394,14 @@ class WorkerView:
         """
         self._check_usable()
         sequences = _sequences.live_of(self._sequences, seq_ids, "append_tokens")
+        if type(token_ids) is not list and type(token_ids) is not tuple:
+            # Read once, here: a generator read by the compiled call would be empty when a
+            # step short of pages is tried again after reaping.
+            if isinstance(token_ids, _BYTES_LIKE) or not isinstance(token_ids, Iterable) or (
+                    isinstance(token_ids, np.ndarray) and token_ids.ndim != 1):
+                raise ValueError("append_tokens needs a sequence of token ids (int or None), "
+                                 f"one per sequence, got {type(token_ids).__name__}")
+            token_ids = list(token_ids)
         self._change(_NOTHING_TO_UNDO, _sequences.append_tokens, self._segment, sequences,
                      token_ids, self._page_size)
         self._in_flight = None

@@ -1331,3 +1331,73 @@ def test_a_closed_cache_still_names_the_bad_request_first(segment_name):
         view.allocate_pages_for_sequences_with_prefix(["x"])
     with pytest.raises(ValueError, match="closed"):
         view.allocate_pages_for_sequences_with_prefix([R(1, [1, 2])])
+
+
+# -- the view's compiled bookkeeping (ViewSequence, the compiled decode step) -------------------
+
+
+def _hold_pages_and_die(name: str) -> None:
+    view = WorkerView(HostKVCache.attach(name))
+    view.allocate_pages_for_sequences_with_prefix([R(1, list(range(1000, 1060)))])  # 15 pages
+    os._exit(0)                                            # dies holding them
+
+
+def test_a_generator_of_tokens_survives_the_retry_after_a_reap(segment_name, procs):
+    """A step short of pages while a dead process holds some reaps and tries again: the
+    token ids must still be there, whatever iterable they came in."""
+    cache = HostKVCache.create(segment_name, config(num_pages=16))
+    try:
+        view = WorkerView(cache)
+        view.allocate_pages_for_sequences_with_prefix([R(7, [1, 2, 3, 4])])   # the 16th page
+        child = procs(_hold_pages_and_die, segment_name)
+        child.join(60)
+        assert child.exitcode == 0
+        view.append_tokens([7], (token for token in [42]))   # needs a page: reap, retry
+        assert view.state(7).tokens.tolist() == [1, 2, 3, 4, 42]
+        assert len(view.page_table(7)) == 2
+        view.close()
+        cache.check()
+    finally:
+        cache.close()
+
+
+def test_a_view_sequence_is_whole_or_refused(make):
+    cache, view = make()
+    view.allocate_pages_for_sequences_with_prefix([R(1, [1, 2, 3, 4, 5])])
+    seq = view._sequences[1]
+    # Made without __init__: refused, never a crash.
+    empty = _sequences.ViewSequence.__new__(_sequences.ViewSequence)
+    with pytest.raises(ValueError, match="never filled"):
+        empty.append_page(3)
+    with pytest.raises(ValueError, match="never filled"):
+        _sequences.append_tokens(cache._segment, [empty], [1], PS)
+    with pytest.raises(TypeError):
+        type("Sub", (_sequences.ViewSequence,), {})       # nothing can skip filling it
+    # Arrays the C code could not read raw are refused.
+    for bad in (np.arange(4, dtype=">i4"), np.arange(4, dtype=np.int64),
+                np.arange(8, dtype=np.int32)[::2]):
+        with pytest.raises(ValueError, match="native-order"):
+            _sequences.ViewSequence(1, seq.record, seq.generation, 0, bad, 0, 0, seq.pages)
+    # A sequence listed twice in one step is refused before anything changes.
+    before = (seq.num_tokens, seq.num_pages, cache.stats().free_pages)
+    with pytest.raises(SequenceError, match="listed twice"):
+        _sequences.append_tokens(cache._segment, [seq, seq], [6, 7], PS)
+    assert (seq.num_tokens, seq.num_pages, cache.stats().free_pages) == before
+    # The raw commit and release name a bad record or namespace clearly.
+    tokens, pages = seq.tokens[:seq.num_tokens], seq.pages[:seq.num_pages]
+    for record in (2**31, -2**40):
+        with pytest.raises(SequenceError, match="outside"):
+            _sequences.release(cache._segment, [record], [1], [seq.generation], [tokens],
+                               [pages], [0], [0])
+    for namespace in (-1, 2**64):
+        with pytest.raises(ValueError, match="namespaces"):
+            _sequences.release(cache._segment, [seq.record], [1], [seq.generation], [tokens],
+                               [pages], [0], [namespace])
+    # Arrays of more or fewer than one dimension are not sequences of ids or tokens.
+    with pytest.raises(SequenceError, match="sequence of ids"):
+        view.append_tokens(np.array(1), [5])
+    with pytest.raises(ValueError, match="sequence of token ids"):
+        view.append_tokens([1], np.array(5))
+    assert view.state(1).num_tokens == 5
+    view.release([1])
+    cache.check()
