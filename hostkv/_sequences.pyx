@@ -451,7 +451,6 @@ cdef HkvSequence* owned_sequence(Segment seg, int64_t index, int64_t seq_id,
     return seq
 
 
-
 # -- the view's side of a sequence -------------------------------------------------------------
 
 @cython.final                     # no subclass can skip filling it
@@ -1117,6 +1116,7 @@ def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
             these is raised.
     """
     global last_step_mark
+    cdef int64_t mark
     cdef Py_ssize_t i, n = len(sequences), needing = 0
     cdef ViewSequence seq
     cdef cnp.ndarray values, records, ids, generations, pages
@@ -1137,16 +1137,18 @@ def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
     values = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT64, 0)
     value = i64(values)
     # A sequence listed twice would be stepped twice on one reservation: refused. Marking
-    # each with this call's number finds it without a set per step.
+    # each with this call's own number finds it without a set per step (a local copy:
+    # another thread's step may take the next number while this loop runs Python code).
     last_step_mark += 1
+    mark = last_step_mark
     for i in range(n):
         seq = sequences[i]
         check_filled(seq)
-        if seq.step_mark == last_step_mark:
+        if seq.step_mark == mark:
             raise SequenceError(f"append_tokens: sequence {seq.seq_id} is listed twice")
         if not 0 <= seq.record <= INT32_MAX:
             raise SequenceError(f"sequence {seq.seq_id}: record {seq.record} is no record")
-        seq.step_mark = last_step_mark
+        seq.step_mark = mark
         token = token_ids[i]
         if type(token) is int and 0 <= token < TOKEN_LIMIT:
             value[i] = token                             # the common case, cheaply
