@@ -34,7 +34,7 @@ from hostkv._radix cimport (
     tree_lock, tree_of, tree_page_hash, tree_unlock)
 
 from hostkv._radix import checked_copy, tokens_from_sequence
-from hostkv._tokens import as_namespace, as_seq_id, as_tokens
+from hostkv._tokens import BYTES_LIKE as _BYTES_LIKE, as_namespace, as_seq_id, as_tokens
 from hostkv.errors import CapacityError, CorruptionError, OutOfPagesError, SequenceError
 
 cdef object INT64_MIN = -(2**63), INT64_MAX = 2**63 - 1, NAMESPACE_LIMIT = 2**64
@@ -498,13 +498,6 @@ cdef class ViewSequence:
     def namespace(self):
         return self._namespace
 
-    def append_page(self, int32_t page):
-        """Appends a page to the page table."""
-        check_filled(self)
-        reserve_page(self)
-        (<int32_t*>cnp.PyArray_DATA(self.pages))[self.num_pages] = page
-        self.num_pages += 1
-
 
 cdef object TOKEN_LIMIT = 2**31
 cdef int64_t last_step_mark = 0       # numbers append_tokens calls (see ViewSequence.step_mark)
@@ -565,6 +558,17 @@ cdef int reserve_page(ViewSequence seq) except -1:
             or not cnp.PyArray_CHKFLAGS(seq.pages, cnp.NPY_ARRAY_WRITEABLE)):
         seq.pages = grown(seq.pages, seq.num_pages, 4)
     return 0
+
+
+cdef inline bint needs_page(ViewSequence seq, int32_t page_size) noexcept:
+    """Its last page is full: its next token takes a new one."""
+    return seq.num_tokens == seq.num_pages * page_size
+
+
+cdef inline void push_page(ViewSequence seq, int32_t page) noexcept:
+    """Appends a page after reserve_page. Cannot fail."""
+    (<int32_t*>cnp.PyArray_DATA(seq.pages))[seq.num_pages] = page
+    seq.num_pages += 1
 
 
 cdef inline void push_token(ViewSequence seq, int64_t token) noexcept:
@@ -842,19 +846,14 @@ def hold(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespaces, i
     return results
 
 
-def append_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_ids,
-                 cnp.ndarray generations):
+cdef cnp.ndarray step_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_ids,
+                            cnp.ndarray generations):
     """Gives each listed sequence one more page (a decode step filled its last one).
 
     records (np.int32), seq_ids and generations (np.int64) name the caller's sequences, as
     allocate returned them. All or nothing; evicts when short. Returns the new pages
     (np.int32, one per record).
     """
-    return step_pages(seg, records, seq_ids, generations)
-
-
-cdef cnp.ndarray step_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_ids,
-                            cnp.ndarray generations):
     cdef Tree t
     cdef int64_t i, n = records.shape[0]
     cdef int32_t* recs = i32(records)
@@ -866,7 +865,7 @@ cdef cnp.ndarray step_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_id
             or seq_ids.shape[0] != n or generations.shape[0] != n
             or not (records.flags.c_contiguous and seq_ids.flags.c_contiguous
                     and generations.flags.c_contiguous)):
-        raise ValueError("append_pages needs contiguous int32 records and int64 seq_ids and "
+        raise ValueError("step_pages needs contiguous int32 records and int64 seq_ids and "
                          "generations of one length")
     ids = i64(seq_ids)
     gens = i64(generations)
@@ -1080,8 +1079,8 @@ def live_of(dict live, seq_ids, str what):
             seq = live.get(seq_ids[0])
             if seq is not None:
                 return [seq]
-    elif isinstance(seq_ids, (str, bytes, bytearray, memoryview)) or not isinstance(
-            seq_ids, Iterable) or (isinstance(seq_ids, np.ndarray) and seq_ids.ndim != 1):
+    elif isinstance(seq_ids, _BYTES_LIKE) or not isinstance(seq_ids, Iterable) or (
+            isinstance(seq_ids, np.ndarray) and seq_ids.ndim != 1):
         raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}"
                             + (f" of {seq_ids.ndim} dimensions" if isinstance(seq_ids, np.ndarray)
                                else ""))
@@ -1099,6 +1098,23 @@ def live_of(dict live, seq_ids, str what):
                                 "(never allocated, or released already)")
         out.append(seq)
     return out
+
+
+def token_list(token_ids):
+    """A decode step's token ids as a list or tuple, read once (a generator is read here,
+    so that a step tried again after a reap still has them).
+
+    Raises:
+        ValueError: not a sequence of token ids (bytes-like, not iterable, an array of other
+            than one dimension).
+    """
+    if type(token_ids) is list or type(token_ids) is tuple:
+        return token_ids
+    if isinstance(token_ids, _BYTES_LIKE) or not isinstance(token_ids, Iterable) or (
+            isinstance(token_ids, np.ndarray) and token_ids.ndim != 1):
+        raise ValueError("append_tokens needs a sequence of token ids (int or None), one "
+                         f"per sequence, got {type(token_ids).__name__}")
+    return list(token_ids)
 
 
 def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
@@ -1125,13 +1141,7 @@ def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
     cdef int64_t* seq_id_data
     cdef int64_t* gens
     cdef int32_t* new_pages
-    if type(token_ids) is not list and type(token_ids) is not tuple:
-        if isinstance(token_ids, (str, bytes, bytearray, memoryview)) or not isinstance(
-                token_ids, Iterable) or (isinstance(token_ids, np.ndarray)
-                                         and token_ids.ndim != 1):
-            raise ValueError("append_tokens needs a sequence of token ids (int or None), one "
-                             f"per sequence, got {type(token_ids).__name__}")
-        token_ids = list(token_ids)
+    token_ids = token_list(token_ids)
     if len(token_ids) != n:
         raise SequenceError(f"append_tokens got {n} sequence ids but {len(token_ids)} tokens")
     values = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT64, 0)
@@ -1162,13 +1172,13 @@ def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
                              "[0, 2**31)")
         else:
             value[i] = int(token)
-        if seq.num_tokens == seq.num_pages * page_size:
+        if needs_page(seq, page_size):
             needing += 1
     # Room first (allocations that may fail), so that nothing can fail once pages are taken.
     for i in range(n):
         seq = sequences[i]
         reserve_token(seq)
-        if seq.num_tokens == seq.num_pages * page_size:
+        if needs_page(seq, page_size):
             reserve_page(seq)
     if needing:
         records = cnp.PyArray_EMPTY(1, [needing], cnp.NPY_INT32, 0)
@@ -1178,7 +1188,7 @@ def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
         needing = 0
         for i in range(n):
             seq = sequences[i]
-            if seq.num_tokens == seq.num_pages * page_size:
+            if needs_page(seq, page_size):
                 recs[needing], seq_id_data[needing] = <int32_t>seq.record, seq.seq_id
                 gens[needing] = seq.generation
                 needing += 1
@@ -1187,9 +1197,8 @@ def append_tokens(Segment seg, list sequences, token_ids, int32_t page_size):
         needing = 0
         for i in range(n):
             seq = sequences[i]
-            if seq.num_tokens == seq.num_pages * page_size:
-                (<int32_t*>cnp.PyArray_DATA(seq.pages))[seq.num_pages] = new_pages[needing]
-                seq.num_pages += 1
+            if needs_page(seq, page_size):
+                push_page(seq, new_pages[needing])
                 needing += 1
     for i in range(n):
         push_token(<ViewSequence>sequences[i], value[i])

@@ -12,7 +12,8 @@ from hostkv import _radix
 from hostkv.errors import SequenceError
 
 TOKEN_LIMIT = 2**31
-_BYTES_LIKE = (str, bytes, bytearray, memoryview)
+# Iterable, but bytes, not ids or tokens: refused wherever a sequence of them is expected.
+BYTES_LIKE = (str, bytes, bytearray, memoryview)
 NAMESPACE_LIMIT = 2**64
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -60,7 +61,7 @@ def _as_int32_array(tokens: Any, what: str) -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         arr = tokens
     else:
-        if isinstance(tokens, _BYTES_LIKE) or not isinstance(tokens, Sequence):
+        if isinstance(tokens, BYTES_LIKE) or not isinstance(tokens, Sequence):
             # bytes, bytearray and memoryview iterate as small ints, but they are bytes, not
             # token ids; a dict or set has no order (issue 10: each was let through or said
             # something misleading).

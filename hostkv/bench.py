@@ -1008,8 +1008,8 @@ def run(quick: bool = False, seed: int = 0) -> Dict[str, Any]:
         "copy_bytes_per_s": kv["gbytes_per_s"]["copy_ceiling"] * 1e9,
     }
     ceilings["copy_tokens_per_s"] = ceilings["copy_bytes_per_s"] / DATA_LAYOUT.token_bytes
-    engine = [engine_row(w, model_module, ceilings, 1 if quick else ENGINE_ROUNDS)
-              for w in workloads.values()]
+    rounds = 1 if quick else ENGINE_ROUNDS
+    engine = [engine_row(w, model_module, ceilings, rounds) for w in workloads.values()]
     return {
         "machine": machine_info(),
         "seed": seed,
@@ -1018,7 +1018,7 @@ def run(quick: bool = False, seed: int = 0) -> Dict[str, Any]:
         "reference_model": model_module is not None,
         "ceilings": ceilings,
         "engine": engine,
-        "engine_rounds": 1 if quick else ENGINE_ROUNDS,
+        "engine_rounds": rounds,
         "eviction": eviction_cost(workloads["eviction"], model_module),
         "eviction_by_demand": eviction_by_demand(workloads["shared-prompt"]),
         "decode": decode_steps(quick, seed),

@@ -48,6 +48,7 @@ import numpy as np
 
 from hostkv import _sequences
 from hostkv._sequences import ViewSequence
+from hostkv._tokens import BYTES_LIKE
 from hostkv.cache import HostKVCache
 from hostkv.errors import HostKVError, SequenceError
 
@@ -58,9 +59,6 @@ __all__ = [
     "WorkerView",
     "WorkerViewStats",
 ]
-
-# Iterable, but bytes, not ids: refused wherever a sequence of ids or counts is expected.
-_BYTES_LIKE = (str, bytes, bytearray, memoryview)
 
 
 def _is_int(value: Any) -> bool:
@@ -257,12 +255,6 @@ class WorkerView:
                 del self._sequences[seq.seq_id]          # its release went through
                 continue
             del held[seq.record]
-            own = seq.num_pages - seq.reused_tokens // self._page_size
-            # A page the segment lists that the view does not: kept. A decode step's
-            # compiled call records its pages itself, so this is a safeguard, not a path
-            # any call is known to take.
-            for page in found[2][own:]:
-                seq.append_page(page)
         # Records of this view that no bookkeeping names: an interrupted allocation's.
         # One per mutation, as close() does: the undo log always has room for one.
         for record, (generation, seq_id, _pages) in held.items():
@@ -395,13 +387,8 @@ class WorkerView:
         self._check_usable()
         sequences = _sequences.live_of(self._sequences, seq_ids, "append_tokens")
         if type(token_ids) is not list and type(token_ids) is not tuple:
-            # Read once, here: a generator read by the compiled call would be empty when a
-            # step short of pages is tried again after reaping.
-            if isinstance(token_ids, _BYTES_LIKE) or not isinstance(token_ids, Iterable) or (
-                    isinstance(token_ids, np.ndarray) and token_ids.ndim != 1):
-                raise ValueError("append_tokens needs a sequence of token ids (int or None), "
-                                 f"one per sequence, got {type(token_ids).__name__}")
-            token_ids = list(token_ids)
+            # Read once, before the call: a step short of pages runs again after a reap.
+            token_ids = _sequences.token_list(token_ids)
         self._change(_NOTHING_TO_UNDO, _sequences.append_tokens, self._segment, sequences,
                      token_ids, self._page_size)
         self._in_flight = None
@@ -415,7 +402,7 @@ class WorkerView:
         elif _is_int(num_tokens):
             limits = [int(num_tokens)] * len(sequences)
         else:
-            if isinstance(num_tokens, _BYTES_LIKE) or not isinstance(num_tokens, Iterable) or (
+            if isinstance(num_tokens, BYTES_LIKE) or not isinstance(num_tokens, Iterable) or (
                     isinstance(num_tokens, np.ndarray) and num_tokens.ndim != 1):
                 raise SequenceError("num_tokens must be None, an int, or one int per sequence, "
                                     f"got {num_tokens!r}")

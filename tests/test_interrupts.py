@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import pytest
 
 import hostkv
@@ -89,7 +88,7 @@ def test_a_stale_release_cannot_release_another_views_sequence(icache, monkeypat
     icache.check()
 
 
-@pytest.mark.parametrize("entry", ["commit", "release", "append_pages"])
+@pytest.mark.parametrize("entry", ["commit", "release", "append_tokens"])
 def test_the_compiled_layer_refuses_a_stale_name_and_changes_nothing(icache, entry):
     view = WorkerView(icache)
     view.allocate_pages_for_sequences_with_prefix([R(3, SYS + [1, 2, 3, 4])])
@@ -102,10 +101,11 @@ def test_the_compiled_layer_refuses_a_stale_name_and_changes_nothing(icache, ent
     before = snap.take()
     for record, seq_id, generation in stale:
         with pytest.raises(SequenceError, match="released|record now holds"):
-            if entry == "append_pages":
-                _sequences.append_pages(seg, np.array([record], np.int32),
-                                        np.array([seq_id], np.int64),
-                                        np.array([generation], np.int64))
+            if entry == "append_tokens":
+                # 16 tokens in 4 full pages: the step takes a page, under the stale name.
+                stale_seq = _sequences.ViewSequence(seq_id, record, generation, 0,
+                                                    tokens.copy(), 0, 0, pages.copy())
+                _sequences.append_tokens(seg, [stale_seq], [5], PS)
             else:
                 getattr(_sequences, entry)(seg, [record], [seq_id], [generation], [tokens],
                                            [pages], [4], [0])

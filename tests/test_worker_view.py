@@ -1368,9 +1368,9 @@ def test_a_view_sequence_is_whole_or_refused(make):
     # Made without __init__: refused, never a crash.
     empty = _sequences.ViewSequence.__new__(_sequences.ViewSequence)
     with pytest.raises(ValueError, match="never filled"):
-        empty.append_page(3)
-    with pytest.raises(ValueError, match="never filled"):
         _sequences.append_tokens(cache._segment, [empty], [1], PS)
+    with pytest.raises(ValueError, match="never filled"):
+        _sequences.commit_view_sequences(cache._segment, [empty], [1])
     with pytest.raises(TypeError):
         type("Sub", (_sequences.ViewSequence,), {})       # nothing can skip filling it
     # Arrays the C code could not read raw are refused.
