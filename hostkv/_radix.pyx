@@ -1324,6 +1324,7 @@ cdef extern from *:
         Py_ssize_t size = Py_SIZE(obj), i;
         const digit* d = ((PyLongObject*)obj)->ob_digit;
         long long v = 0;
+        if (__builtin_expect(size == 1, 1)) return (long long)d[0];      /* < 2**PyLong_SHIFT <= 2**30 */
         if (size < 0 || size > (31 + PyLong_SHIFT - 1) / PyLong_SHIFT) return -1;
         for (i = size - 1; i >= 0; i--) v = (v << PyLong_SHIFT) | (long long)d[i];
         return v < 2147483648LL ? v : -1;
