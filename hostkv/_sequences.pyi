@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 import numpy.typing as npt
 
+from hostkv._requests import SequenceAllocation
 from hostkv._segment import Segment
 
 class ViewSequence:
@@ -23,11 +24,11 @@ class ViewSequence:
                  tokens: npt.NDArray[np.int32], reused_tokens: int, reused_pages: int,
                  pages: npt.NDArray[np.int32]) -> None: ...
 
-def allocate_requests(seg: Segment, requests: Sequence[Any], request_type: type,
-                      allocation_type: type, live: Dict[int, ViewSequence], page_size: int,
-                      pool_pages: int, reuse_enabled: bool, min_reuse_pages: int, view: int,
-                      seq_ids: List[int]) -> Tuple[List[Any], int, int]: ...
-def check_requests(requests: Sequence[Any], request_type: type, live: Dict[int, Any],
+def allocate_requests(seg: Segment, requests: Sequence[Any], live: Dict[int, ViewSequence],
+                      page_size: int, pool_pages: int, reuse_enabled: bool,
+                      min_reuse_pages: int, view: int,
+                      seq_ids: List[int]) -> Tuple[List[SequenceAllocation], int, int]: ...
+def check_requests(requests: Sequence[Any], live: Dict[int, Any],
                    seq_ids: List[int]) -> Tuple[List[npt.NDArray[np.int32]], List[int]]: ...
 def hold(seg: Segment, token_arrays: List[npt.NDArray[np.int32]],
          seq_ids: npt.NDArray[np.int64], namespaces: List[int],

@@ -29,6 +29,7 @@ from hostkv._slab cimport (
     slab_alloc_many, slab_check, slab_check_index, slab_free, slab_freed_in_mutation,
     slab_note_free, slab_record, slab_rederive)
 from hostkv._pages cimport check_page_index, page_decref, page_refcounts, pages_alloc
+from hostkv._requests cimport SequenceAllocation, SequenceRequest, new_allocation
 from hostkv._radix cimport (
     BORROW_MAY_EVICT, BORROW_REFRESH, Tree, node_depth, tree_borrow, tree_evict_pages, tree_insert,
     tree_lock, tree_of, tree_page_hash, tree_unlock)
@@ -588,15 +589,14 @@ cdef int64_t* i64(cnp.ndarray arr) noexcept:
     return <int64_t*>cnp.PyArray_DATA(arr)
 
 
-def allocate_requests(Segment seg, requests, request_type, allocation_type, dict live,
-                      int32_t page_size, int64_t pool_pages, bint reuse_enabled,
-                      int32_t min_reuse_pages, int32_t view, list seq_ids):
+def allocate_requests(Segment seg, requests, dict live, int32_t page_size, int64_t pool_pages,
+                      bint reuse_enabled, int32_t min_reuse_pages, int32_t view, list seq_ids):
     """WorkerView's allocation in one call: checks a batch of its SequenceRequests as
     checked_requests does, allocates them (allocate_checked), all before anything shared is
     touched or nothing at all, then records each in live (seq id -> ViewSequence).
 
-    Returns (allocations, prompt tokens, reused tokens): one allocation_type(seq_id,
-    reused_tokens, page_table, page_size) per request, in order, and the batch's totals.
+    Returns (allocations, prompt tokens, reused tokens): one SequenceAllocation per request,
+    in order, and the batch's totals.
     seq_ids names the ids that may have been recorded, for a caller interrupted midway.
 
     Raises:
@@ -610,8 +610,7 @@ def allocate_requests(Segment seg, requests, request_type, allocation_type, dict
     cdef cnp.ndarray tokens
     if page_size <= 0:
         raise ValueError(f"page size must be positive, got {page_size}")
-    token_arrays, namespaces = checked_requests(requests, request_type, live, page_size,
-                                                pool_pages, seq_ids)
+    token_arrays, namespaces = checked_requests(requests, live, page_size, pool_pages, seq_ids)
     if not token_arrays:
         return [], 0, 0
     for i in range(len(token_arrays)):
@@ -633,21 +632,21 @@ def allocate_requests(Segment seg, requests, request_type, allocation_type, dict
         fill_view_sequence(seq, seq_ids[i], record, generation, namespaces[i], tokens,
                            matched * page_size, matched, table)
         live[seq.seq_id] = seq
-        allocations.append(allocation_type(seq.seq_id, seq.reused_tokens, table, page_size))
+        allocations.append(new_allocation(seq.seq_id, seq.reused_tokens, table, page_size))
         prompt_tokens += tokens.shape[0]
         reused_tokens += seq.reused_tokens
     return allocations, prompt_tokens, reused_tokens
 
 
-def check_requests(requests, request_type, dict live, list seq_ids):
+def check_requests(requests, dict live, list seq_ids):
     """checked_requests without the pool's size (WorkerView.hold_cached_pages: a hold takes
     no page): returns (token arrays, namespaces)."""
-    return checked_requests(requests, request_type, live, 1, 0, seq_ids)
+    return checked_requests(requests, live, 1, 0, seq_ids)
 
 
-cdef tuple checked_requests(requests, request_type, dict live, int32_t page_size,
-                            int64_t pool_pages, list seq_ids):
-    """Checks a batch of a WorkerView's SequenceRequests (of class request_type) as the view
+cdef tuple checked_requests(requests, dict live, int32_t page_size, int64_t pool_pages,
+                            list seq_ids):
+    """Checks a batch of a WorkerView's SequenceRequests as the view
     documents, in the order it documents, and reads each prompt into an int32 array of the
     view's own and each namespace; touches nothing shared. pool_pages > 0: a prompt longer
     than the pool (in pages of page_size) is an OutOfPagesError.
@@ -658,16 +657,18 @@ cdef tuple checked_requests(requests, request_type, dict live, int32_t page_size
     cdef Py_ssize_t index, n
     cdef int64_t num_tokens, pages
     cdef cnp.ndarray tokens
+    cdef SequenceRequest request
     cdef set seen
     cdef list token_arrays = [], namespaces = []
     del seq_ids[:]
     n = len(requests)
     seen = set() if n > 1 else None
     for index in range(n):
-        request = requests[index]
-        if type(request) is not request_type and not isinstance(request, request_type):
-            raise SequenceError(f"requests[{index}] is a {type(request).__name__}, "
+        item = requests[index]
+        if not isinstance(item, SequenceRequest):
+            raise SequenceError(f"requests[{index}] is a {type(item).__name__}, "
                                 "not a SequenceRequest")
+        request = <SequenceRequest>item
         seq_id = request.seq_id
         if type(seq_id) is not int or not INT64_MIN <= seq_id <= INT64_MAX:
             seq_id = as_seq_id(seq_id)

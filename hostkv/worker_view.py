@@ -19,6 +19,8 @@ The engine's loop, and what each step promises:
 This module is pure Python: it keeps policy (what to reuse and commit) and the view's
 sequences by id; every step is one call into _sequences, which also fills and steps the
 per-sequence state (tokens, page table: _sequences.ViewSequence) without Python per sequence.
+SequenceRequest and SequenceAllocation, its value types, are compiled (hostkv._requests) and
+re-exported here: one of each per sequence, filled and read from C.
 
 The view's bookkeeping changes with the shared state or not at all. A sequence is named to
 the compiled layer by its record, its id and the record's generation, which the compiled
@@ -47,6 +49,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from hostkv import _sequences
+from hostkv._requests import SequenceAllocation, SequenceRequest
 from hostkv._sequences import ViewSequence
 from hostkv._tokens import BYTES_LIKE
 from hostkv.cache import HostKVCache
@@ -64,66 +67,6 @@ __all__ = [
 def _is_int(value: Any) -> bool:
     """A Python or numpy integer, not a bool (True is an int to Python, never to hostkv)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-@dataclasses.dataclass(frozen=True, init=False)
-class SequenceRequest:
-    """A sequence to allocate: its id (unique within the view), prompt tokens, namespace.
-
-    Attributes:
-        seq_id: An int64 id, unique among the view's live sequences.
-        tokens: The prompt's token ids (list, numpy or CPU torch integers), non-empty.
-        namespace: Prefixes never match across namespaces (tenant, model, LoRA, cache salt).
-    """
-
-    seq_id: int
-    tokens: Any
-    namespace: int = 0
-
-    def __init__(self, seq_id: int, tokens: Any, namespace: int = 0) -> None:
-        # Fills the fields in place: a frozen dataclass's own __init__ sets each one through
-        # object.__setattr__, which cost more than the view's other Python for a request.
-        fields = self.__dict__
-        fields["seq_id"] = seq_id
-        fields["tokens"] = tokens
-        fields["namespace"] = namespace
-
-
-@dataclasses.dataclass(frozen=True, init=False)
-class SequenceAllocation:
-    """What the engine needs to run a newly allocated sequence.
-
-    Attributes:
-        seq_id: The request's id.
-        reused_tokens: Leading prompt tokens whose KV is already in the pages (a multiple of
-            page_size, always less than the prompt's length).
-        page_table: np.int32 pages for the prompt's tokens, in order (read-only).
-        page_size: Tokens per page.
-    """
-
-    seq_id: int
-    reused_tokens: int
-    page_table: np.ndarray
-    page_size: int
-
-    def __init__(self, seq_id: int, reused_tokens: int, page_table: np.ndarray,
-                 page_size: int) -> None:
-        # In place, as SequenceRequest's: the view makes one of these per request.
-        fields = self.__dict__
-        fields["seq_id"] = seq_id
-        fields["reused_tokens"] = reused_tokens
-        fields["page_table"] = page_table
-        fields["page_size"] = page_size
-
-    @property
-    def num_shared_pages(self) -> int:
-        """Leading pages borrowed from the cache: shared with other sequences, read-only."""
-        return self.reused_tokens // self.page_size
-
-    @property
-    def write_from_token(self) -> int:
-        """The first token whose KV the engine must compute and write (== reused_tokens)."""
-        return self.reused_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,9 +263,9 @@ class WorkerView:
         seq_ids: List[int] = []
         config = self._config
         allocations, prompt_tokens, reused_tokens = self._change(
-            seq_ids, _sequences.allocate_requests, self._segment, requests, SequenceRequest,
-            SequenceAllocation, self._sequences, self._page_size, config.num_pages,
-            config.enable_prefix_reuse, config.prefix_min_reuse_pages, self._number, seq_ids)
+            seq_ids, _sequences.allocate_requests, self._segment, requests, self._sequences,
+            self._page_size, config.num_pages, config.enable_prefix_reuse,
+            config.prefix_min_reuse_pages, self._number, seq_ids)
         self._in_flight = None
         # The view's own counters, after the bookkeeping: best effort if interrupted here.
         self._requests += len(allocations)
@@ -355,8 +298,7 @@ class WorkerView:
         # The same checks, order and messages as an allocation's (no pool size: a hold takes
         # no page).
         seq_ids: List[int] = []
-        token_arrays, namespaces = _sequences.check_requests(requests, SequenceRequest,
-                                                             self._sequences, seq_ids)
+        token_arrays, namespaces = _sequences.check_requests(requests, self._sequences, seq_ids)
         if not requests:
             return []
         results = self._change(

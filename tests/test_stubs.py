@@ -10,7 +10,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMPILED = ["hostkv._segment", "hostkv._pages", "hostkv._slab", "hostkv._radix", "hostkv._sequences"]
+COMPILED = ["hostkv._segment", "hostkv._pages", "hostkv._slab", "hostkv._radix",
+            "hostkv._requests", "hostkv._sequences"]
 
 
 def test_stubs_match_the_compiled_modules():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import time
 
 import numpy as np
@@ -1172,29 +1173,55 @@ def test_out_of_pages_says_where_the_pages_are(make):
     cache.check()
 
 
-def test_requests_and_allocations_are_the_frozen_dataclasses_they_say(make):
-    """Both fill their fields in their own __init__ (issue 12: the generated one of a
-    frozen dataclass is slow): they must still be frozen dataclasses with the same fields,
-    defaults, keywords, equality, hashing and repr."""
+def test_requests_and_allocations_are_immutable_values(make):
+    """Both are compiled (issue 12: a Python __init__ per request cost more than the rest of
+    the view's Python): they keep what they had as frozen dataclasses - keywords, a default
+    namespace, value equality, hashing, repr, pattern matching, pickling, subclassing - and
+    refuse every assignment."""
     cache, view = make(num_pages=16)
     request = R(1, P + [1])
     assert request == R(seq_id=1, tokens=P + [1], namespace=0) != R(1, P + [1], 2)
-    assert hash(R(1, (1, 2))) == hash(R(1, (1, 2)))
-    assert [(f.name, f.default) for f in dataclasses.fields(request)][2] == ("namespace", 0)
+    assert request != (1, P + [1], 0) and R(1, [2]) != object()
+    assert hash(R(1, (1, 2))) == hash(R(1, (1, 2))) != hash(R(2, (1, 2)))
+    with pytest.raises(TypeError):
+        hash(request)                            # its tokens are a list, as a dataclass's
     assert repr(R(1, [2])) == "SequenceRequest(seq_id=1, tokens=[2], namespace=0)"
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        request.seq_id = 2
+    assert pickle.loads(pickle.dumps(request)) == request
+    match request:
+        case R(seq_id, tokens, namespace):
+            assert (seq_id, tokens, namespace) == (1, P + [1], 0)
+        case _:
+            pytest.fail("a SequenceRequest matches its positional fields")
+    for field in ("seq_id", "tokens", "namespace", "other"):
+        with pytest.raises(AttributeError):
+            setattr(request, field, 2)
     (alloc,) = view.allocate_pages_for_sequences_with_prefix([request])
     assert type(alloc) is hostkv.SequenceAllocation
     assert alloc == hostkv.SequenceAllocation(1, 0, alloc.page_table, PS)
-    assert [f.name for f in dataclasses.fields(alloc)] == [
-        "seq_id", "reused_tokens", "page_table", "page_size"]
+    assert alloc != hostkv.SequenceAllocation(1, PS, alloc.page_table, PS)
+    assert (alloc.num_shared_pages, alloc.write_from_token) == (0, 0)
     assert repr(alloc).startswith("SequenceAllocation(seq_id=1, reused_tokens=0, ")
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        alloc.seq_id = 2
+    copy = pickle.loads(pickle.dumps(alloc))
+    assert copy.page_table.tolist() == alloc.page_table.tolist() and copy.page_size == PS
+    for field in ("seq_id", "reused_tokens", "page_table", "page_size", "num_shared_pages"):
+        with pytest.raises(AttributeError):
+            setattr(alloc, field, 2)
     with pytest.raises(TypeError):
         R(1)                                     # tokens are required, as before
     view.release([1])
+
+    class TaggedRequest(R):
+        """An engine's own request type, with a field of its own."""
+
+        def __init__(self, seq_id, tokens, tag):
+            super().__init__(seq_id, tokens)
+            self.tag = tag
+
+    (alloc,) = view.allocate_pages_for_sequences_with_prefix([TaggedRequest(2, P + [1], "a")])
+    assert alloc.seq_id == 2 and view.live_sequences == [2]
+    assert repr(TaggedRequest(3, [4], "b")).endswith(
+        ".TaggedRequest(seq_id=3, tokens=[4], namespace=0)")   # its __qualname__, as before
+    view.release([2])
 
 
 def test_a_commit_continues_below_the_prefix_the_sequence_holds(make):
