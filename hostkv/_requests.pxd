@@ -6,6 +6,7 @@ cdef class SequenceRequest:
     cdef readonly object seq_id
     cdef readonly object tokens
     cdef readonly object namespace
+    cdef object __weakref__
     cdef tuple fields(self)
 
 
@@ -14,6 +15,7 @@ cdef class SequenceAllocation:
     cdef readonly object reused_tokens
     cdef readonly object page_table
     cdef readonly object page_size
+    cdef object __weakref__
     cdef tuple fields(self)
 
 

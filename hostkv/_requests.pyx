@@ -9,6 +9,9 @@ and filled from C by _sequences.
 
 Fields are not checked here: an allocation checks a request's id, tokens and namespace, in
 the order the view documents, so that a bad one is refused before anything changes.
+
+They are not dataclasses (dataclasses.replace, fields and asdict do not apply): a subclass
+adds its own fields in its own __init__, after calling this one's.
 """
 
 
@@ -30,7 +33,10 @@ cdef class SequenceRequest:
         self.namespace = namespace
 
     cdef tuple fields(self):
-        return (self.seq_id, self.tokens, self.namespace)
+        if type(self) is SequenceRequest:
+            return (self.seq_id, self.tokens, self.namespace)
+        # A subclass may make a field a property: read what Python code reads.
+        return (getattr(self, "seq_id"), getattr(self, "tokens"), getattr(self, "namespace"))
 
     def __eq__(self, other):
         if type(other) is not type(self):
@@ -41,11 +47,13 @@ cdef class SequenceRequest:
         return hash(self.fields())
 
     def __repr__(self):
-        return (f"{type(self).__qualname__}(seq_id={self.seq_id!r}, tokens={self.tokens!r}, "
-                f"namespace={self.namespace!r})")
+        seq_id, tokens, namespace = self.fields()
+        return (f"{type(self).__qualname__}(seq_id={seq_id!r}, tokens={tokens!r}, "
+                f"namespace={namespace!r})")
 
     def __reduce__(self):
-        return type(self), self.fields()
+        return rebuilt_request, (type(self), self.seq_id, self.tokens, self.namespace), \
+            instance_state(self)
 
 
 cdef class SequenceAllocation:
@@ -78,7 +86,10 @@ cdef class SequenceAllocation:
         return self.reused_tokens
 
     cdef tuple fields(self):
-        return (self.seq_id, self.reused_tokens, self.page_table, self.page_size)
+        if type(self) is SequenceAllocation:
+            return (self.seq_id, self.reused_tokens, self.page_table, self.page_size)
+        return (getattr(self, "seq_id"), getattr(self, "reused_tokens"),
+                getattr(self, "page_table"), getattr(self, "page_size"))
 
     def __eq__(self, other):
         if type(other) is not type(self):
@@ -89,12 +100,41 @@ cdef class SequenceAllocation:
         return hash(self.fields())
 
     def __repr__(self):
-        return (f"{type(self).__qualname__}(seq_id={self.seq_id!r}, "
-                f"reused_tokens={self.reused_tokens!r}, page_table={self.page_table!r}, "
-                f"page_size={self.page_size!r})")
+        seq_id, reused_tokens, page_table, page_size = self.fields()
+        return (f"{type(self).__qualname__}(seq_id={seq_id!r}, "
+                f"reused_tokens={reused_tokens!r}, page_table={page_table!r}, "
+                f"page_size={page_size!r})")
 
     def __reduce__(self):
-        return type(self), self.fields()
+        return rebuilt_allocation, (type(self), self.seq_id, self.reused_tokens,
+                                    self.page_table, self.page_size), instance_state(self)
+
+
+cdef object instance_state(object instance):
+    """What a subclass keeps beyond the fields (its __dict__), for pickle and copy to
+    restore after the rebuild; None for the classes themselves."""
+    state = getattr(instance, "__dict__", None)
+    return dict(state) if state else None
+
+
+def rebuilt_request(cls, seq_id, tokens, namespace):
+    """Unpickles a SequenceRequest (or a subclass, without running its __init__, whose
+    arguments may differ): the fields, then pickle restores any state of the subclass."""
+    cdef SequenceRequest request = cls.__new__(cls)
+    request.seq_id = seq_id
+    request.tokens = tokens
+    request.namespace = namespace
+    return request
+
+
+def rebuilt_allocation(cls, seq_id, reused_tokens, page_table, page_size):
+    """Unpickles a SequenceAllocation (or a subclass), as rebuilt_request does."""
+    cdef SequenceAllocation allocation = cls.__new__(cls)
+    allocation.seq_id = seq_id
+    allocation.reused_tokens = reused_tokens
+    allocation.page_table = page_table
+    allocation.page_size = page_size
+    return allocation
 
 
 cdef SequenceAllocation new_allocation(object seq_id, object reused_tokens, object page_table,

@@ -15,6 +15,7 @@ cimport cython
 
 import numpy as np
 cimport numpy as cnp
+from cpython.object cimport PyObject_IsInstance
 
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport free, malloc
@@ -657,19 +658,22 @@ cdef tuple checked_requests(requests, dict live, int32_t page_size, int64_t pool
     cdef Py_ssize_t index, n
     cdef int64_t num_tokens, pages
     cdef cnp.ndarray tokens
-    cdef SequenceRequest request
+    cdef bint exact
     cdef set seen
     cdef list token_arrays = [], namespaces = []
     del seq_ids[:]
     n = len(requests)
     seen = set() if n > 1 else None
     for index in range(n):
-        item = requests[index]
-        if not isinstance(item, SequenceRequest):
-            raise SequenceError(f"requests[{index}] is a {type(item).__name__}, "
+        request = requests[index]
+        # A plain SequenceRequest's fields are read as struct members. Anything else that
+        # Python calls one (a subclass, which may make a field a property; a test's mock)
+        # is read through its attributes, as any Python caller would read it.
+        exact = type(request) is SequenceRequest
+        if not exact and not PyObject_IsInstance(request, SequenceRequest):
+            raise SequenceError(f"requests[{index}] is a {type(request).__name__}, "
                                 "not a SequenceRequest")
-        request = <SequenceRequest>item
-        seq_id = request.seq_id
+        seq_id = (<SequenceRequest>request).seq_id if exact else request.seq_id
         if type(seq_id) is not int or not INT64_MIN <= seq_id <= INT64_MAX:
             seq_id = as_seq_id(seq_id)
         if seen is not None:
@@ -679,7 +683,8 @@ cdef tuple checked_requests(requests, dict live, int32_t page_size, int64_t pool
         if seq_id in live:
             raise SequenceError(f"sequence {seq_id} is already live in this view")
         seq_ids.append(seq_id)
-        tokens = private_tokens(request.tokens, index)
+        tokens = private_tokens((<SequenceRequest>request).tokens if exact else request.tokens,
+                                index)
         num_tokens = tokens.shape[0]
         if num_tokens == 0:
             raise SequenceError(f"sequence {seq_id} has an empty prompt")
@@ -690,7 +695,7 @@ cdef tuple checked_requests(requests, dict live, int32_t page_size, int64_t pool
                 f"sequence {seq_id}'s prompt of {num_tokens} tokens needs {pages} pages, more "
                 f"than the pool's {pool_pages} pages in all", needed=pages, available=pool_pages)
         token_arrays.append(tokens)
-        namespace = request.namespace
+        namespace = (<SequenceRequest>request).namespace if exact else request.namespace
         if type(namespace) is not int or not 0 <= namespace < NAMESPACE_LIMIT:
             namespace = as_namespace(namespace)
         namespaces.append(namespace)

@@ -15,10 +15,14 @@ test_worker_view_multiprocess.py; the model-based test in test_worker_view_model
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import multiprocessing
 import os
 import pickle
 import time
+import weakref
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -1222,6 +1226,67 @@ def test_requests_and_allocations_are_immutable_values(make):
     assert repr(TaggedRequest(3, [4], "b")).endswith(
         ".TaggedRequest(seq_id=3, tokens=[4], namespace=0)")   # its __qualname__, as before
     view.release([2])
+    weakref.ref(request)                         # as a dataclass instance could be
+
+
+class TenantRequest(hostkv.SequenceRequest):
+    """An engine's request type: its namespace is a property of its own field, and its
+    __init__ takes other arguments than SequenceRequest's."""
+
+    def __init__(self, seq_id, tokens, *, tenant):
+        super().__init__(seq_id, tokens)
+        self.tenant = tenant
+
+    @property
+    def namespace(self):
+        return {"a": 1, "b": 2}[self.tenant]
+
+
+def _namespace_in_child(request):
+    return type(request).__name__, request.namespace, request.tenant
+
+
+def test_a_subclass_of_sequence_request_is_read_as_python_reads_it(make):
+    """A subclass's fields are what its attributes say (a property over a field included),
+    and a copy, a pickle or a spawned process keeps its own state without running its
+    __init__: a request never silently falls back to another namespace (review of issue 12's
+    compiled types)."""
+    cache, view = make(num_pages=16)
+    a, b = TenantRequest(1, P + [1], tenant="a"), TenantRequest(2, P + [1], tenant="b")
+    assert repr(b).endswith("TenantRequest(seq_id=2, tokens=%r, namespace=2)" % (P + [1]))
+    assert a != b and a == TenantRequest(1, P + [1], tenant="a")
+    view.allocate_pages_for_sequences_with_prefix([a])
+    view.release([1])
+    (alloc,) = view.allocate_pages_for_sequences_with_prefix([b])
+    assert alloc.reused_tokens == 0              # tenant b never reuses tenant a's prefix
+    assert view.state(2).namespace == 2
+    (alloc,) = view.allocate_pages_for_sequences_with_prefix([TenantRequest(3, P + [1],
+                                                                            tenant="a")])
+    assert alloc.reused_tokens == len(P)
+    view.release([2, 3])
+    for clone in (pickle.loads(pickle.dumps(b)), copy.copy(b), copy.deepcopy(b)):
+        assert type(clone) is TenantRequest and clone == b
+        assert (clone.namespace, clone.tenant, clone.seq_id) == (2, "b", 2)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_namespace_in_child, (b,)) == ("TenantRequest", 2, "b")
+
+
+def test_a_look_alike_of_sequence_request_is_read_through_its_attributes(make):
+    """What isinstance calls a SequenceRequest (a test's Mock with its spec) is read through
+    its attributes, never as the compiled struct it is not."""
+    cache, view = make(num_pages=16)
+    fake = mock.Mock(spec=hostkv.SequenceRequest)
+    fake.seq_id, fake.tokens, fake.namespace = 4, P + [1], 0
+    (alloc,) = view.allocate_pages_for_sequences_with_prefix([fake])
+    assert alloc.seq_id == 4 and alloc.page_table.shape == (4,)
+    view.release([4])
+    with pytest.raises(SequenceError, match="requests.0. is a Mock, not a SequenceRequest"):
+        view.allocate_pages_for_sequences_with_prefix([mock.Mock()])
+    blank = hostkv.SequenceRequest.__new__(hostkv.SequenceRequest)
+    with pytest.raises(SequenceError, match="sequence ids must be integers, got None"):
+        view.allocate_pages_for_sequences_with_prefix([blank])
+    assert view.live_sequences == []
+    cache.check()
 
 
 def test_a_commit_continues_below_the_prefix_the_sequence_holds(make):
