@@ -619,43 +619,53 @@ def _spin_job(iterations: int, index: int, count: int) -> Iterator[Callable[[], 
 
 
 def _worker_main(job: Callable[..., Any], job_args: Tuple[Any, ...], index: int, count: int,
-                 barrier: Any, results: Any) -> None:
-    """A spawned worker: prepares its job, starts at the barrier with the others, and puts
-    its start and end times and figures (or its traceback) on results."""
+                 barriers: Tuple[Any, Any], results: Any) -> None:
+    """A spawned worker: prepares its job, says so at the first barrier, starts at the
+    second with the others, and puts its start and end times and figures (or its
+    traceback) on results."""
     try:
         with job(*job_args, index, count) as run:
-            barrier.wait()
+            for barrier in barriers:
+                barrier.wait()
             start = time.perf_counter()
             figures = run()
             end = time.perf_counter()
             results.put({"index": index, "start": start, "end": end, **figures})
     except BaseException:
-        barrier.abort()
+        for barrier in barriers:
+            barrier.abort()
         results.put({"index": index, "error": traceback.format_exc()})
 
 
 def _run_spawned(job: Callable[..., Any], job_args: Tuple[Any, ...], count: int,
                  at_start: Callable[[], Any] = lambda: None, timeout: float = 300.0
                  ) -> Tuple[Any, List[Dict[str, Any]], float]:
-    """Runs job in `count` spawned processes released together by a barrier that this
-    process passes too; calls at_start right then.
+    """Runs job in `count` spawned processes released together once all are prepared;
+    calls at_start in between, so that what it reads (the lock's counters) is read before
+    any worker starts and after every worker's preparation.
 
     Returns:
         (what at_start returned, each worker's result, seconds from the first start to the
         last end).
     """
     ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(count + 1)
+    prepared, go = ctx.Barrier(count + 1), ctx.Barrier(count + 1)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker_main, args=(job, job_args, i, count, barrier, results))
+    procs = [ctx.Process(target=_worker_main,
+                         args=(job, job_args, i, count, (prepared, go), results))
              for i in range(count)]
     for p in procs:
         p.start()
+    started = None
     try:
-        barrier.wait(timeout)
+        prepared.wait(timeout)
+        started = at_start()
+        go.wait(timeout)
     except threading.BrokenBarrierError:
         pass                        # a worker failed before the start: _collect says why
-    started = at_start()
+    except BaseException:
+        go.abort()                  # the workers give up instead of waiting for ever
+        raise
     outcomes = _collect(procs, results, count, timeout)
     return started, outcomes, max(o["end"] for o in outcomes) - min(o["start"] for o in outcomes)
 
@@ -1128,7 +1138,7 @@ def _format_processes(rows: List[Dict[str, Any]]) -> List[str]:
         "with its own WorkerView (best of the repeats; latencies in us)",
         f"{'workload':<15} {'requests':>8} {'procs':>5} {'M tok/s':>8} {'x 1 proc':>8} "
         f"{'cpu x':>6} {'hit rate':>8}" + "".join(f" {name:>8}" for name in latencies)
-        + (f" {'locked':>7}" if has_lock else ""),
+        + (f" {'hold avg':>8} {'locked':>7}" if has_lock else ""),
     ]
     for row in rows:
         values = [row["call_latency"]["p50_us"], row["call_latency"]["p99_us"]]
@@ -1140,13 +1150,16 @@ def _format_processes(rows: List[Dict[str, Any]]) -> List[str]:
             f"{row['tokens_per_s'] / 1e6:>8.2f} {row['vs_one_process']:>7.2f}x "
             f"{row['cpu_vs_one_process']:>5.2f}x {row['hit_rate']:>8.1%}"
             + "".join(f" {value:>8.1f}" for value in values)
-            + (f" {_percent(row.get('lock_held_fraction')):>7}" if has_lock else ""))
+            + (f" {row['lock']['hold_mean_ns'] / 1e3:>8.2f}"
+               f" {_percent(row.get('lock_held_fraction')):>7}" if has_lock else ""))
     lines.append("cpu x: as many processes spinning in a Python loop over one, just before: the "
                  "parallelism the machine gave")
     lines.append("call: one WorkerView call timed by its caller (lock wait + hold + Python)")
     if has_lock:
         lines.append("wait/hold: the segment's lock histograms (upper bounds of log2 buckets); "
-                     "locked: share of the wall time the lock was held")
+                     "hold avg: mean hold per acquisition (exact: does a hold get longer when "
+                     "processes share the lock?); locked: share of the wall time the lock was "
+                     "held")
     return lines
 
 

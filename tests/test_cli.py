@@ -132,6 +132,11 @@ def test_bench_quick_smoke(tmp_path):
         assert row["hit_rate"] > 0.5 and row["tokens_per_s"] > 0
         assert row["call_latency"]["p50_us"] > 0
         assert row["vs_one_process"] == row["tokens_per_s"] / runs[(name, 1)]["tokens_per_s"]
+        if "lock" in row:
+            # The counters are read after every worker attached and before any started:
+            # the workers' own requests, at least one lock per allocate and per release.
+            assert row["lock"]["acquisitions"] >= 2 * row["requests"]
+            assert row["lock"]["hold_mean_ns"] > 0
 
     rates = report["data_path"]["gbytes_per_s"]
     assert {"copy_ceiling", "numpy_gather", "numpy_scatter"} <= set(rates)
