@@ -24,10 +24,25 @@ class ViewSequence:
                  tokens: npt.NDArray[np.int32], reused_tokens: int, reused_pages: int,
                  pages: npt.NDArray[np.int32]) -> None: ...
 
-def allocate_requests(seg: Segment, requests: Sequence[Any], live: Dict[int, ViewSequence],
-                      page_size: int, pool_pages: int, reuse_enabled: bool,
-                      min_reuse_pages: int, view: int,
-                      seq_ids: List[int]) -> Tuple[List[SequenceAllocation], int, int]: ...
+class ViewState:
+    segment: Segment
+    live: Dict[int, ViewSequence]
+    page_size: int
+    pool_pages: int
+    reuse_enabled: bool
+    min_reuse_pages: int
+    min_store_pages: int
+    view: int
+    requests: int
+    prompt_tokens: int
+    reused_tokens: int
+    committed_pages: int
+    def __init__(self, segment: Segment, live: Dict[int, ViewSequence], page_size: int,
+                 pool_pages: int, reuse_enabled: bool, min_reuse_pages: int,
+                 min_store_pages: int, view: int) -> None: ...
+
+def allocate_requests(state: ViewState, requests: Sequence[Any],
+                      seq_ids: List[int]) -> List[SequenceAllocation]: ...
 def check_requests(requests: Sequence[Any], live: Dict[int, Any],
                    seq_ids: List[int]) -> Tuple[List[npt.NDArray[np.int32]], List[int]]: ...
 def hold(seg: Segment, token_arrays: List[npt.NDArray[np.int32]],
@@ -41,9 +56,8 @@ def release(seg: Segment, records: List[int], seq_ids: List[int], generations: L
             num_pages: List[int], namespaces: List[int]) -> List[int]: ...
 def commit_view_sequences(seg: Segment, sequences: List[ViewSequence],
                           num_pages: List[int]) -> List[int]: ...
-def release_sequences(seg: Segment, sequences: List[ViewSequence], commit: bool,
-                      min_store_pages: int, live: Dict[int, ViewSequence]
-                      ) -> Tuple[List[int], int]: ...
+def release_sequences(state: ViewState, sequences: List[ViewSequence],
+                      commit: bool) -> List[int]: ...
 def live_of(live: Dict[int, ViewSequence], seq_ids: Any, what: str) -> List[ViewSequence]: ...
 def token_list(token_ids: Any) -> Any: ...
 def append_tokens(seg: Segment, sequences: List[ViewSequence], token_ids: Any,

@@ -590,15 +590,52 @@ cdef int64_t* i64(cnp.ndarray arr) noexcept:
     return <int64_t*>cnp.PyArray_DATA(arr)
 
 
-def allocate_requests(Segment seg, requests, dict live, int32_t page_size, int64_t pool_pages,
-                      bint reuse_enabled, int32_t min_reuse_pages, int32_t view, list seq_ids):
+@cython.final
+@cython.auto_pickle(False)        # names this process's segment handle: never pickled
+cdef class ViewState:
+    """What a WorkerView hands each of its compiled calls as one argument: its segment, its
+    sequences by id, its policy numbers, and its counters, which the calls update in C with
+    the bookkeeping they count.
+
+    Attributes:
+        segment: the view's open segment.
+        live: seq id -> ViewSequence, the view's sequences.
+        page_size, pool_pages: the segment's page size and its pool's size in pages.
+        reuse_enabled, min_reuse_pages, min_store_pages: the view's prefix policy.
+        view: the view's number, stamped on its records.
+        requests, prompt_tokens, reused_tokens, committed_pages: the view's counters.
+    """
+
+    cdef readonly Segment segment
+    cdef readonly dict live
+    cdef readonly int32_t page_size, min_reuse_pages, min_store_pages, view
+    cdef readonly int64_t pool_pages
+    cdef readonly bint reuse_enabled
+    cdef public int64_t requests, prompt_tokens, reused_tokens, committed_pages
+
+    def __init__(self, Segment segment, dict live, int32_t page_size, int64_t pool_pages,
+                 bint reuse_enabled, int32_t min_reuse_pages, int32_t min_store_pages,
+                 int32_t view):
+        if page_size <= 0:
+            raise ValueError(f"page size must be positive, got {page_size}")
+        self.segment = segment
+        self.live = live
+        self.page_size = page_size
+        self.pool_pages = pool_pages
+        self.reuse_enabled = reuse_enabled
+        self.min_reuse_pages = min_reuse_pages
+        self.min_store_pages = min_store_pages
+        self.view = view
+
+
+def allocate_requests(ViewState state, requests, list seq_ids):
     """WorkerView's allocation in one call: checks a batch of its SequenceRequests as
     checked_requests does, allocates them (allocate_checked), all before anything shared is
-    touched or nothing at all, then records each in live (seq id -> ViewSequence).
+    touched or nothing at all, then records each in state.live (seq id -> ViewSequence) and
+    counts the batch in state's counters.
 
-    Returns (allocations, prompt tokens, reused tokens): one SequenceAllocation per request,
-    in order, and the batch's totals.
-    seq_ids names the ids that may have been recorded, for a caller interrupted midway.
+    Returns one SequenceAllocation per request, in order. seq_ids names the ids that may
+    have been recorded, for a caller interrupted midway.
 
     Raises:
         SequenceError, ValueError, OutOfPagesError: a bad request (nothing changed).
@@ -606,25 +643,27 @@ def allocate_requests(Segment seg, requests, dict live, int32_t page_size, int64
     """
     cdef Py_ssize_t i
     cdef int64_t num_tokens, matched, prompt_tokens = 0, reused_tokens = 0
+    cdef int32_t page_size = state.page_size
+    cdef Segment seg = state.segment
+    cdef dict live = state.live
     cdef list token_arrays, namespaces, results, allocations, reuse = []
     cdef ViewSequence seq
     cdef cnp.ndarray tokens
-    if page_size <= 0:
-        raise ValueError(f"page size must be positive, got {page_size}")
-    token_arrays, namespaces = checked_requests(requests, live, page_size, pool_pages, seq_ids)
+    token_arrays, namespaces = checked_requests(requests, live, page_size, state.pool_pages,
+                                                seq_ids)
     if not token_arrays:
-        return [], 0, 0
+        return []
     for i in range(len(token_arrays)):
         num_tokens = (<cnp.ndarray>token_arrays[i]).shape[0]
         # (n - 1) // page_size full pages at most: the last token is always computed, so
         # the engine has logits to sample from.
-        reuse.append((num_tokens - 1) // page_size if reuse_enabled else 0)
+        reuse.append((num_tokens - 1) // page_size if state.reuse_enabled else 0)
     check_open(seg)
     if page_size != seg.hdr.hdr_config.cfg_page_size:
         raise ValueError(f"page size {page_size} is not the segment's "
                          f"{seg.hdr.hdr_config.cfg_page_size}")
-    results = allocate_checked(seg, token_arrays, seq_ids, namespaces, reuse, min_reuse_pages,
-                               view)
+    results = allocate_checked(seg, token_arrays, seq_ids, namespaces, reuse,
+                               state.min_reuse_pages, state.view)
     allocations = []
     for i in range(len(results)):
         record, matched, table, generation = results[i]
@@ -636,7 +675,10 @@ def allocate_requests(Segment seg, requests, dict live, int32_t page_size, int64
         allocations.append(new_allocation(seq.seq_id, seq.reused_tokens, table, page_size))
         prompt_tokens += tokens.shape[0]
         reused_tokens += seq.reused_tokens
-    return allocations, prompt_tokens, reused_tokens
+    state.requests += len(allocations)
+    state.prompt_tokens += prompt_tokens
+    state.reused_tokens += reused_tokens
+    return allocations
 
 
 def check_requests(requests, dict live, list seq_ids):
@@ -1036,21 +1078,23 @@ def commit_view_sequences(Segment seg, list sequences, list num_pages):
     return commit_sequences(seg, sequences, num_pages, False)
 
 
-def release_sequences(Segment seg, list sequences, bint commit, int32_t min_store_pages,
-                      dict live):
+def release_sequences(ViewState state, list sequences, bint commit):
     """WorkerView's release in one call: release() for its ViewSequences, the pages each
-    commits worked out here, then each is dropped from live (seq id -> ViewSequence).
+    commits worked out here, then each is dropped from state.live and the newly committed
+    pages are counted in state.committed_pages.
 
-    With commit, a sequence caches its full known pages (cacheable_tokens // page_size)
-    where there are at least min_store_pages of them and more than it has committed
-    already; then every sequence is released. Returns (per sequence, the pages the cache
-    held for it at the end; how many more pages than before the sequences have committed)."""
+    With commit (and the view's reuse enabled), a sequence caches its full known pages
+    (cacheable_tokens // page_size) where there are at least min_store_pages of them and
+    more than it has committed already; then every sequence is released. Returns, per
+    sequence, the pages the cache held for it at the end."""
     cdef Py_ssize_t i, n = len(sequences)
-    cdef int32_t page_size
+    cdef Segment seg = state.segment
+    cdef int32_t page_size, min_store_pages = state.min_store_pages
     cdef int64_t full, pages, newly_committed = 0
     cdef ViewSequence seq
     cdef list counts = [], cached, out = []
     check_open(seg)
+    commit = commit and state.reuse_enabled
     page_size = seg.hdr.hdr_config.cfg_page_size
     for i in range(n):
         seq = sequences[i]
@@ -1064,8 +1108,9 @@ def release_sequences(Segment seg, list sequences, bint commit, int32_t min_stor
             newly_committed += pages - seq.committed_pages
             seq.committed_pages = pages
         out.append(seq.committed_pages)
-        live.pop(seq.seq_id, None)
-    return out, newly_committed
+        state.live.pop(seq.seq_id, None)
+    state.committed_pages += newly_committed
+    return out
 
 
 def live_of(dict live, seq_ids, str what):

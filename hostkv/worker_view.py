@@ -98,6 +98,9 @@ class PrefixSequenceState:
 class WorkerViewStats:
     """Counters of one WorkerView (the segment-wide ones are in HostKVCache.stats()).
 
+    Each call's compiled step counts what it did; a call interrupted after that step
+    (then undone by the view's next call) stays counted.
+
     Attributes:
         requests: Sequences allocated.
         prompt_tokens: Their prompt tokens.
@@ -164,10 +167,11 @@ class WorkerView:
         # Not None while a call that changes shared state has not finished its bookkeeping:
         # the ids an interrupted allocation may have recorded.
         self._in_flight: Optional[Sequence[int]] = None
-        self._requests = 0
-        self._prompt_tokens = 0
-        self._reused_tokens = 0
-        self._committed_pages = 0
+        # The compiled calls' one argument: segment, sequences, policy, and the counters.
+        self._state = _sequences.ViewState(
+            self._segment, self._sequences, self._page_size, cache.config.num_pages,
+            cache.config.enable_prefix_reuse, cache.config.prefix_min_reuse_pages,
+            cache.config.prefix_min_store_pages, self._number)
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -257,20 +261,13 @@ class WorkerView:
         if not requests:
             return []
         # The compiled call checks the requests (in the order the docstring lists the
-        # errors), reads their tokens into arrays of the view's own, allocates and records
-        # the sequences in self._sequences; `seq_ids` names the ids it has checked to be new,
-        # in case it is interrupted.
+        # errors), reads their tokens into arrays of the view's own, allocates, records the
+        # sequences in self._sequences and counts them; `seq_ids` names the ids it has
+        # checked to be new, in case it is interrupted.
         seq_ids: List[int] = []
-        config = self._config
-        allocations, prompt_tokens, reused_tokens = self._change(
-            seq_ids, _sequences.allocate_requests, self._segment, requests, self._sequences,
-            self._page_size, config.num_pages, config.enable_prefix_reuse,
-            config.prefix_min_reuse_pages, self._number, seq_ids)
+        allocations = self._change(seq_ids, _sequences.allocate_requests, self._state,
+                                   requests, seq_ids)
         self._in_flight = None
-        # The view's own counters, after the bookkeeping: best effort if interrupted here.
-        self._requests += len(allocations)
-        self._prompt_tokens += prompt_tokens
-        self._reused_tokens += reused_tokens
         return allocations
 
     def hold_cached_pages(
@@ -372,7 +369,7 @@ class WorkerView:
 
     def _note_cached(self, seq: ViewSequence, pages: int) -> None:
         if pages:
-            self._committed_pages += pages - seq.committed_pages
+            self._state.committed_pages += pages - seq.committed_pages
             seq.committed_pages = pages
 
     def commit(self, seq_ids: Sequence[Any], num_tokens: Union[None, int, Sequence[int]] = None
@@ -433,14 +430,11 @@ class WorkerView:
             # A truthy "no" must not commit.
             raise ValueError(f"commit must be True or False, got {commit!r}")
         sequences = _sequences.live_of(self._sequences, seq_ids, "release")
-        # The compiled call works out what each sequence commits (as _commit_plan would) and
-        # drops the released sequences from self._sequences.
-        cached, newly_committed = self._change(
-            _NOTHING_TO_UNDO, _sequences.release_sequences, self._segment, sequences,
-            bool(commit) and self._config.enable_prefix_reuse,
-            self._config.prefix_min_store_pages, self._sequences)
+        # The compiled call works out what each sequence commits (as _commit_plan would),
+        # drops the released sequences from self._sequences and counts what they committed.
+        cached = self._change(_NOTHING_TO_UNDO, _sequences.release_sequences, self._state,
+                              sequences, bool(commit))
         self._in_flight = None
-        self._committed_pages += newly_committed
         return cached
 
     # -- reading ---------------------------------------------------------------------------------
@@ -473,9 +467,10 @@ class WorkerView:
 
     def stats(self) -> WorkerViewStats:
         """This view's counters."""
-        return WorkerViewStats(requests=self._requests, prompt_tokens=self._prompt_tokens,
-                               reused_tokens=self._reused_tokens,
-                               committed_pages=self._committed_pages,
+        state = self._state
+        return WorkerViewStats(requests=state.requests, prompt_tokens=state.prompt_tokens,
+                               reused_tokens=state.reused_tokens,
+                               committed_pages=state.committed_pages,
                                live_sequences=len(self._sequences))
 
     # -- closing ---------------------------------------------------------------------------------
