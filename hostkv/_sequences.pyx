@@ -613,9 +613,9 @@ cdef class ViewState:
     cdef readonly bint reuse_enabled
     cdef public int64_t requests, prompt_tokens, reused_tokens, committed_pages
 
-    def __init__(self, Segment segment, dict live, int32_t page_size, int64_t pool_pages,
-                 bint reuse_enabled, int32_t min_reuse_pages, int32_t min_store_pages,
-                 int32_t view):
+    def __init__(self, Segment segment not None, dict live not None, int32_t page_size,
+                 int64_t pool_pages, bint reuse_enabled, int32_t min_reuse_pages,
+                 int32_t min_store_pages, int32_t view):
         if page_size <= 0:
             raise ValueError(f"page size must be positive, got {page_size}")
         self.segment = segment
@@ -628,7 +628,14 @@ cdef class ViewState:
         self.view = view
 
 
-def allocate_requests(ViewState state, requests, list seq_ids):
+cdef int check_state(ViewState state) except -1:
+    """Refuses a ViewState made without its __init__ (its segment and dict are None)."""
+    if state.segment is None or state.live is None:
+        raise ValueError("this ViewState was never filled (made without __init__)")
+    return 0
+
+
+def allocate_requests(ViewState state not None, requests, list seq_ids):
     """WorkerView's allocation in one call: checks a batch of its SequenceRequests as
     checked_requests does, allocates them (allocate_checked), all before anything shared is
     touched or nothing at all, then records each in state.live (seq id -> ViewSequence) and
@@ -649,6 +656,7 @@ def allocate_requests(ViewState state, requests, list seq_ids):
     cdef list token_arrays, namespaces, results, allocations, reuse = []
     cdef ViewSequence seq
     cdef cnp.ndarray tokens
+    check_state(state)
     token_arrays, namespaces = checked_requests(requests, live, page_size, state.pool_pages,
                                                 seq_ids)
     if not token_arrays:
@@ -1078,7 +1086,7 @@ def commit_view_sequences(Segment seg, list sequences, list num_pages):
     return commit_sequences(seg, sequences, num_pages, False)
 
 
-def release_sequences(ViewState state, list sequences, bint commit):
+def release_sequences(ViewState state not None, list sequences, bint commit):
     """WorkerView's release in one call: release() for its ViewSequences, the pages each
     commits worked out here, then each is dropped from state.live and the newly committed
     pages are counted in state.committed_pages.
@@ -1093,6 +1101,7 @@ def release_sequences(ViewState state, list sequences, bint commit):
     cdef int64_t full, pages, newly_committed = 0
     cdef ViewSequence seq
     cdef list counts = [], cached, out = []
+    check_state(state)
     check_open(seg)
     commit = commit and state.reuse_enabled
     page_size = seg.hdr.hdr_config.cfg_page_size

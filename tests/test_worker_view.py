@@ -1465,6 +1465,14 @@ def test_a_view_sequence_is_whole_or_refused(make):
         _sequences.commit_view_sequences(cache._segment, [empty], [1])
     with pytest.raises(TypeError):
         type("Sub", (_sequences.ViewSequence,), {})       # nothing can skip filling it
+    # A view's state made without __init__, or without a segment: refused, never a crash.
+    blank = _sequences.ViewState.__new__(_sequences.ViewState)
+    with pytest.raises(ValueError, match="never filled"):
+        _sequences.release_sequences(blank, [], True)
+    with pytest.raises(ValueError, match="never filled"):
+        _sequences.allocate_requests(blank, [R(9, [1, 2])], [])
+    with pytest.raises(TypeError):
+        _sequences.ViewState(None, {}, PS, 64, True, 1, 1, 1)
     # Arrays the C code could not read raw are refused.
     for bad in (np.arange(4, dtype=">i4"), np.arange(4, dtype=np.int64),
                 np.arange(8, dtype=np.int32)[::2]):
