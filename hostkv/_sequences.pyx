@@ -30,7 +30,7 @@ from hostkv._slab cimport (
     slab_alloc_many, slab_check, slab_check_index, slab_free, slab_freed_in_mutation,
     slab_note_free, slab_record, slab_rederive)
 from hostkv._pages cimport check_page_index, page_decref, page_refcounts, pages_alloc
-from hostkv._requests cimport SequenceAllocation, SequenceRequest, new_allocation
+from hostkv._requests cimport SequenceRequest, new_allocation
 from hostkv._radix cimport (
     BORROW_MAY_EVICT, BORROW_REFRESH, Tree, node_depth, tree_borrow, tree_evict_pages, tree_insert,
     tree_lock, tree_of, tree_page_hash, tree_unlock)
@@ -1080,10 +1080,26 @@ def release(Segment seg, list records, list seq_ids, list generations, list toke
                             num_pages, True)
 
 
-def commit_view_sequences(Segment seg, list sequences, list num_pages):
+cdef int note_cached(ViewState state, ViewSequence seq, int64_t pages) except -1:
+    """Records that the cache now holds a sequence's first `pages` pages (0: nothing new),
+    counting the newly committed ones in the view's counter."""
+    if pages:
+        state.committed_pages += pages - seq.committed_pages
+        seq.committed_pages = pages
+    return 0
+
+
+def commit_view_sequences(ViewState state not None, list sequences, list num_pages):
     """WorkerView's commit: caches the first num_pages[i] pages of each of its ViewSequences
-    (best effort per sequence); returns the pages cached for each."""
-    return commit_sequences(seg, sequences, num_pages, False)
+    (best effort per sequence), then records and counts what each now has committed.
+    Returns the pages cached for each (0 where nothing new was)."""
+    cdef Py_ssize_t i
+    cdef list cached
+    check_state(state)
+    cached = commit_sequences(state.segment, sequences, num_pages, False)
+    for i in range(len(sequences)):
+        note_cached(state, sequences[i], cached[i])
+    return cached
 
 
 def release_sequences(ViewState state not None, list sequences, bint commit):
@@ -1098,7 +1114,7 @@ def release_sequences(ViewState state not None, list sequences, bint commit):
     cdef Py_ssize_t i, n = len(sequences)
     cdef Segment seg = state.segment
     cdef int32_t page_size, min_store_pages = state.min_store_pages
-    cdef int64_t full, pages, newly_committed = 0
+    cdef int64_t full
     cdef ViewSequence seq
     cdef list counts = [], cached, out = []
     check_state(state)
@@ -1112,13 +1128,9 @@ def release_sequences(ViewState state not None, list sequences, bint commit):
     cached = commit_sequences(seg, sequences, counts, True)
     for i in range(n):
         seq = sequences[i]
-        pages = cached[i]
-        if pages:
-            newly_committed += pages - seq.committed_pages
-            seq.committed_pages = pages
+        note_cached(state, seq, cached[i])
         out.append(seq.committed_pages)
         state.live.pop(seq.seq_id, None)
-    state.committed_pages += newly_committed
     return out
 
 

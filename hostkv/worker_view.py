@@ -158,7 +158,6 @@ class WorkerView:
             raise ValueError("the cache is closed")
         self._cache = cache
         self._segment = cache._segment
-        self._config = cache.config
         self._page_size = cache.config.page_size
         self._sequences: Dict[int, ViewSequence] = {}
         self._fork_epoch = _fork_epoch
@@ -356,21 +355,16 @@ class WorkerView:
         for seq, limit in zip(sequences, limits):
             if limit is not None and limit < 0:
                 raise SequenceError(f"sequence {seq.seq_id}: num_tokens must be >= 0, got {limit}")
-        if not self._config.enable_prefix_reuse:
+        if not self._state.reuse_enabled:
             return [0] * len(sequences)
         page_size = self._page_size
-        min_store = self._config.prefix_min_store_pages
+        min_store = self._state.min_store_pages
         counts = []
         for seq, limit in zip(sequences, limits):
             known = seq.cacheable_tokens if limit is None else min(seq.cacheable_tokens, limit)
             full = known // page_size
             counts.append(full if full >= min_store and full > seq.committed_pages else 0)
         return counts
-
-    def _note_cached(self, seq: ViewSequence, pages: int) -> None:
-        if pages:
-            self._state.committed_pages += pages - seq.committed_pages
-            seq.committed_pages = pages
 
     def commit(self, seq_ids: Sequence[Any], num_tokens: Union[None, int, Sequence[int]] = None
                ) -> List[int]:
@@ -399,11 +393,9 @@ class WorkerView:
         counts = self._commit_plan(sequences, num_tokens)
         todo = [(seq, count) for seq, count in zip(sequences, counts) if count]
         if todo:
-            cached = self._change(
-                _NOTHING_TO_UNDO, _sequences.commit_view_sequences, self._segment,
-                [seq for seq, _ in todo], [count for _, count in todo])
-            for (seq, _), pages in zip(todo, cached):
-                self._note_cached(seq, pages)
+            # The compiled call also records (and counts) what each sequence now has cached.
+            self._change(_NOTHING_TO_UNDO, _sequences.commit_view_sequences, self._state,
+                         [seq for seq, _ in todo], [count for _, count in todo])
             self._in_flight = None
         return [seq.committed_pages for seq in sequences]
 

@@ -1462,7 +1462,7 @@ def test_a_view_sequence_is_whole_or_refused(make):
     with pytest.raises(ValueError, match="never filled"):
         _sequences.append_tokens(cache._segment, [empty], [1], PS)
     with pytest.raises(ValueError, match="never filled"):
-        _sequences.commit_view_sequences(cache._segment, [empty], [1])
+        _sequences.commit_view_sequences(view._state, [empty], [1])
     with pytest.raises(TypeError):
         type("Sub", (_sequences.ViewSequence,), {})       # nothing can skip filling it
     # A view's state made without __init__, or without a segment: refused, never a crash.
@@ -1471,6 +1471,8 @@ def test_a_view_sequence_is_whole_or_refused(make):
         _sequences.release_sequences(blank, [], True)
     with pytest.raises(ValueError, match="never filled"):
         _sequences.allocate_requests(blank, [R(9, [1, 2])], [])
+    with pytest.raises(ValueError, match="never filled"):
+        _sequences.commit_view_sequences(blank, [], [])
     with pytest.raises(TypeError):
         _sequences.ViewState(None, {}, PS, 64, True, 1, 1, 1)
     # Arrays the C code could not read raw are refused.
