@@ -2,21 +2,22 @@
 # hands back. Declared here so that _sequences reads and fills their fields as C struct
 # members (no attribute lookups, no Python __init__ per request).
 
-cdef class SequenceRequest:
+cdef class ValueRecord:
+    cdef object __weakref__
+    cdef int set_fields(self, tuple values) except -1
+
+
+cdef class SequenceRequest(ValueRecord):
     cdef readonly object seq_id
     cdef readonly object tokens
     cdef readonly object namespace
-    cdef object __weakref__
-    cdef tuple fields(self)
 
 
-cdef class SequenceAllocation:
+cdef class SequenceAllocation(ValueRecord):
     cdef readonly object seq_id
     cdef readonly object reused_tokens
     cdef readonly object page_table
     cdef readonly object page_size
-    cdef object __weakref__
-    cdef tuple fields(self)
 
 
 cdef SequenceAllocation new_allocation(object seq_id, object reused_tokens, object page_table,

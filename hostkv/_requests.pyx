@@ -15,7 +15,46 @@ adds its own fields in its own __init__, after calling this one's.
 """
 
 
-cdef class SequenceRequest:
+cdef class ValueRecord:
+    """What SequenceRequest and SequenceAllocation share: the fields their __match_args__
+    name, compared, hashed, shown and pickled together, as a frozen dataclass's are."""
+
+    cdef int set_fields(self, tuple values) except -1:
+        raise NotImplementedError
+
+    def _fields(self):
+        # Read as Python code reads them: a subclass may make a field a property.
+        return tuple([getattr(self, name) for name in type(self).__match_args__])
+
+    def __eq__(self, other):
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self):
+        return hash(self._fields())
+
+    def __repr__(self):
+        shown = ", ".join([f"{name}={value!r}"
+                           for name, value in zip(type(self).__match_args__, self._fields())])
+        return f"{type(self).__qualname__}({shown})"
+
+    def __reduce__(self):
+        # Rebuilt without the class's __init__ (a subclass's may take other arguments);
+        # pickle then restores what a subclass keeps in its __dict__.
+        state = getattr(self, "__dict__", None)
+        return rebuilt, (type(self), self._fields()), (dict(state) if state else None)
+
+
+def rebuilt(cls, tuple values):
+    """Unpickles a SequenceRequest or SequenceAllocation (or a subclass): its fields, in
+    __match_args__ order; pickle then restores any state of the subclass."""
+    cdef ValueRecord record = cls.__new__(cls)
+    record.set_fields(values)
+    return record
+
+
+cdef class SequenceRequest(ValueRecord):
     """A sequence to allocate: its id (unique within the view), prompt tokens, namespace.
 
     Attributes:
@@ -32,31 +71,12 @@ cdef class SequenceRequest:
         self.tokens = tokens
         self.namespace = namespace
 
-    cdef tuple fields(self):
-        if type(self) is SequenceRequest:
-            return (self.seq_id, self.tokens, self.namespace)
-        # A subclass may make a field a property: read what Python code reads.
-        return (getattr(self, "seq_id"), getattr(self, "tokens"), getattr(self, "namespace"))
-
-    def __eq__(self, other):
-        if type(other) is not type(self):
-            return NotImplemented
-        return self.fields() == (<SequenceRequest>other).fields()
-
-    def __hash__(self):
-        return hash(self.fields())
-
-    def __repr__(self):
-        seq_id, tokens, namespace = self.fields()
-        return (f"{type(self).__qualname__}(seq_id={seq_id!r}, tokens={tokens!r}, "
-                f"namespace={namespace!r})")
-
-    def __reduce__(self):
-        return rebuilt_request, (type(self), self.seq_id, self.tokens, self.namespace), \
-            instance_state(self)
+    cdef int set_fields(self, tuple values) except -1:
+        self.seq_id, self.tokens, self.namespace = values
+        return 0
 
 
-cdef class SequenceAllocation:
+cdef class SequenceAllocation(ValueRecord):
     """What the engine needs to run a newly allocated sequence.
 
     Attributes:
@@ -75,6 +95,10 @@ cdef class SequenceAllocation:
         self.page_table = page_table
         self.page_size = page_size
 
+    cdef int set_fields(self, tuple values) except -1:
+        self.seq_id, self.reused_tokens, self.page_table, self.page_size = values
+        return 0
+
     @property
     def num_shared_pages(self):
         """Leading pages borrowed from the cache: shared with other sequences, read-only."""
@@ -84,57 +108,6 @@ cdef class SequenceAllocation:
     def write_from_token(self):
         """The first token whose KV the engine must compute and write (== reused_tokens)."""
         return self.reused_tokens
-
-    cdef tuple fields(self):
-        if type(self) is SequenceAllocation:
-            return (self.seq_id, self.reused_tokens, self.page_table, self.page_size)
-        return (getattr(self, "seq_id"), getattr(self, "reused_tokens"),
-                getattr(self, "page_table"), getattr(self, "page_size"))
-
-    def __eq__(self, other):
-        if type(other) is not type(self):
-            return NotImplemented
-        return self.fields() == (<SequenceAllocation>other).fields()
-
-    def __hash__(self):
-        return hash(self.fields())
-
-    def __repr__(self):
-        seq_id, reused_tokens, page_table, page_size = self.fields()
-        return (f"{type(self).__qualname__}(seq_id={seq_id!r}, "
-                f"reused_tokens={reused_tokens!r}, page_table={page_table!r}, "
-                f"page_size={page_size!r})")
-
-    def __reduce__(self):
-        return rebuilt_allocation, (type(self), self.seq_id, self.reused_tokens,
-                                    self.page_table, self.page_size), instance_state(self)
-
-
-cdef object instance_state(object instance):
-    """What a subclass keeps beyond the fields (its __dict__), for pickle and copy to
-    restore after the rebuild; None for the classes themselves."""
-    state = getattr(instance, "__dict__", None)
-    return dict(state) if state else None
-
-
-def rebuilt_request(cls, seq_id, tokens, namespace):
-    """Unpickles a SequenceRequest (or a subclass, without running its __init__, whose
-    arguments may differ): the fields, then pickle restores any state of the subclass."""
-    cdef SequenceRequest request = cls.__new__(cls)
-    request.seq_id = seq_id
-    request.tokens = tokens
-    request.namespace = namespace
-    return request
-
-
-def rebuilt_allocation(cls, seq_id, reused_tokens, page_table, page_size):
-    """Unpickles a SequenceAllocation (or a subclass), as rebuilt_request does."""
-    cdef SequenceAllocation allocation = cls.__new__(cls)
-    allocation.seq_id = seq_id
-    allocation.reused_tokens = reused_tokens
-    allocation.page_table = page_table
-    allocation.page_size = page_size
-    return allocation
 
 
 cdef SequenceAllocation new_allocation(object seq_id, object reused_tokens, object page_table,
