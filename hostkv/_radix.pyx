@@ -200,8 +200,12 @@ cdef inline bint heap_before(Tree* t, int32_t a, int32_t b) noexcept nogil:
 
 
 cdef int heap_put(Segment seg, Tree* t, int32_t pos, int32_t index) except -1:
-    log_store_i32(seg, &t.heap[pos], index)
-    log_store_i32(seg, &node_at(seg, t, index).rn_heap_pos, pos)
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    # An entry a sift leaves where it was is already there: no stores to log.
+    if t.heap[pos] != index:
+        log_store_i32(seg, &t.heap[pos], index)
+    if node.rn_heap_pos != pos:
+        log_store_i32(seg, &node.rn_heap_pos, pos)
     return 0
 
 
@@ -726,8 +730,9 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
     log_store_i64(seg, &t.state.rt_cached_pages, t.state.rt_cached_pages + num_pages - existing)
     log_store_i64(seg, &seg.hdr.hdr_stats.st_inserted_pages,
                   seg.hdr.hdr_stats.st_inserted_pages + num_pages - existing)
-    update_evictable(seg, t, new_index)
+    # Touched before it enters the heap, so that it enters it once, at its final recency.
     touch(seg, t, new_index)
+    update_evictable(seg, t, new_index)
     out_node[0] = new_index
     return existing
 

@@ -953,9 +953,10 @@ cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* t
     pages the tree now holds for it (0 when radix node records ran out even after eviction:
     that insert is undone, nothing else).
 
-    adopt (the sequence is released in this mutation): the tree takes over the sequence's
-    references on the pages it adopts, table[*adopted_from:num_pages], which the release
-    must then not drop (*adopted_from is num_pages when it adopted none).
+    adopt (the sequence is released right after, in this mutation): the tree takes over the
+    sequence's references on the pages it adopts, table[*adopted_from:num_pages], which the
+    release must then not drop (*adopted_from is num_pages when it adopted none); its lock
+    stays where it was, for the release to drop.
 
     Raises:
         CapacityError: the undo log ran out (resource "undo log"). That is not best effort:
@@ -974,6 +975,11 @@ cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* t
         # its later pages' KV was computed on that prefix, which needs no comparing again.
         existing = tree_insert(seg, t, tokens, table, num_pages, namespace, tree_pages, &node,
                                seq.sq_lock_node, adopt)
+        if adopt:
+            # Released right after, in this mutation: moving the lock to the new node would
+            # lock and then unlock it and every ancestor for nothing.
+            adopted_from[0] = existing
+            return num_pages
         # The lock must end exactly where this sequence's tokens have been matched, since
         # the next commit starts from its end without comparing: an insert that found every
         # page cached inside a node it could not split answers that whole node, whose later
@@ -982,8 +988,6 @@ cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* t
         if node != -1 and node_depth(seg, t, node) > num_pages:
             node = seq.sq_lock_node
         set_lock(seg, t, seq, node)
-        if adopt:
-            adopted_from[0] = existing
     except CapacityError as exc:
         if exc.resource != "radix nodes":
             raise
