@@ -9,6 +9,7 @@
 # rn_namespace. Evictable nodes (unlocked leaves) sit in a min-heap by last access.
 
 from libc.stdint cimport int32_t, int64_t, uint64_t
+cimport numpy as cnp
 from hostkv._layout cimport HkvRadixNode, HkvRadixState, HkvSlab
 from hostkv._segment cimport Segment
 
@@ -56,3 +57,7 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
 cdef int64_t tree_evict_pages(Segment seg, Tree* t, int64_t want) except -1
 cdef int tree_check(Segment seg) except -1
 cdef uint64_t tree_page_hash(Tree* t, const int32_t* tokens) noexcept nogil
+# Token input read in C (see tokens_from_sequence and checked_copy): a new int32 array, or
+# None when the general path must decide.
+cdef object sequence_tokens(object seq, str what, Py_ssize_t request)
+cdef object checked_i32_copy(cnp.ndarray tokens)

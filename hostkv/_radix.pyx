@@ -1294,11 +1294,14 @@ def checked_copy(cnp.ndarray tokens):
     """A new array holding a copy of a contiguous int32 token array, or None when an id is
     outside [0, 2**31) (first_bad_token says which): one C call where a check and a numpy
     copy would be two, for a caller that must not keep the caller's own memory."""
-    cdef int64_t n, found
-    cdef cnp.ndarray out
     check_i32(tokens, "tokens")
-    n = tokens.shape[0]
-    out = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
+    return checked_i32_copy(tokens)
+
+
+cdef object checked_i32_copy(cnp.ndarray tokens):
+    """checked_copy of an array already known to be contiguous, aligned, native int32."""
+    cdef int64_t n = tokens.shape[0], found
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
     with nogil:
         memcpy(cnp.PyArray_DATA(out), cnp.PyArray_DATA(tokens), <size_t>n * 4)
         found = first_negative(<const int32_t*>cnp.PyArray_DATA(out), n)
@@ -1351,24 +1354,28 @@ def tokens_from_sequence(object seq, str what):
     Raises:
         ValueError: an id outside [0, 2**31), naming its index and value.
     """
-    cdef Py_ssize_t i, n
-    cdef PyObject** items
-    cdef PyObject* item
-    cdef long long value
-    cdef cnp.ndarray out
-    cdef int32_t* dst
     if type(seq) is not list and type(seq) is not tuple:
         raise TypeError(f"tokens_from_sequence needs a list or tuple, got {type(seq).__name__}")
-    n = PySequence_Fast_GET_SIZE(seq)
-    out = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
-    dst = <int32_t*>cnp.PyArray_DATA(out)
-    items = PySequence_Fast_ITEMS(seq)
+    return sequence_tokens(seq, what, -1)
+
+
+cdef object sequence_tokens(object seq, str what, Py_ssize_t request):
+    """tokens_from_sequence for a list or tuple. The sequence is named `what` in errors, or,
+    with request >= 0, `what[request].tokens`: a batch's caller then formats no name for
+    the requests that have no error."""
+    cdef Py_ssize_t i, n = PySequence_Fast_GET_SIZE(seq)
+    cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+    cdef PyObject* item
+    cdef long long value
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
+    cdef int32_t* dst = <int32_t*>cnp.PyArray_DATA(out)
     for i in range(n):
         item = items[i]
         if not PyLong_CheckExact(item):
             return None
         value = hkv_token_value(item)
         if value < 0:
-            raise ValueError(f"{what}[{i}] = {<object>item} is outside [0, 2**31)")
+            name = what if request < 0 else f"{what}[{request}].tokens"
+            raise ValueError(f"{name}[{i}] = {<object>item} is outside [0, 2**31)")
         dst[i] = <int32_t>value
     return out

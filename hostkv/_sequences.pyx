@@ -32,10 +32,9 @@ from hostkv._slab cimport (
 from hostkv._pages cimport check_page_index, page_decref, page_refcounts, pages_alloc
 from hostkv._requests cimport SequenceRequest, new_allocation
 from hostkv._radix cimport (
-    BORROW_MAY_EVICT, BORROW_REFRESH, Tree, node_depth, tree_borrow, tree_evict_pages, tree_insert,
-    tree_lock, tree_of, tree_page_hash, tree_unlock)
+    BORROW_MAY_EVICT, BORROW_REFRESH, Tree, checked_i32_copy, node_depth, sequence_tokens,
+    tree_borrow, tree_evict_pages, tree_insert, tree_lock, tree_of, tree_page_hash, tree_unlock)
 
-from hostkv._radix import checked_copy, tokens_from_sequence
 from hostkv._tokens import BYTES_LIKE as _BYTES_LIKE, as_namespace, as_seq_id, as_tokens
 from hostkv.errors import CapacityError, CorruptionError, OutOfPagesError, SequenceError
 
@@ -756,15 +755,14 @@ cdef cnp.ndarray private_tokens(raw, Py_ssize_t index):
     """A request's prompt as a new contiguous int32 array (never the caller's memory): lists,
     tuples and int32 arrays in one C call each, anything else through as_tokens."""
     cdef object tokens = None
-    what = f"requests[{index}].tokens"
     if type(raw) is list or type(raw) is tuple:
-        tokens = tokens_from_sequence(raw, what)
+        tokens = sequence_tokens(raw, "requests", index)
     elif (type(raw) is np.ndarray and cnp.PyArray_TYPE(raw) == cnp.NPY_INT32
           and cnp.PyArray_NDIM(raw) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(raw)
           and cnp.PyArray_ISNOTSWAPPED(raw) and cnp.PyArray_ISALIGNED(raw)):
-        tokens = checked_copy(raw)
+        tokens = checked_i32_copy(raw)
     if tokens is None:
-        tokens = as_tokens(raw, what, True)
+        tokens = as_tokens(raw, f"requests[{index}].tokens", True)
     return tokens
 
 
