@@ -1135,8 +1135,12 @@ def test_list_input_reads_exactly_like_numpy(make):
     assert _radix.tokens_from_sequence([], "t").dtype == np.int32
     # Not all plain ints: the general path decides (numpy integers are accepted there).
     assert _radix.tokens_from_sequence([1, np.int64(2)], "t") is None
-    with pytest.raises(ValueError, match=r"tokens\[3\] = 2147483648 is outside"):
+    with pytest.raises(ValueError, match=r"^requests\[0\]\.tokens\[3\] = 2147483648 is outside"):
         view.allocate_pages_for_sequences_with_prefix([R(50, [1, 2, 3, 2**31])])
+    # The request is named by its place in the batch, whatever its input type.
+    for bad in ([7, -1], (7, -1), np.array([7, -1], dtype=np.int32), array("i", [7, -1])):
+        with pytest.raises(ValueError, match=r"^requests\[1\]\.tokens\[1\] = -1 is outside"):
+            view.allocate_pages_for_sequences_with_prefix([R(50, [1]), R(51, bad)])
     with pytest.raises(ValueError, match=r"tokens\[0\] = -1 is outside"):
         cache.match_prefix((-1, 2))
     view.release([1, 2, 3, 4, 5])
