@@ -636,9 +636,9 @@ cdef int check_state(ViewState state) except -1:
 
 def allocate_requests(ViewState state not None, requests, list seq_ids):
     """WorkerView's allocation in one call: checks a batch of its SequenceRequests as
-    checked_requests does, allocates them (allocate_checked), all before anything shared is
-    touched or nothing at all, then records each in state.live (seq id -> ViewSequence) and
-    counts the batch in state's counters.
+    checked_requests does, allocates them (allocate_sequences), all before anything shared
+    is touched or nothing at all, then records each in state.live (seq id -> ViewSequence)
+    and counts the batch in state's counters.
 
     Returns one SequenceAllocation per request, in order. seq_ids names the ids that may
     have been recorded, for a caller interrupted midway.
@@ -647,42 +647,41 @@ def allocate_requests(ViewState state not None, requests, list seq_ids):
         SequenceError, ValueError, OutOfPagesError: a bad request (nothing changed).
         OutOfPagesError, CapacityError: nothing changed.
     """
-    cdef Py_ssize_t i
-    cdef int64_t num_tokens, matched, prompt_tokens = 0, reused_tokens = 0
+    cdef Py_ssize_t i, n
+    cdef int64_t prompt_tokens = 0, reused_tokens = 0
     cdef int32_t page_size = state.page_size
     cdef Segment seg = state.segment
     cdef dict live = state.live
-    cdef list token_arrays, namespaces, results, allocations, reuse = []
+    cdef list token_arrays, namespaces, sequences, allocations
     cdef ViewSequence seq
-    cdef cnp.ndarray tokens
     check_state(state)
     token_arrays, namespaces = checked_requests(requests, live, page_size, state.pool_pages,
                                                 seq_ids)
-    if not token_arrays:
+    n = len(token_arrays)
+    if n == 0:
         return []
-    for i in range(len(token_arrays)):
-        num_tokens = (<cnp.ndarray>token_arrays[i]).shape[0]
-        # (n - 1) // page_size full pages at most: the last token is always computed, so
-        # the engine has logits to sample from.
-        reuse.append((num_tokens - 1) // page_size if state.reuse_enabled else 0)
     check_open(seg)
     if page_size != seg.hdr.hdr_config.cfg_page_size:
         raise ValueError(f"page size {page_size} is not the segment's "
                          f"{seg.hdr.hdr_config.cfg_page_size}")
-    results = allocate_checked(seg, token_arrays, seq_ids, namespaces, reuse,
-                               state.min_reuse_pages, state.view)
-    allocations = []
-    for i in range(len(results)):
-        record, matched, table, generation = results[i]
-        tokens = token_arrays[i]
+    sequences = []
+    for i in range(n):
         seq = ViewSequence.__new__(ViewSequence)
-        fill_view_sequence(seq, seq_ids[i], record, generation, namespaces[i], tokens,
-                           matched * page_size, matched, table)
+        seq.seq_id = seq_ids[i]
+        seq._namespace = namespaces[i]
+        seq.tokens = token_arrays[i]
+        seq.num_tokens = seq.cacheable_tokens = seq.tokens.shape[0]
+        sequences.append(seq)
+    allocate_sequences(seg, sequences, page_size,
+                       state.reuse_enabled, state.min_reuse_pages, state.view)
+    allocations = []
+    for i in range(n):
+        seq = sequences[i]
         live[seq.seq_id] = seq
-        allocations.append(new_allocation(seq.seq_id, seq.reused_tokens, table, page_size))
-        prompt_tokens += tokens.shape[0]
+        allocations.append(new_allocation(seq.seq_id, seq.reused_tokens, seq.pages, page_size))
+        prompt_tokens += seq.num_tokens
         reused_tokens += seq.reused_tokens
-    state.requests += len(allocations)
+    state.requests += n
     state.prompt_tokens += prompt_tokens
     state.reused_tokens += reused_tokens
     return allocations
@@ -766,85 +765,98 @@ cdef cnp.ndarray private_tokens(raw, Py_ssize_t index):
     return tokens
 
 
-cdef list allocate_checked(Segment seg, list token_arrays, list seq_ids, list namespaces,
-                           list reuse_pages, int32_t min_reuse_pages, int32_t view):
-    """Allocates a batch of checked sequences under one lock, all or nothing.
+cdef int allocate_sequences(Segment seg, list sequences, int32_t page_size, bint reuse,
+                            int32_t min_reuse_pages, int32_t view) except -1:
+    """Allocates a batch of new ViewSequences under one lock, all or nothing.
 
-    For request i: borrows up to reuse_pages[i] cached pages (kept only if at least
-    min_reuse_pages match), allocates the rest of ceil(len(tokens) / page_size) pages
-    (evicting as needed), and records the sequence, stamped with the caller's view number.
+    Each comes with its seq id, namespace and tokens set, and nothing else. With reuse, it
+    borrows up to (num_tokens - 1) // page_size cached pages (the last token is always
+    computed, so the engine has logits to sample from), kept only if at least
+    min_reuse_pages match; then it takes the rest of its ceil(num_tokens / page_size)
+    pages (evicting as needed) and a record stamped with the caller's view number.
     Every request borrows its prefix before anything is evicted for the batch, so one
     request's eviction never takes the prefix another request of the same batch matched.
-    Returns a list of (record index, reused pages, page table, record generation): the
-    record, sequence id and generation name the sequence in every later call. The page
-    tables are read-only arrays.
+    Fills each sequence's record, generation, page table (read-only: it is handed to the
+    caller) and reused tokens; a sequence of a batch that raised stays unfilled.
 
     Raises:
         OutOfPagesError, CapacityError: nothing changed.
     """
     cdef Tree t
-    cdef int32_t page_size, node, record
-    cdef int64_t i, n = len(token_arrays), total, matched, found, fresh, mark
+    cdef int32_t record
+    cdef Py_ssize_t i, n = len(sequences)
+    cdef int64_t total, matched, found, fresh, mark, reusable
     cdef int64_t batch_fresh = 0        # fresh pages the whole batch needs
-    cdef cnp.ndarray tokens, table
-    cdef HkvSequence* seq
+    cdef cnp.ndarray table
+    cdef ViewSequence seq
+    cdef HkvSequence* rec
     cdef HkvHeader* hdr
-    cdef int64_t reuse
-    cdef list borrowed = []             # per request: (matched pages, locked node, table)
-    check_lease(seg)
-    results = []
-    seg.begin()
+    cdef int32_t one_node
+    # Per request: the node its borrow locked (-1: none), until its record holds the lock.
+    cdef int32_t* nodes = &one_node if n == 1 else <int32_t*>malloc(n * sizeof(int32_t))
+    if nodes == NULL:
+        raise MemoryError()
     try:
-        t = tree_of(seg)
-        hdr = seg.hdr
-        page_size = hdr.hdr_config.cfg_page_size
-        # 1. Borrow every request's prefix: a locked node cannot be evicted below.
-        for i in range(n):
-            tokens = token_arrays[i]
-            total = (tokens.shape[0] + page_size - 1) // page_size
-            table = cnp.PyArray_EMPTY(1, [total], cnp.NPY_INT32, 0)
-            matched = 0
-            found = 0
-            node = -1
-            reuse = reuse_pages[i]
-            if reuse > 0:
-                mark = hdr.hdr_undo_count
-                matched = found = tree_borrow(seg, &t, i32(tokens), reuse, namespaces[i],
-                                              i32(table), &node, BORROW_REFRESH | BORROW_MAY_EVICT)
-                if matched < min_reuse_pages:
-                    # Too short to be worth it: undo the borrow whole (its split, lock, touch).
-                    seg.rollback_to(mark)
-                    matched = 0
-                    node = -1
-            count_lookup(seg, &t, i32(tokens), tokens.shape[0], namespaces[i], reuse, found,
-                         matched, min_reuse_pages)
-            batch_fresh += total - matched
-            borrowed.append((matched, node, table))
-        # 2. Free the batch's fresh pages at once, evicting only what nobody borrowed.
-        if not ensure_free_pages(seg, &t, batch_fresh):
-            raise OutOfPagesError(
-                f"segment {seg.name!r}: the batch of {n} needs {batch_fresh} new pages, "
-                f"{out_of_pages_holders(seg, &t, batch_fresh)}; only {hdr.hdr_free_pages} are "
-                "free or evictable",
-                needed=batch_fresh, available=hdr.hdr_free_pages)
-        # 3. Record the sequences and hand out their fresh pages.
-        for i in range(n):
-            matched, node, table = borrowed[i]
-            total = table.shape[0]
-            fresh = total - matched
-            # The borrow locked the node (if any) for this sequence: it is the sequence's.
-            record = new_sequence(seg, seq_ids[i], namespaces[i], node, view, "batch", n, n - i)
-            seq = sequence_at(seg, record)
-            # The borrowed prefix is held by the lock on its node (it cannot be evicted while
-            # locked), not by page references: only the sequence's own pages are listed.
-            pages_alloc(seg, fresh, i32(table) + matched)
-            extend_page_list(seg, seq, i32(table) + matched, fresh)
-            cnp.PyArray_CLEARFLAGS(table, cnp.NPY_ARRAY_WRITEABLE)
-            results.append((record, matched, table, seq.sq_generation))
-        seg.commit()
+        check_lease(seg)
+        seg.begin()
+        try:
+            t = tree_of(seg)
+            hdr = seg.hdr
+            # 1. Borrow every request's prefix: a locked node cannot be evicted below.
+            for i in range(n):
+                seq = sequences[i]
+                total = (seq.num_tokens + page_size - 1) // page_size
+                table = cnp.PyArray_EMPTY(1, [total], cnp.NPY_INT32, 0)
+                matched = found = 0
+                nodes[i] = -1
+                reusable = (seq.num_tokens - 1) // page_size if reuse else 0
+                if reusable > 0:
+                    mark = hdr.hdr_undo_count
+                    matched = found = tree_borrow(seg, &t, i32(seq.tokens), reusable,
+                                                  seq._namespace, i32(table), &nodes[i],
+                                                  BORROW_REFRESH | BORROW_MAY_EVICT)
+                    if matched < min_reuse_pages:
+                        # Too short to be worth it: undo the borrow whole (split, lock, touch).
+                        seg.rollback_to(mark)
+                        matched = 0
+                        nodes[i] = -1
+                count_lookup(seg, &t, i32(seq.tokens), seq.num_tokens, seq._namespace,
+                             reusable, found, matched, min_reuse_pages)
+                batch_fresh += total - matched
+                seq.pages = table
+                seq.num_pages = total
+                seq.committed_pages = matched
+            # 2. Free the batch's fresh pages at once, evicting only what nobody borrowed.
+            if not ensure_free_pages(seg, &t, batch_fresh):
+                raise OutOfPagesError(
+                    f"segment {seg.name!r}: the batch of {n} needs {batch_fresh} new pages, "
+                    f"{out_of_pages_holders(seg, &t, batch_fresh)}; only {hdr.hdr_free_pages} "
+                    "are free or evictable",
+                    needed=batch_fresh, available=hdr.hdr_free_pages)
+            # 3. Record the sequences and hand out their fresh pages.
+            for i in range(n):
+                seq = sequences[i]
+                matched = seq.committed_pages
+                fresh = seq.num_pages - matched
+                # The borrow locked the node (if any) for this sequence: it is the sequence's.
+                record = new_sequence(seg, seq.seq_id, seq._namespace, nodes[i], view, "batch",
+                                      n, n - i)
+                rec = sequence_at(seg, record)
+                # The borrowed prefix is held by the lock on its node (it cannot be evicted
+                # while locked), not by page references: only its own pages are listed.
+                pages_alloc(seg, fresh, i32(seq.pages) + matched)
+                extend_page_list(seg, rec, i32(seq.pages) + matched, fresh)
+                cnp.PyArray_CLEARFLAGS(seq.pages, cnp.NPY_ARRAY_WRITEABLE)
+                seq.record = record
+                seq.generation = rec.sq_generation
+                seq.reused_tokens = matched * page_size
+            seg.commit()
+        finally:
+            seg.end()
     finally:
-        seg.end()
-    return results
+        if nodes != &one_node:
+            free(nodes)
+    return 0
 
 
 def hold(Segment seg, list token_arrays, cnp.ndarray seq_ids, list namespaces, int32_t view):
