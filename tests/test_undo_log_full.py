@@ -16,6 +16,7 @@ import hostkv
 from hostkv import CapacityError, SequenceRequest as R, WorkerView, _radix, _sequences
 
 PS = 4
+SEQS = list(range(5))   # five 40-page sequences: together too big for the log, each fits
 
 
 def semantic_state(cache):
@@ -32,10 +33,10 @@ def semantic_state(cache):
 @pytest.fixture
 def small_log(segment_name):
     cache = hostkv.HostKVCache.create(segment_name, hostkv.HostKVConfig(
-        num_pages=128, page_size=PS, page_bytes=64, max_processes=4, undo_log_capacity=256))
+        num_pages=256, page_size=PS, page_bytes=64, max_processes=4, undo_log_capacity=256))
     view = WorkerView(cache)
-    # Three sequences of 40 pages each, allocated one by one (each fits the log alone).
-    for seq_id in range(3):
+    # Allocated one by one (each fits the log alone).
+    for seq_id in SEQS:
         view.allocate_pages_for_sequences_with_prefix(
             [R(seq_id, [1000 * (seq_id + 1) + t for t in range(40 * PS)])])
     yield cache, view
@@ -49,20 +50,20 @@ def test_a_commit_too_big_for_the_undo_log_says_so_and_changes_nothing(small_log
     before = semantic_state(cache)
     with pytest.raises(CapacityError, match="undo log") as info:
         if how == "commit":
-            view.commit([0, 1, 2])
+            view.commit(SEQS)
         else:
-            view.release([0, 1, 2])
+            view.release(SEQS)
     assert info.value.resource == "undo log"
     assert semantic_state(cache) == before
-    assert sorted(view.live_sequences) == [0, 1, 2]
-    assert all(view.state(s).committed_tokens == 0 for s in range(3))
+    assert sorted(view.live_sequences) == SEQS
+    assert all(view.state(s).committed_tokens == 0 for s in SEQS)
     cache.check()
     # One at a time fits: the same pages are cached then.
     if how == "commit":
-        assert [view.commit([s])[0] for s in range(3)] == [40, 40, 40]
+        assert [view.commit([s])[0] for s in SEQS] == [40] * len(SEQS)
     else:
-        assert [view.release([s])[0] for s in range(3)] == [40, 40, 40]
-    assert cache.stats().cached_pages == 120
+        assert [view.release([s])[0] for s in SEQS] == [40] * len(SEQS)
+    assert cache.stats().cached_pages == 40 * len(SEQS)
     cache.check()
 
 
@@ -70,7 +71,7 @@ def test_close_releases_one_sequence_per_mutation_so_it_fits(small_log):
     cache, view = small_log
     before = semantic_state(cache)
     with pytest.raises(CapacityError, match="undo log"):
-        view.release([0, 1, 2], commit=False)          # 120 pages' worth: too big as well
+        view.release(SEQS, commit=False)               # 200 pages' worth: too big as well
     assert semantic_state(cache) == before
     view.close()
     assert cache.stats().active_sequences == 0
