@@ -797,6 +797,11 @@ cdef int allocate_sequences(Segment seg, list sequences, int32_t page_size, bint
     if nodes == NULL:
         raise MemoryError()
     try:
+        for i in range(n):
+            # Made before the lock: other processes do not wait for our allocator.
+            seq = sequences[i]
+            seq.num_pages = (seq.num_tokens + page_size - 1) // page_size
+            seq.pages = cnp.PyArray_EMPTY(1, [seq.num_pages], cnp.NPY_INT32, 0)
         check_lease(seg)
         seg.begin()
         try:
@@ -805,8 +810,8 @@ cdef int allocate_sequences(Segment seg, list sequences, int32_t page_size, bint
             # 1. Borrow every request's prefix: a locked node cannot be evicted below.
             for i in range(n):
                 seq = sequences[i]
-                total = (seq.num_tokens + page_size - 1) // page_size
-                table = cnp.PyArray_EMPTY(1, [total], cnp.NPY_INT32, 0)
+                total = seq.num_pages
+                table = seq.pages
                 matched = found = 0
                 nodes[i] = -1
                 reusable = (seq.num_tokens - 1) // page_size if reuse else 0
@@ -823,8 +828,6 @@ cdef int allocate_sequences(Segment seg, list sequences, int32_t page_size, bint
                 count_lookup(seg, &t, i32(seq.tokens), seq.num_tokens, seq._namespace,
                              reusable, found, matched, min_reuse_pages)
                 batch_fresh += total - matched
-                seq.pages = table
-                seq.num_pages = total
                 seq.committed_pages = matched
             # 2. Free the batch's fresh pages at once, evicting only what nobody borrowed.
             if not ensure_free_pages(seg, &t, batch_fresh):
@@ -956,6 +959,10 @@ cdef cnp.ndarray step_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_id
     return pages
 
 
+cdef enum:
+    COMMIT_PAGES_ON_STACK = 256
+
+
 cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* tokens,
                         const int32_t* table, int64_t num_pages, uint64_t namespace,
                         bint adopt, int64_t* adopted_from) except -1:
@@ -976,7 +983,11 @@ cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* t
     """
     cdef int32_t node = -1
     cdef int64_t mark = seg.hdr.hdr_undo_count, existing
-    cdef int32_t* tree_pages = <int32_t*>malloc(num_pages * sizeof(int32_t))
+    # Most commits fit on the stack: no allocator call while holding the lock.
+    cdef int32_t on_stack[COMMIT_PAGES_ON_STACK]
+    cdef int32_t* tree_pages = &on_stack[0]
+    if num_pages > COMMIT_PAGES_ON_STACK:
+        tree_pages = <int32_t*>malloc(num_pages * sizeof(int32_t))
     adopted_from[0] = num_pages
     if tree_pages == NULL:
         raise MemoryError()
@@ -1005,7 +1016,8 @@ cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* t
         adopted_from[0] = num_pages
         return 0
     finally:
-        free(tree_pages)
+        if tree_pages != &on_stack[0]:
+            free(tree_pages)
     return num_pages
 
 
