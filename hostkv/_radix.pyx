@@ -1364,11 +1364,14 @@ cdef object sequence_tokens(object seq, str what, Py_ssize_t request):
     with request >= 0, `what[request].tokens`: a batch's caller then formats no name for
     the requests that have no error."""
     cdef Py_ssize_t i, n = PySequence_Fast_GET_SIZE(seq)
-    cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+    cdef PyObject** items
     cdef PyObject* item
     cdef long long value
     cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
     cdef int32_t* dst = <int32_t*>cnp.PyArray_DATA(out)
+    # The items are read only now, after the one allocation, with nothing in between that
+    # could run Python code (a list's item array moves when the list grows).
+    items = PySequence_Fast_ITEMS(seq)
     for i in range(n):
         item = items[i]
         if not PyLong_CheckExact(item):
