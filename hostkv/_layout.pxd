@@ -43,7 +43,7 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 7u
+    #define HKV_LAYOUT_VERSION 8u
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
 
@@ -81,7 +81,7 @@ cdef extern from *:
         int32_t cfg_kv_num_kv_heads;
         int32_t cfg_kv_head_dim;
         int32_t cfg_kv_dtype_code;               /* hostkv.config.DTYPE_CODES */
-        int32_t cfg_reserved;
+        int32_t cfg_kv_kind;                     /* hostkv.config.KV_KINDS (0: mha, 1: mla) */
     } HkvConfig;
 
     /* Byte offsets of the regions from the start of the segment. */
@@ -328,7 +328,7 @@ cdef extern from *:
         int32_t cfg_kv_num_kv_heads
         int32_t cfg_kv_head_dim
         int32_t cfg_kv_dtype_code
-        int32_t cfg_reserved
+        int32_t cfg_kv_kind
 
     ctypedef struct HkvRegions:
         int64_t reg_leases

@@ -33,7 +33,7 @@ from hostkv.errors import (
     os_error,
     translate_posix_ipc,
 )
-from hostkv.config import DTYPE_CODES
+from hostkv.config import DTYPE_CODES, KV_KINDS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,7 +529,8 @@ cdef HkvConfig config_to_c(object config) except *:
     layout = config.kv_layout
     if layout is not None:
         values.update(cfg_kv_num_layers=layout.num_layers, cfg_kv_num_kv_heads=layout.num_kv_heads,
-                      cfg_kv_head_dim=layout.head_dim, cfg_kv_dtype_code=DTYPE_CODES[layout.dtype])
+                      cfg_kv_head_dim=layout.head_dim, cfg_kv_dtype_code=DTYPE_CODES[layout.dtype],
+                      cfg_kv_kind=KV_KINDS[layout.kind])
     c.cfg_num_pages = values["cfg_num_pages"]
     c.cfg_page_bytes = values["cfg_page_bytes"]
     c.cfg_page_size = values["cfg_page_size"]
@@ -545,6 +546,7 @@ cdef HkvConfig config_to_c(object config) except *:
     c.cfg_kv_num_kv_heads = values.get("cfg_kv_num_kv_heads", 0)
     c.cfg_kv_head_dim = values.get("cfg_kv_head_dim", 0)
     c.cfg_kv_dtype_code = values.get("cfg_kv_dtype_code", 0)
+    c.cfg_kv_kind = values.get("cfg_kv_kind", 0)
     return c
 
 
@@ -1437,7 +1439,7 @@ cdef class Segment:
         layout = None
         if c["cfg_kv_num_layers"]:
             layout = (c["cfg_kv_num_layers"], c["cfg_kv_num_kv_heads"], c["cfg_kv_head_dim"],
-                      c["cfg_kv_dtype_code"])
+                      c["cfg_kv_dtype_code"], c["cfg_kv_kind"])
         return values, layout
 
     def header_info(self):
@@ -1666,6 +1668,7 @@ def layout_info():
         ("cfg_max_processes", <size_t>&h.hdr_config.cfg_max_processes),
         ("cfg_undo_log_capacity", <size_t>&h.hdr_config.cfg_undo_log_capacity),
         ("cfg_kv_dtype_code", <size_t>&h.hdr_config.cfg_kv_dtype_code),
+        ("cfg_kv_kind", <size_t>&h.hdr_config.cfg_kv_kind),
         ("hdr_regions", <size_t>&h.hdr_regions),
         ("reg_leases", <size_t>&h.hdr_regions.reg_leases),
         ("reg_metrics", <size_t>&h.hdr_regions.reg_metrics),

@@ -17,7 +17,7 @@ import posix_ipc
 
 from hostkv import _pages, _radix, _segment, _sequences
 from hostkv._tokens import as_namespace, as_tokens
-from hostkv.config import HostKVConfig, KVLayout, dtype_from_code
+from hostkv.config import KV_KINDS, HostKVConfig, KVLayout, dtype_from_code
 from hostkv.errors import ConfigError, IncompatibleSegmentError, translate_posix_ipc
 
 __all__ = ["CacheMetrics", "CacheStats", "EvictionCandidate", "HostKVCache", "PrefixMatch"]
@@ -167,12 +167,17 @@ class HostKVCache:
         self._segment = segment
         values, layout = segment.config_values()
         if layout is not None:
-            num_layers, num_kv_heads, head_dim, dtype_code = layout
+            num_layers, num_kv_heads, head_dim, dtype_code, kind_code = layout
+            kinds = {code: kind for kind, code in KV_KINDS.items()}
             try:
                 dtype = dtype_from_code(dtype_code)
+                if kind_code not in kinds:
+                    raise ConfigError(f"KV layout kind code {kind_code} is not one of "
+                                      f"{sorted(kinds)}")
+                values["kv_layout"] = KVLayout(num_layers, num_kv_heads, head_dim, dtype,
+                                               kinds[kind_code])
             except ConfigError as exc:
                 raise IncompatibleSegmentError(f"segment {segment.name!r}: {exc}") from None
-            values["kv_layout"] = KVLayout(num_layers, num_kv_heads, head_dim, dtype)
         self._config = HostKVConfig(**values)
 
     @classmethod

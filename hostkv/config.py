@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from hostkv.errors import ConfigError
 
-__all__ = ["DTYPE_CODES", "HostKVConfig", "KVLayout", "dtype_from_code"]
+__all__ = ["DTYPE_CODES", "KV_KINDS", "HostKVConfig", "KVLayout", "dtype_from_code"]
 
 # Records address each other by int32 index, so every count of records (and the number of
 # token slots, num_pages * page_size) must stay below this.
@@ -64,6 +64,9 @@ _ITEMSIZES: Mapping[str, int] = types.MappingProxyType(
         "uint8": 1,
     }
 )
+
+# What a page's bytes hold (KVLayout.kind), by the code stored in the segment header.
+KV_KINDS: Mapping[str, int] = types.MappingProxyType({"mha": 0, "mla": 1})
 
 _CODE_TO_DTYPE: Mapping[int, str] = types.MappingProxyType(
     {code: name for name, code in DTYPE_CODES.items()}
@@ -139,28 +142,40 @@ def _dtype_name(dtype: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
-    """The shape of the KV cache one page holds.
+    """The shape of the KV cache one page holds: the canonical layout of a page's bytes.
 
-    A page holds, for each layer, K then V for ``page_size`` tokens, each token's K (or V)
-    being ``[num_kv_heads, head_dim]`` elements of ``dtype``: the page's shape is
-    ``(num_layers, 2, page_size, num_kv_heads, head_dim)``, C-contiguous.
+    A page's bytes mean the same KV to every engine that reads them, whatever attention
+    backend, tensor-parallel degree or device wrote them (the copy engine maps each
+    engine's blocks onto this layout):
+
+    - ``kind="mha"`` (multi-head, grouped-query and multi-query attention): for each layer,
+      K then V for ``page_size`` tokens, each token's K (or V) ``[num_kv_heads, head_dim]``:
+      the page is ``(num_layers, 2, page_size, num_kv_heads, head_dim)``, C-contiguous.
+      ``num_kv_heads`` is the model's total (a tensor-parallel rank holds a slice).
+    - ``kind="mla"`` (multi-head latent attention, DeepSeek-V2/V3): one latent vector of
+      ``head_dim`` elements per token and layer, no K/V split: the page is
+      ``(num_layers, page_size, head_dim)``; ``num_kv_heads`` is 1.
 
     Attributes:
         num_layers: Transformer layers, > 0.
-        num_kv_heads: KV heads per layer (after GQA/MQA grouping), > 0.
-        head_dim: Elements per head, > 0.
+        num_kv_heads: KV heads per layer (after GQA/MQA grouping, before tensor
+            parallelism), > 0; 1 for ``"mla"``.
+        head_dim: Elements per head (the latent size for ``"mla"``), > 0.
         dtype: Element type, one of the names in :data:`DTYPE_CODES`. A numpy dtype or a
             torch dtype is accepted and stored as its name (``torch.bfloat16`` becomes
             ``"bfloat16"``).
+        kind: ``"mha"`` or ``"mla"`` (see above; the codes are :data:`KV_KINDS`).
 
     Raises:
-        ConfigError: A field is not a positive integer, or the dtype is not supported.
+        ConfigError: A field is not a positive integer, the dtype or kind is not supported,
+            or an ``"mla"`` layout has more than one KV head.
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str = "float16"
+    kind: str = "mha"
 
     def __post_init__(self) -> None:
         # object.__setattr__: the dataclass is frozen, and normalising here keeps equality
@@ -169,6 +184,12 @@ class KVLayout:
             value = _positive_int(getattr(self, field), f"KVLayout.{field}")
             object.__setattr__(self, field, value)
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+        if self.kind not in KV_KINDS:
+            raise ConfigError(f"KVLayout.kind must be one of {', '.join(KV_KINDS)}, "
+                              f"got {self.kind!r}")
+        if self.kind == "mla" and self.num_kv_heads != 1:
+            raise ConfigError(f"KVLayout of kind 'mla' holds one latent vector per token: "
+                              f"num_kv_heads must be 1, got {self.num_kv_heads}")
 
     @property
     def itemsize(self) -> int:
@@ -181,9 +202,19 @@ class KVLayout:
         return DTYPE_CODES[self.dtype]
 
     @property
+    def kind_code(self) -> int:
+        """The code of :attr:`kind` stored in the segment header (see :data:`KV_KINDS`)."""
+        return KV_KINDS[self.kind]
+
+    @property
+    def kv_planes(self) -> int:
+        """2 for ``"mha"`` (K and V), 1 for ``"mla"`` (the latent vector)."""
+        return 2 if self.kind == "mha" else 1
+
+    @property
     def token_bytes(self) -> int:
-        """Bytes of KV per token: K and V, for every layer, head and head element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of KV per token: K and V (or the latent), for every layer, head and element."""
+        return self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
 
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page of ``page_size`` tokens.
@@ -199,20 +230,23 @@ class KVLayout:
         """
         return _positive_int(page_size, "page_size") * self.token_bytes
 
-    def page_shape(self, page_size: int) -> Tuple[int, int, int, int, int]:
+    def page_shape(self, page_size: int) -> Tuple[int, ...]:
         """Shape of one page viewed as an array of :attr:`dtype`.
 
         Args:
             page_size: Tokens per page, > 0.
 
         Returns:
-            ``(num_layers, 2, page_size, num_kv_heads, head_dim)``: for each layer, K
-            (index 0) then V (index 1), each ``[page_size, num_kv_heads, head_dim]``.
+            ``(num_layers, 2, page_size, num_kv_heads, head_dim)`` for ``"mha"``: for each
+            layer, K (index 0) then V (index 1), each ``[page_size, num_kv_heads, head_dim]``;
+            ``(num_layers, page_size, head_dim)`` for ``"mla"``.
 
         Raises:
             ConfigError: ``page_size`` is not a positive integer.
         """
         page_size = _positive_int(page_size, "page_size")
+        if self.kind == "mla":
+            return (self.num_layers, page_size, self.head_dim)
         return (self.num_layers, 2, page_size, self.num_kv_heads, self.head_dim)
 
 

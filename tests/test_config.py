@@ -318,7 +318,7 @@ def test_field_order():
         "sequence_page_node_capacity", "max_sequences", "max_processes", "undo_log_capacity",
     ]
     assert [f.name for f in dataclasses.fields(KVLayout)] == [
-        "num_layers", "num_kv_heads", "head_dim", "dtype"]
+        "num_layers", "num_kv_heads", "head_dim", "dtype", "kind"]
 
 
 def test_limits_accepted_at_the_edge():
@@ -326,3 +326,19 @@ def test_limits_accepted_at_the_edge():
     HostKVConfig(num_pages=2**20, page_bytes=2**26)  # exactly 2**46 bytes
     HostKVConfig(num_pages=1, page_size=65536, page_bytes=1, max_processes=4096)
     HostKVConfig(num_pages=1, page_size=1, page_bytes=1)
+
+
+def test_mla_layout_holds_one_latent_vector_per_token():
+    layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=576, dtype="bfloat16", kind="mla")
+    assert layout.kv_planes == 1
+    assert layout.token_bytes == 3 * 576 * 2
+    assert layout.page_shape(16) == (3, 16, 576)
+    assert layout != KVLayout(3, 1, 576, "bfloat16")          # the kind is part of a layout
+    assert KVLayout(3, 1, 576, "bfloat16").page_shape(16) == (3, 2, 16, 1, 576)
+
+
+def test_bad_layout_kinds_refused():
+    with pytest.raises(ConfigError, match="kind must be one of mha, mla"):
+        KVLayout(2, 2, 64, kind="gqa")
+    with pytest.raises(ConfigError, match="num_kv_heads must be 1, got 2"):
+        KVLayout(2, 2, 576, kind="mla")

@@ -18,7 +18,7 @@ from conftest import small_config
 
 # A layout change must bump HKV_LAYOUT_VERSION (hostkv/_layout.pxd), then update these.
 EXPECTED_LAYOUT = {
-    "layout_version": 7,
+    "layout_version": 8,
     "magic": 0x3130564B54534F48,  # "HOSTKV01" read as a little-endian u64
     "sizes": {
         "HkvHeader": 512,
@@ -44,6 +44,7 @@ EXPECTED_LAYOUT = {
         "cfg_max_processes": 100,
         "cfg_undo_log_capacity": 104,
         "cfg_kv_dtype_code": 120,
+        "cfg_kv_kind": 124,
         "hdr_regions": 128,
         "reg_leases": 128,
         "reg_metrics": 136,

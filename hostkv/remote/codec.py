@@ -59,8 +59,11 @@ def layout_fingerprint(config: Any) -> bytes:
     described = (f"hostkv-remote/{FORMAT_VERSION}|page_size={config.page_size}"
                  f"|page_bytes={config.page_bytes}")
     if layout is not None:
-        described += (f"|layers={layout.num_layers}|kv_heads={layout.num_kv_heads}"
-                      f"|head_dim={layout.head_dim}|dtype={layout.dtype}")
+        # "canonical": pages hold KVLayout's one byte order whatever engine wrote them;
+        # values written before pages were canonical named no order, so never match.
+        described += (f"|canonical|kind={layout.kind}|layers={layout.num_layers}"
+                      f"|kv_heads={layout.num_kv_heads}|head_dim={layout.head_dim}"
+                      f"|dtype={layout.dtype}")
     return hashlib.blake2b(described.encode(), digest_size=_DIGEST).digest()
 
 

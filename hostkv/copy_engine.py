@@ -1,0 +1,362 @@
+"""The copy engine: moves KV blocks between an engine's tensors and hostkv's canonical pages.
+
+A page's bytes have one layout (:class:`hostkv.KVLayout`): ``[layer][K, V][token][kv_head]
+[head_dim]``, or ``[layer][token][latent]`` for MLA. Engines lay their blocks out in many
+ways: vLLM's logical ``[blocks, heads, tokens, K|V dims]`` in any physical order, the older
+flash-attention ``[2, blocks, tokens, heads, dim]``, FlashInfer's NHD and HND, one tensor for
+every layer. A :class:`BlockLayout` names an engine tensor's axes once, from what the engine
+declares; :class:`CopyEngine` turns that into strided views of both sides and copies block
+``b`` of every layer to page ``p`` (a save) or back (a load), one call per layer and step,
+straight between the two buffers: no intermediate tensor, no Python per block.
+
+With tensor parallelism a rank holds a slice of the KV heads; its engine moves only that
+slice of each page (``heads``), and where heads are replicated across ranks only one of
+them writes (``writes``).
+
+Needs torch; never an engine. Integrations (``hostkv.vllm``, the example engine loop) call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from hostkv._blockcopy import copy_blocks
+from hostkv.config import KVLayout
+
+__all__ = ["BlockLayout", "CopyEngine", "CopyPlan", "head_slice_for_rank"]
+
+# The canonical order of one block's axes, after the block axis.
+_CANONICAL = ("kv", "token", "head", "dim")
+_NAMES = ("layer", "block") + _CANONICAL
+_TOKEN = re.compile(r"\(|\)|[a-z_]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """The axes of an engine's KV tensor, by name, outermost first.
+
+    Names: ``block`` (required), ``token`` (the tokens of a block, required), ``dim`` (a
+    head's elements, or the MLA latent, required), ``kv`` (K and V, size 2; absent for MLA),
+    ``head`` (KV heads; absent means one), ``layer`` (one tensor for every layer). A
+    parenthesised group is one tensor axis holding its names row-major: vLLM's
+    ``(kv dim)`` is an axis of ``2 * head_dim`` elements, K's then V's. Strides are read from
+    the tensor itself, so one BlockLayout serves every physical order of the same logical
+    shape.
+
+    Attributes:
+        axes: The description, e.g. ``"block head token (kv dim)"``.
+        name: Who declares it (in error messages).
+    """
+
+    axes: str
+    name: str = ""
+
+    def groups(self) -> List[Tuple[str, ...]]:
+        """The tensor's axes, each the tuple of the names it holds.
+
+        Raises:
+            ValueError: a malformed description, an unknown or repeated name, or a missing
+                ``block``, ``token`` or ``dim``.
+        """
+        groups: List[Tuple[str, ...]] = []
+        current: Optional[List[str]] = None
+        for word in _TOKEN.findall(self.axes):
+            if word == "(":
+                if current is not None:
+                    raise ValueError(f"block layout {self.axes!r}: nested parentheses")
+                current = []
+            elif word == ")":
+                if not current:
+                    raise ValueError(f"block layout {self.axes!r}: an empty or unopened group")
+                groups.append(tuple(current))
+                current = None
+            elif current is not None:
+                current.append(word)
+            else:
+                groups.append((word,))
+        if current is not None:
+            raise ValueError(f"block layout {self.axes!r}: an unclosed group")
+        names = [name for group in groups for name in group]
+        unknown = sorted(set(names) - set(_NAMES))
+        if unknown:
+            raise ValueError(f"block layout {self.axes!r}: unknown axes {unknown}; known: "
+                             f"{list(_NAMES)}")
+        if len(names) != len(set(names)):
+            raise ValueError(f"block layout {self.axes!r}: an axis named twice")
+        missing = [name for name in ("block", "token", "dim") if name not in names]
+        if missing:
+            raise ValueError(f"block layout {self.axes!r}: no {' or '.join(missing)} axis")
+        return groups
+
+
+# Layouts engines declare. vLLM (0.32 and later) hands every attention backend's per-layer
+# cache as the logical [blocks, heads, tokens, content] view of its KVCacheLayout, content
+# being K's head_dim elements then V's (or one latent vector for MLA); the physical order
+# lives in the view's strides.
+VLLM = BlockLayout("block head token (kv dim)", "vLLM [blocks, kv_heads, block_size, 2*head_size]")
+VLLM_MLA = BlockLayout("block head token dim", "vLLM MLA [blocks, 1, block_size, latent]")
+FLASH_ATTN = BlockLayout("kv block token head dim", "flash-attention [2, blocks, tokens, heads, dim]")
+FLASHINFER_NHD = BlockLayout("block kv token head dim", "FlashInfer NHD [blocks, 2, tokens, heads, dim]")
+FLASHINFER_HND = BlockLayout("block kv head token dim", "FlashInfer HND [blocks, 2, heads, tokens, dim]")
+CROSS_LAYER = BlockLayout("block layer kv token head dim",
+                          "cross-layer [blocks, layers, 2, tokens, heads, dim]")
+
+
+def head_slice_for_rank(total_heads: int, rank: int, world: int) -> Tuple[int, int, bool]:
+    """The KV heads a tensor-parallel rank holds, and whether it writes them.
+
+    Heads are split evenly across ranks; with fewer heads than ranks each head is
+    replicated on ``world // total_heads`` consecutive ranks, and the first of them writes.
+
+    Returns:
+        (first head, one past the last, writes).
+
+    Raises:
+        ValueError: heads and ranks that do not divide one another.
+    """
+    if world <= 0 or not 0 <= rank < world:
+        raise ValueError(f"tensor-parallel rank {rank} of {world}")
+    if total_heads >= world:
+        if total_heads % world:
+            raise ValueError(f"{total_heads} KV heads do not split over {world} ranks")
+        per_rank = total_heads // world
+        return rank * per_rank, (rank + 1) * per_rank, True
+    if world % total_heads:
+        raise ValueError(f"{total_heads} KV heads do not replicate evenly over {world} ranks")
+    replicas = world // total_heads
+    head = rank // replicas
+    return head, head + 1, rank % replicas == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+    """One layer's copy, as the compiled loop takes it: a grid of contiguous runs per block.
+
+    Attributes:
+        shape: The grid's axes (runs of ``run`` bytes), outermost first.
+        pool_strides, engine_strides: Each grid axis's stride in bytes on either side.
+        run: Bytes of one contiguous run.
+    """
+
+    shape: Tuple[int, ...]
+    pool_strides: Tuple[int, ...]
+    engine_strides: Tuple[int, ...]
+    run: int
+
+    @staticmethod
+    def build(shape: Sequence[int], pool_strides: Sequence[int],
+              engine_strides: Sequence[int], itemsize: int) -> "CopyPlan":
+        """Coalesces a block's element grid into the fewest, longest runs.
+
+        Axes of size 1 drop out; the innermost axes contiguous on both sides become the
+        run; then neighbours that are contiguous with each other on both sides merge.
+        """
+        axes = [(int(n), int(p), int(e)) for n, p, e in zip(shape, pool_strides, engine_strides)
+                if n != 1]
+        run = itemsize
+        while axes and axes[-1][1] == run and axes[-1][2] == run:
+            run *= axes.pop()[0]
+        merged: List[Tuple[int, int, int]] = []
+        for n, p, e in axes:
+            if merged:
+                on, op, oe = merged[-1]
+                if op == p * n and oe == e * n:
+                    merged[-1] = (on * n, p, e)
+                    continue
+            merged.append((n, p, e))
+        return CopyPlan(tuple(a[0] for a in merged), tuple(a[1] for a in merged),
+                        tuple(a[2] for a in merged), run)
+
+
+def _canonical_view(tensor: torch.Tensor, block_layout: BlockLayout,
+                    sizes: Dict[str, int]) -> torch.Tensor:
+    """The tensor viewed (no copy) as [layer?, block, kv, token, head, dim]."""
+    groups = block_layout.groups()
+    described = block_layout.name or block_layout.axes
+    if tensor.dim() != len(groups):
+        raise ValueError(f"hostkv: {described}: a KV tensor of shape {tuple(tensor.shape)} "
+                         f"has {tensor.dim()} axes, the layout {len(groups)}")
+    view = tensor
+    names: List[str] = []
+    for axis in reversed(range(len(groups))):
+        group = groups[axis]
+        if len(group) > 1:
+            inner = [sizes[name] for name in group]
+            if int(np.prod(inner)) != view.shape[axis]:
+                raise ValueError(
+                    f"hostkv: {described}: axis {axis} of shape {tuple(tensor.shape)} holds "
+                    f"{view.shape[axis]} elements, not {' x '.join(map(str, inner))} "
+                    f"({' '.join(group)})")
+            view = view.unflatten(axis, inner)
+        names[0:0] = list(group)
+    for name, size in zip(names, view.shape):
+        if name in sizes and size != sizes[name]:
+            raise ValueError(f"hostkv: {described}: KV tensor of shape {tuple(tensor.shape)} "
+                             f"has {size} along {name!r}, hostkv expects {sizes[name]}")
+    for name in _CANONICAL:
+        if name not in names:
+            if sizes[name] != 1:
+                raise ValueError(f"hostkv: {described}: no {name!r} axis, but the pages hold "
+                                 f"{sizes[name]}")
+            view = view.unsqueeze(-1)
+            names.append(name)
+    order = [names.index(name) for name in ("layer", "block") + _CANONICAL if name in names]
+    return view.permute(order)
+
+
+class CopyEngine:
+    """Copies between an engine's KV blocks (every layer) and hostkv's canonical pages.
+
+    Build one per process once the engine's KV tensors exist; then every step calls
+    :meth:`save` (blocks -> pages, after the forward wrote them) and :meth:`load` (pages ->
+    blocks, before the forward reads them) with that step's block and page indices.
+
+    Args:
+        pool: The page pool as a tensor (``HostKVCache.pages_tensor()``, any shape and
+            dtype: only its bytes are used); it must outlive the engine.
+        layout: The pages' KVLayout (the segment's).
+        page_size: Tokens per page, equal to the engine's block size.
+        kv_tensors: The engine's KV tensors in layer order (one per layer), or a single
+            tensor whose BlockLayout has a ``layer`` axis.
+        block_layout: How those tensors lay blocks out.
+        heads: (first, stop) of the canonical KV heads these tensors hold (a
+            tensor-parallel rank's slice); None: all of them.
+        writes: False for a rank whose heads another rank also holds and writes: its
+            saves move nothing.
+
+    Raises:
+        ValueError: a tensor whose shape, dtype or device does not fit the layout (the
+            message names the layout, the shape and the axis).
+    """
+
+    def __init__(self, pool: torch.Tensor, layout: KVLayout, page_size: int,
+                 kv_tensors: Sequence[torch.Tensor] | torch.Tensor, block_layout: BlockLayout,
+                 *, heads: Optional[Tuple[int, int]] = None, writes: bool = True) -> None:
+        self.layout = layout
+        self.page_size = page_size
+        self.writes = writes
+        first, stop = heads if heads is not None else (0, layout.num_kv_heads)
+        if not 0 <= first < stop <= layout.num_kv_heads:
+            raise ValueError(f"hostkv: KV heads [{first}, {stop}) outside the pages' "
+                             f"{layout.num_kv_heads}")
+        self.heads = (first, stop)
+        dtype = getattr(torch, layout.dtype)
+        pool_bytes = pool.reshape(-1).view(torch.uint8) if pool.dtype != torch.uint8 else pool.reshape(-1)
+        num_pages = pool_bytes.numel() // layout.page_bytes(page_size)
+        # [pages, layers, kv, tokens, heads, dim] with this rank's heads.
+        pool6 = pool_bytes.view(dtype).view(num_pages, layout.num_layers, layout.kv_planes,
+                                            page_size, layout.num_kv_heads, layout.head_dim)
+        self.pool = pool6[..., first:stop, :]
+        sizes = {"kv": layout.kv_planes, "token": page_size, "head": stop - first,
+                 "dim": layout.head_dim}
+        if isinstance(kv_tensors, torch.Tensor):
+            if "layer" not in [n for g in block_layout.groups() for n in g]:
+                raise ValueError(f"hostkv: {block_layout.name or block_layout.axes}: one KV "
+                                 "tensor for every layer needs a 'layer' axis")
+            sizes["layer"] = layout.num_layers
+            self._check_tensor(kv_tensors, dtype, block_layout)
+            whole = _canonical_view(kv_tensors, block_layout, sizes)
+            views = [whole[layer] for layer in range(layout.num_layers)]
+        else:
+            tensors = list(kv_tensors)
+            if len(tensors) != layout.num_layers:
+                raise ValueError(f"hostkv: {len(tensors)} KV tensors for pages of "
+                                 f"{layout.num_layers} layers")
+            views = []
+            for tensor in tensors:
+                self._check_tensor(tensor, dtype, block_layout)
+                views.append(_canonical_view(tensor, block_layout, sizes))
+        self.engine_views = views          # each [blocks, kv, tokens, heads, dim]
+        self.device = views[0].device
+        self.num_blocks = views[0].shape[0]
+        itemsize = layout.itemsize
+        self.plans = [CopyPlan.build(view.shape[1:],
+                                     [s * itemsize for s in self.pool.stride()[2:]],
+                                     [s * itemsize for s in view.stride()[1:]], itemsize)
+                      for view in views]
+        self.bytes_per_page = (layout.kv_planes * page_size * (stop - first) * layout.head_dim
+                               * itemsize * layout.num_layers)
+
+    @staticmethod
+    def _check_tensor(tensor: torch.Tensor, dtype: torch.dtype, block_layout: BlockLayout) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"hostkv: a KV tensor must be a torch.Tensor, got "
+                             f"{type(tensor).__name__}")
+        if tensor.dtype != dtype:
+            raise ValueError(f"hostkv: {block_layout.name or block_layout.axes}: a KV tensor "
+                             f"of dtype {tensor.dtype}, the pages hold {dtype}")
+
+    def _indices(self, blocks: Sequence[int], pages: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+        block_index = np.ascontiguousarray(blocks, dtype=np.int64)
+        page_index = np.ascontiguousarray(pages, dtype=np.int64)
+        if block_index.ndim != 1 or block_index.shape != page_index.shape:
+            raise ValueError(f"hostkv: {block_index.size} blocks for {page_index.size} pages")
+        return block_index, page_index
+
+    def save(self, blocks: Sequence[int], pages: Sequence[int]) -> int:
+        """Copies engine block ``blocks[i]`` of every layer into page ``pages[i]``.
+
+        Returns:
+            Bytes written (0 on a rank that does not write).
+
+        Raises:
+            ValueError: unequal lengths or an index out of range; nothing was copied.
+        """
+        block_index, page_index = self._indices(blocks, pages)
+        if not self.writes or block_index.size == 0:
+            return 0
+        self._copy(block_index, page_index, to_pool=True)
+        return block_index.size * self.bytes_per_page
+
+    def load(self, pages: Sequence[int], blocks: Sequence[int]) -> int:
+        """Copies page ``pages[i]`` into engine block ``blocks[i]`` of every layer.
+
+        Returns:
+            Bytes read.
+
+        Raises:
+            ValueError: unequal lengths or an index out of range; nothing was copied.
+        """
+        block_index, page_index = self._indices(blocks, pages)
+        if block_index.size == 0:
+            return 0
+        self._copy(block_index, page_index, to_pool=False)
+        return block_index.size * self.bytes_per_page
+
+    def _copy(self, block_index: np.ndarray, page_index: np.ndarray, to_pool: bool) -> None:
+        num_pages = self.pool.shape[0]
+        if self.device.type != "cpu":
+            self._copy_device(block_index, page_index, to_pool)
+            return
+        page_stride = self.pool.stride(0) * self.layout.itemsize
+        for layer, (view, plan) in enumerate(zip(self.engine_views, self.plans)):
+            pool_layer = self.pool[:, layer]
+            engine_args = (view.data_ptr(), self.num_blocks, view.stride(0) * self.layout.itemsize,
+                           block_index)
+            pool_args = (pool_layer.data_ptr(), num_pages, page_stride, page_index)
+            if to_pool:
+                copy_blocks(*pool_args, *engine_args, plan.shape, plan.pool_strides,
+                            plan.engine_strides, plan.run)
+            else:
+                copy_blocks(*engine_args, *pool_args, plan.shape, plan.engine_strides,
+                            plan.pool_strides, plan.run)
+
+    def _copy_device(self, block_index: np.ndarray, page_index: np.ndarray, to_pool: bool) -> None:
+        """An accelerator's blocks: one gather per layer on the device, one transfer."""
+        if (block_index.min() < 0 or block_index.max() >= self.num_blocks
+                or page_index.min() < 0 or page_index.max() >= self.pool.shape[0]):
+            raise ValueError(f"hostkv: a block outside [0, {self.num_blocks}) or a page "
+                             f"outside [0, {self.pool.shape[0]})")
+        blocks_t = torch.from_numpy(block_index).to(self.device)
+        pages_t = torch.from_numpy(page_index)
+        for layer, view in enumerate(self.engine_views):
+            pool_layer = self.pool[:, layer]
+            if to_pool:
+                pool_layer[pages_t] = view.index_select(0, blocks_t).cpu()
+            else:
+                view[blocks_t] = pool_layer.index_select(0, pages_t).to(self.device)

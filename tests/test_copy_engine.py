@@ -1,0 +1,252 @@
+"""hostkv.copy_engine: every engine block layout writes the same canonical page bytes.
+
+Each test builds the engine's KV tensor of one layout from a reference KV array by that
+layout's own axis order (written out here, independently of the engine's parser), saves
+blocks into a real segment's pages and compares the page bytes exactly with the reference
+laid out canonically; then loads them back into a zeroed tensor and compares that too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import numpy as np  # noqa: E402
+
+import hostkv  # noqa: E402
+from hostkv import copy_engine  # noqa: E402
+from hostkv.copy_engine import BlockLayout, CopyEngine, CopyPlan, head_slice_for_rank  # noqa: E402
+
+LAYERS, HEADS, DIM, TOKENS, BLOCKS, PAGES = 3, 4, 8, 16, 12, 10
+
+
+def _reference(layers=LAYERS, kv=2, heads=HEADS, dim=DIM, dtype=torch.float32, seed=0):
+    """Per layer, the KV of every block, canonically: [layers][blocks, kv, tokens, heads, dim]."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, kv, TOKENS, heads, dim, generator=g).to(dtype)
+            for _ in range(layers)]
+
+
+# How each engine lays out one layer, built from the canonical [B, kv, T, H, D] reference.
+def _vllm(ref):        # [B, H, T, (kv D)]
+    b, kv, t, h, d = ref.shape
+    return ref.permute(0, 3, 2, 1, 4).reshape(b, h, t, kv * d).contiguous()
+
+
+def _vllm_lbnhc(ref):  # logical [B, H, T, (kv D)], memory [B, T, H, (kv D)]
+    b, kv, t, h, d = ref.shape
+    return ref.permute(0, 2, 3, 1, 4).reshape(b, t, h, kv * d).contiguous().permute(0, 2, 1, 3)
+
+
+def _flash(ref):       # [2, B, T, H, D]
+    return ref.permute(1, 0, 2, 3, 4).contiguous()
+
+
+def _nhd(ref):         # [B, 2, T, H, D]
+    return ref.contiguous()
+
+
+def _hnd(ref):         # [B, 2, H, T, D]
+    return ref.permute(0, 1, 3, 2, 4).contiguous()
+
+
+PER_LAYER = [
+    (copy_engine.VLLM, _vllm),
+    (copy_engine.VLLM, _vllm_lbnhc),
+    (copy_engine.FLASH_ATTN, _flash),
+    (copy_engine.FLASHINFER_NHD, _nhd),
+    (copy_engine.FLASHINFER_HND, _hnd),
+]
+
+
+@pytest.fixture
+def make_cache(segment_name):
+    caches = []
+
+    def make(layout, num_pages=PAGES):
+        cfg = hostkv.HostKVConfig(num_pages=num_pages, page_size=TOKENS, kv_layout=layout)
+        cache = hostkv.HostKVCache.create(segment_name, cfg.apply_runtime_defaults())
+        caches.append(cache)
+        return cache
+
+    yield make
+    for cache in caches:
+        cache.close()
+        cache.unlink()
+
+
+def _expected_pages(ref, blocks, pages, num_pages=PAGES):
+    """The pool's bytes after saving blocks into pages: [pages, layers, kv, T, H, D]."""
+    out = torch.zeros((num_pages, len(ref)) + tuple(ref[0].shape[1:]), dtype=ref[0].dtype)
+    for b, p in zip(blocks, pages):
+        for layer, kv in enumerate(ref):
+            out[p, layer] = kv[b]
+    return out
+
+
+@pytest.mark.parametrize("block_layout,build", PER_LAYER,
+                         ids=["vllm", "vllm-LBNHC", "flash-attn", "flashinfer-NHD",
+                              "flashinfer-HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_layout_writes_the_canonical_bytes(make_cache, block_layout, build, dtype):
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, dtype)
+    cache = make_cache(layout)
+    ref = _reference(dtype=dtype)
+    tensors = [build(kv) for kv in ref]
+    pool = cache.pages_tensor()
+    engine = CopyEngine(pool, layout, TOKENS, tensors, block_layout)
+    blocks, pages = [7, 0, 3, 11, 5], [2, 9, 0, 4, 5]
+    assert engine.save(blocks, pages) == len(blocks) * layout.page_bytes(TOKENS)
+    expected = _expected_pages(ref, blocks, pages)
+    assert torch.equal(pool.view(expected.shape).view(torch.uint8),
+                       expected.view(torch.uint8))
+    # Loading the pages back into zeroed blocks restores exactly those blocks.
+    back = [torch.zeros_like(t) for t in tensors]
+    loader = CopyEngine(pool, layout, TOKENS, back, block_layout)
+    assert loader.load(pages, [1, 2, 4, 6, 8]) == len(pages) * layout.page_bytes(TOKENS)
+    for layer, tensor in enumerate(back):
+        want = torch.zeros_like(ref[layer])
+        want[[1, 2, 4, 6, 8]] = ref[layer][blocks]
+        assert torch.equal(tensor, build(want))
+    del engine, loader, pool
+
+
+def test_one_tensor_for_every_layer(make_cache):
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout)
+    ref = _reference()
+    whole = torch.stack(ref, dim=1).contiguous()             # [B, L, kv, T, H, D]
+    pool = cache.pages_tensor()
+    engine = CopyEngine(pool, layout, TOKENS, whole, copy_engine.CROSS_LAYER)
+    engine.save([4, 1], [0, 3])
+    assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
+                       _expected_pages(ref, [4, 1], [0, 3]))
+    # vLLM's block-outermost layouts (BLHNC) hand per-layer views into one buffer.
+    blhnc = torch.stack([_vllm(kv) for kv in ref], dim=1).contiguous()   # [B, L, H, T, C]
+    per_layer = [blhnc[:, layer] for layer in range(LAYERS)]
+    pool.zero_()
+    CopyEngine(pool, layout, TOKENS, per_layer, copy_engine.VLLM).save([4, 1], [0, 3])
+    assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
+                       _expected_pages(ref, [4, 1], [0, 3]))
+    del engine, pool, per_layer
+
+
+def test_mla_pages_hold_one_latent_per_token(make_cache):
+    layout = hostkv.KVLayout(LAYERS, 1, 576, "bfloat16", kind="mla")
+    cache = make_cache(layout)
+    ref = _reference(kv=1, heads=1, dim=576, dtype=torch.bfloat16)
+    tensors = [kv[:, 0].permute(0, 2, 1, 3).contiguous() for kv in ref]   # [B, 1, T, 576]
+    pool = cache.pages_tensor()
+    assert pool.shape == (PAGES, LAYERS, TOKENS, 576)
+    CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM_MLA).save([3, 8], [1, 6])
+    for b, p in ((3, 1), (8, 6)):
+        for layer in range(LAYERS):
+            assert torch.equal(pool[p, layer], ref[layer][b, 0, :, 0])
+    with pytest.raises(ValueError, match="has 1152 along .dim., hostkv expects 576"):
+        # A K|V layout over MLA pages: the content axis is not 2 x 576.
+        CopyEngine(pool, layout, TOKENS, [t.repeat(1, 1, 1, 2) for t in tensors],
+                   copy_engine.VLLM_MLA)
+    del pool
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_tensor_parallel_ranks_fill_the_same_pages_as_one(make_cache, world):
+    """Each rank saves its heads' slice; together they write what one rank of every head
+    writes; with fewer heads than ranks, only one rank of each replica group writes."""
+    heads = 4
+    layout = hostkv.KVLayout(LAYERS, heads, DIM, "float32")
+    cache = make_cache(layout)
+    ref = _reference(heads=heads)
+    pool = cache.pages_tensor()
+    blocks, pages = [2, 9, 6], [8, 1, 4]
+    writers = 0
+    for rank in range(world):
+        first, stop, writes = head_slice_for_rank(heads, rank, world)
+        writers += writes
+        local = [_vllm(kv[..., first:stop, :].contiguous()) for kv in ref]
+        engine = CopyEngine(pool, layout, TOKENS, local, copy_engine.VLLM,
+                            heads=(first, stop), writes=writes)
+        assert engine.save(blocks, pages) == (layout.page_bytes(TOKENS) * (stop - first)
+                                              // heads * len(blocks) if writes else 0)
+        # Every rank loads its own slice back.
+        back = [torch.zeros_like(t) for t in local]
+        CopyEngine(pool, layout, TOKENS, back, copy_engine.VLLM,
+                   heads=(first, stop)).load(pages, blocks)
+        if writes:
+            for layer in range(LAYERS):
+                assert torch.equal(back[layer][blocks], local[layer][blocks])
+    assert writers == min(world, heads)
+    assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, heads, DIM),
+                       _expected_pages(ref, blocks, pages))
+    del pool
+
+
+def test_head_slices():
+    assert head_slice_for_rank(8, 3, 4) == (6, 8, True)
+    assert head_slice_for_rank(1, 1, 2) == (0, 1, False)
+    assert [head_slice_for_rank(2, r, 4) for r in range(4)] == [
+        (0, 1, True), (0, 1, False), (1, 2, True), (1, 2, False)]
+    with pytest.raises(ValueError, match="6 KV heads do not split over 4 ranks"):
+        head_slice_for_rank(6, 0, 4)
+    with pytest.raises(ValueError, match="3 KV heads do not replicate evenly over 4 ranks"):
+        head_slice_for_rank(3, 0, 4)
+
+
+def test_plans_coalesce_to_the_longest_runs():
+    # Canonical on both sides: one run of the whole block.
+    plan = CopyPlan.build((2, 16, 4, 8), (2048, 128, 32, 4), (2048, 128, 32, 4), 4)
+    assert plan == CopyPlan((), (), (), 4096)
+    # vLLM CPU [H, T, (kv D)] against canonical [kv, T, H, D]: runs of one head's D.
+    plan = CopyPlan.build((2, 16, 4, 8), (2048, 128, 32, 4), (32, 64, 1024, 4), 4)
+    assert plan.run == 32 and plan.shape == (2, 16, 4)
+
+
+def test_unknown_and_mismatched_layouts_are_refused(make_cache):
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout)
+    pool = cache.pages_tensor()
+    good = [_vllm(kv) for kv in _reference()]
+    with pytest.raises(ValueError, match=r"unknown axes \['heads'\]"):
+        CopyEngine(pool, layout, TOKENS, good, BlockLayout("block heads token (kv dim)"))
+    with pytest.raises(ValueError, match="no dim axis"):
+        CopyEngine(pool, layout, TOKENS, good, BlockLayout("block head token kv"))
+    with pytest.raises(ValueError, match=r"shape \(12, 4, 16, 16\) has 4 axes, the layout 5"):
+        CopyEngine(pool, layout, TOKENS, good, copy_engine.FLASH_ATTN)
+    with pytest.raises(ValueError, match="has 4 along 'head', hostkv expects 2"):
+        CopyEngine(pool, layout, TOKENS, good, copy_engine.VLLM, heads=(0, 2))
+    with pytest.raises(ValueError, match="dtype torch.float16, the pages hold torch.float32"):
+        CopyEngine(pool, layout, TOKENS, [t.half() for t in good], copy_engine.VLLM)
+    with pytest.raises(ValueError, match="2 KV tensors for pages of 3 layers"):
+        CopyEngine(pool, layout, TOKENS, good[:2], copy_engine.VLLM)
+    engine = CopyEngine(pool, layout, TOKENS, good, copy_engine.VLLM)
+    before = pool.clone()
+    with pytest.raises(ValueError, match=r"destination block 10 outside \[0, 10\)"):
+        engine.save([0, 1], [3, 10])
+    with pytest.raises(ValueError, match=r"source block 12 outside \[0, 12\)"):
+        engine.save([12], [0])
+    with pytest.raises(ValueError, match="2 blocks for 1 pages"):
+        engine.save([0, 1], [3])
+    assert torch.equal(pool, before)           # nothing was copied
+    del engine, pool
+
+
+def test_copies_release_the_gil_and_threads_may_copy_at_once(make_cache):
+    import threading
+
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout, num_pages=BLOCKS)
+    ref = _reference()
+    tensors = [_vllm(kv) for kv in ref]
+    pool = cache.pages_tensor()
+    engine = CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM)
+    halves = [list(range(0, BLOCKS, 2)), list(range(1, BLOCKS, 2))]
+    threads = [threading.Thread(target=engine.save, args=(h, h)) for h in halves]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(pool.view(BLOCKS, LAYERS, 2, TOKENS, HEADS, DIM),
+                       _expected_pages(ref, range(BLOCKS), range(BLOCKS), BLOCKS))
+    assert np.array_equal(cache.pages_array()[0], pool[0].view(-1).view(torch.uint8).numpy())
+    del engine, pool
