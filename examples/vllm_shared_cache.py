@@ -200,8 +200,8 @@ def microbench(segment: str) -> None:
     settings = hv.HostKVSettings(segment=segment, num_pages=512)
     cache = hv.open_segment(settings, layout, 16)
     try:
-        sched = hv._SchedulerSide(cache, settings, 16, b"bench", hv._Failures(),
-                                  hv._Counters())
+        sched = hv.scheduler.SchedulerSide(cache, settings, 16, b"bench", hv.metrics.Failures(),
+                                  hv.metrics.Counters())
         rng = random.Random(0)
         system = [rng.randrange(1, 32000) for _ in range(1792)]
         blocks = KVCacheBlocks((tuple(KVCacheBlock(i) for i in range(129)),))
@@ -214,7 +214,7 @@ def microbench(segment: str) -> None:
         # The system prompt is cached, as an engine that served it before would leave it.
         with hostkv.WorkerView(cache) as view:
             view.allocate_pages_for_sequences_with_prefix(
-                [hostkv.SequenceRequest(1, system, hv._namespace(b"bench", None, None))])
+                [hostkv.SequenceRequest(1, system, hv.scheduler._namespace(b"bench", None, None))])
             view.release([1])
         for i, req in enumerate(reqs):
             t0 = time.perf_counter()
@@ -244,14 +244,15 @@ def microbench(segment: str) -> None:
               "(the release commits nothing here: no worker confirmed a save)")
         sched.view.close()
 
-        # Copies: the worker side's batched gather/scatter over pages_tensor() against a
-        # plain torch index_copy_ of the same blocks between two tensors of the same shapes.
-        worker = hv._WorkerSide(cache, layout, 16, [f"l{i}" for i in range(32)],
-                                hv._Failures(), hv._Counters())
+        # Copies: the copy engine (what each vLLM worker runs) over pages_tensor(), from
+        # vLLM's [blocks, heads, tokens, K|V dims] blocks into canonical pages, against a
+        # plain torch index_copy_ of the same bytes between two tensors (no re-layout).
+        from hostkv.copy_engine import VLLM, CopyEngine
+
         num_blocks = 256
-        kv = {f"l{i}": torch.zeros(num_blocks, 2, 16, 8 * 128, dtype=torch.bfloat16)
-              for i in range(32)}
-        worker.register_kv_caches(kv)
+        kv = [torch.zeros(num_blocks, 8, 16, 2 * 128, dtype=torch.bfloat16)
+              for _ in range(32)]
+        engine = CopyEngine(cache.pages_tensor(), layout, 16, kv, VLLM)
         plain_pool = torch.zeros(512, 32, 2 * 16 * 8 * 128, dtype=torch.bfloat16)
         count = 128
         pages = rng.sample(range(512), count)
@@ -266,7 +267,7 @@ def microbench(segment: str) -> None:
 
         def plain(to_pool: bool) -> None:
             for layer in range(32):
-                block_view = kv[f"l{layer}"].view(num_blocks, -1)
+                block_view = kv[layer].view(num_blocks, -1)
                 if to_pool:
                     plain_pool[:, layer].index_copy_(0, pages_t,
                                                      block_view.index_select(0, blocks_t))
@@ -275,14 +276,16 @@ def microbench(segment: str) -> None:
                                            plain_pool[:, layer].index_select(0, pages_t))
 
         for what, to_pool in (("save", True), ("load", False)):
-            ours = best(lambda: worker._copy(pages, blocks_ids, to_pool=to_pool))
+            if to_pool:
+                ours = best(lambda: engine.save(blocks_ids, pages))
+            else:
+                ours = best(lambda: engine.load(pages, blocks_ids))
             base = best(lambda: plain(to_pool))
             print(f"{what}: {count} pages of {layout.page_bytes(16) >> 10} KiB "
                   f"(32 layers x 8 KV heads x 128 bf16, 16 tokens): hostkv "
                   f"{moved / ours / 1e9:.2f} GB/s, plain index_copy_ "
                   f"{moved / base / 1e9:.2f} GB/s: {base / ours:.2f}x")
-        worker.parts = []
-        del worker
+        del engine
     finally:
         cache.close()
         hostkv.HostKVCache.unlink_segment(segment)

@@ -30,6 +30,7 @@ from hostkv.errors import (
     ForeignSegmentError,
     IncompatibleSegmentError,
     LockTimeoutError,
+    SegmentFormatError,
     os_error,
     translate_posix_ipc,
 )
@@ -495,7 +496,7 @@ cdef int check_format(name, HkvFormat* got_format) except -1:
     cdef dict want = expected_format()
     for field in _FORMAT_FIELDS:
         if got[field] != want[field]:
-            raise IncompatibleSegmentError(
+            raise SegmentFormatError(
                 f"segment {name!r} has another format: {field} is {got[field]}, "
                 f"this hostkv expects {want[field]}")
     return 0

@@ -35,6 +35,7 @@ __all__ = [
     "OutOfPagesError",
     "SegmentError",
     "SegmentExistsError",
+    "SegmentFormatError",
     "SegmentNotFoundError",
     "SegmentPermissionError",
     "SequenceError",
@@ -129,6 +130,16 @@ class IncompatibleSegmentError(HostKVError):
 
     Its size, format word, layout version or stored config does not match what this build of
     hostkv expects, or its creator never finished initialising it.
+    """
+
+
+class SegmentFormatError(IncompatibleSegmentError):
+    """The segment's format word is not this build's: another hostkv version (its memory
+    map or its page layout changed), another libc or another architecture.
+
+    Nothing in such a segment can be read safely, not even its lease table; an engine
+    that finds one no live process maps may replace it (``hostkv.vllm``'s
+    ``replace_incompatible``).
     """
 
 

@@ -493,7 +493,7 @@ def test_remote_settings_from_extra_config():
 
 def test_namespaces_separate_models_salts_and_loras():
     hv = _vllm_module()
-    ns = hv._namespace
+    ns = hv.scheduler._namespace
     base = b"model-a"
     seen = {ns(base, None, None), ns(b"model-b", None, None), ns(base, "s", None),
             ns(base, None, "lora1"), ns(base, "s", "lora1"), ns(base, "lora1", None)}
@@ -506,8 +506,8 @@ def _scheduler_side(hv, segment: str, num_pages: int = 64):
     layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
     settings = hv.HostKVSettings(segment=segment, num_pages=num_pages)
     cache = hv.open_segment(settings, layout, BLOCK_SIZE)
-    return hv._SchedulerSide(cache, settings, BLOCK_SIZE, b"model", hv._Failures(),
-                             hv._Counters())
+    return hv.scheduler.SchedulerSide(cache, settings, BLOCK_SIZE, b"model",
+                                      hv.metrics.Failures(), hv.metrics.Counters())
 
 
 def _vllm_request(req_id: str, tokens: Sequence[int]):
@@ -532,7 +532,7 @@ def _seed(sched, hv, tokens: Sequence[int]) -> None:
     """Commits pages for tokens in the scheduler side's namespace, as an engine would."""
     with hostkv.WorkerView(sched.cache) as view:
         view.allocate_pages_for_sequences_with_prefix(
-            [hostkv.SequenceRequest(1, tokens, hv._namespace(b"model", None, None))])
+            [hostkv.SequenceRequest(1, tokens, hv.scheduler._namespace(b"model", None, None))])
         view.release([1])
 
 
@@ -581,7 +581,7 @@ def test_evicted_between_lookup_and_borrow_is_never_loaded(segment_name, evicted
         from vllm.v1.outputs import KVConnectorOutput
 
         sched.update_connector_output(KVConnectorOutput(
-            kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=[(meta.step, [])])))
+            kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=[(meta.step, 0, [])])))
         stats = sched.cache.stats()
         assert stats.active_sequences == 0
         # The confirmed saves are committed: cached, beside what stayed cached.
@@ -634,13 +634,108 @@ def test_engines_starting_at_once_create_or_attach(segment_name):
     assert [answer for _, answer in answers] == ["ok"] * 4
     hv = _vllm_module()
     layout = hostkv.KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype="float32")
-    with pytest.raises(hostkv.IncompatibleSegmentError, match="holds pages of 2 layers .* "
-                       "is 3 layers"):
-        hv.open_segment(hv.HostKVSettings(segment=segment_name), layout, BLOCK_SIZE)
-    with hostkv.HostKVCache.attach(segment_name) as cache:
-        cache.reap()
-        assert cache.stats().active_processes == 1   # the four let go; this one remains
+    with hostkv.HostKVCache.attach(segment_name) as holder:
+        # A live process holds the old layout: refused, both layouts named.
+        with pytest.raises(hostkv.IncompatibleSegmentError,
+                           match=r"holds pages of 2 layers .*, and 1 live process\(es\) use "
+                                 r"it; this engine's KV cache is 3 layers"):
+            hv.open_segment(hv.HostKVSettings(segment=segment_name), layout, BLOCK_SIZE)
+        holder.reap()
+        assert holder.stats().active_processes == 1   # the four let go; this one remains
+        holder.check()
+    # Nobody holds it: refused when replacing is off, replaced (a fresh segment) when on.
+    with pytest.raises(hostkv.IncompatibleSegmentError, match="replace_incompatible is false"):
+        hv.open_segment(hv.HostKVSettings(segment=segment_name, replace_incompatible=False),
+                        layout, BLOCK_SIZE)
+    with hv.open_segment(hv.HostKVSettings(segment=segment_name), layout, BLOCK_SIZE) as cache:
+        assert cache.config.kv_layout == layout
+        assert cache.stats().active_processes == 1
+
+
+def test_a_segment_of_an_older_hostkv_is_replaced_unless_mapped(segment_name):
+    """A segment whose format word is another hostkv's (its pages not canonical, its memory
+    map unknown) is refused while a process maps it, and replaced once none does."""
+    import mmap
+
+    hv = _vllm_module()
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    settings = hv.HostKVSettings(segment=segment_name, num_pages=8)
+    hv.open_segment(settings, layout, BLOCK_SIZE).close()
+    path = f"/dev/shm/{segment_name}"
+    with open(path, "r+b") as f:
+        old = mmap.mmap(f.fileno(), 0)
+    # The format word's layout version (tests/test_layout.py pins its offset): 7, as
+    # written by the hostkv whose pages followed the writer's attention backend.
+    old[8:12] = (7).to_bytes(4, "little")
+    with pytest.raises(hostkv.SegmentFormatError):
+        hostkv.HostKVCache.attach(segment_name)
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys, time\n"
+        f"f = open({path!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+        "print('mapped', flush=True); sys.stdin.read()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        with pytest.raises(hostkv.IncompatibleSegmentError,
+                           match=r"another format .*layout_version is 7.*1 live process"):
+            hv.open_segment(settings, layout, BLOCK_SIZE)
+    finally:
+        holder.communicate("", timeout=60)
+    old.close()
+    with hv.open_segment(settings, layout, BLOCK_SIZE) as cache:
+        assert cache.config.kv_layout == layout and cache.stats().free_pages == 8
+
+
+def test_a_page_commits_once_every_rank_confirmed_its_save(segment_name):
+    """With tensor parallelism every rank saves its slice; the scheduler commits a step's
+    pages only when all ranks confirmed it, and not at all if any rank failed."""
+    hv = _vllm_module()
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    settings = hv.HostKVSettings(segment=segment_name, num_pages=64)
+    cache = hv.open_segment(settings, layout, BLOCK_SIZE)
+    sched = hv.scheduler.SchedulerSide(cache, settings, BLOCK_SIZE, b"model",
+                                       hv.metrics.Failures(), hv.metrics.Counters(),
+                                       tp_world=2)
+    try:
+        rng = random.Random(3)
+        metas = []
+        for i in range(2):
+            request = _vllm_request(f"r{i}", _tokens(rng, 100))   # 3 full blocks
+            assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+            blocks = list(range(10 * i, 10 * i + 4))
+            sched.update_state_after_alloc(request, _vllm_blocks(blocks), 0)
+            request.num_computed_tokens = 0
+            out = SchedulerOutput.make_empty()
+            out.scheduled_new_reqs = [NewRequestData.from_request(request, (blocks,))]
+            out.num_scheduled_tokens = {request.request_id: 100}
+            metas.append((request, sched.build_connector_meta(out)))
+
+        def report(*done):
+            sched.update_connector_output(KVConnectorOutput(
+                kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=list(done))))
+
+        (r0, m0), (r1, m1) = metas
+        report((m0.step, 0, []))                     # rank 0 only: nothing is visible
+        assert cache.stats().cached_pages == 0
+        # vLLM merges both ranks' reports of a step into one.
+        merged = hv.HostKVWorkerMetadata(done=[(m0.step, 1, [])]).aggregate(
+            hv.HostKVWorkerMetadata(done=[(m1.step, 1, ["r1"]), (m1.step, 0, [])]))
+        report(*merged.done)
+        # r0's three pages are committed; r1's save failed on rank 1: never committed.
+        assert cache.stats().cached_pages == 3
+        assert sched.reqs["r1"].stop_saving
+        for request in (r0, r1):
+            sched.request_finished(request)
+        assert cache.stats().active_sequences == 0
         cache.check()
+    finally:
+        sched.shutdown()
 
 
 def test_full_pool_fails_open(segment_name):
@@ -693,8 +788,9 @@ def _remote_side(hv, segment: str, url: str, **extra):
     cache = hv.open_segment(settings, layout, BLOCK_SIZE)
     from hostkv.remote import RemoteTier
 
-    return hv._SchedulerSide(cache, settings, BLOCK_SIZE, b"model", hv._Failures(),
-                             hv._Counters(), RemoteTier(cache, settings.remote))
+    return hv.scheduler.SchedulerSide(cache, settings, BLOCK_SIZE, b"model",
+                                      hv.metrics.Failures(), hv.metrics.Counters(),
+                                      RemoteTier(cache, settings.remote))
 
 
 def _ask_until_answered(sched, request, timeout: float = 30.0) -> Tuple[int, int]:
@@ -739,7 +835,7 @@ def _serve(sched, hv, request, blocks: List[int], kv_seed: int) -> List[bytes]:
     del pool
     sched.request_finished(request)
     sched.update_connector_output(KVConnectorOutput(
-        kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=[(meta.step, [])])))
+        kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=[(meta.step, 0, [])])))
     assert sched.cache.stats().active_sequences == 0
     return kv
 

@@ -1,0 +1,313 @@
+"""HostKVConnector: vLLM's V1 KV-connector API over a hostkv segment (the facade).
+
+Construction reads vLLM's config (``hostkv.vllm.layout``) and builds the scheduler side
+(``hostkv.vllm.scheduler``) in the engine-core process or the worker side
+(``hostkv.vllm.worker``) in each worker; every serving-path method below goes through
+:meth:`HostKVConnector._guarded`, which fails open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, TypeVar
+
+import torch
+from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from hostkv.vllm.layout import engine_kv, open_segment
+from hostkv.vllm.metadata import HostKVConnectorMetadata, HostKVWorkerMetadata
+from hostkv.vllm.metrics import COUNTERS, Counters, Failures, HostKVConnectorStats, HostKVPromMetrics
+from hostkv.vllm.scheduler import SchedulerSide
+from hostkv.vllm.settings import HostKVSettings
+from hostkv.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["HostKVConnector"]
+
+logger = logging.getLogger("hostkv.vllm")
+
+_T = TypeVar("_T")
+
+
+def _tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a parallel group)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError):
+        return 0
+
+
+class HostKVConnector(KVConnectorBase_V1):
+    """vLLM V1 KV connector over a hostkv segment shared by every engine on the host.
+
+    See the module docstring for the flow and ``HostKVSettings`` for the
+    ``kv_connector_extra_config`` keys. Construction (engine start-up) raises on a bad
+    config or a segment of another layout; every serving-path method fails open.
+    """
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        """Attaches (or creates) the segment for this engine's scheduler or worker.
+
+        Raises:
+            ValueError: a bad ``kv_connector_extra_config`` or a KV cache hostkv cannot hold
+                (the message names what it saw).
+            IncompatibleSegmentError: the segment holds another layout and live engines
+                use it.
+        """
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._settings = HostKVSettings.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config)
+        kv = engine_kv(vllm_config, kv_cache_config)
+        self._kv = kv
+        layout = kv.layout
+        model = vllm_config.model_config
+        # Pages are canonical, so engines of any backend or tensor-parallel degree share.
+        self._namespace_base = "\0".join([
+            "hostkv-vllm-2", str(model.model), str(getattr(model, "revision", "") or ""),
+            layout.kind, layout.dtype, str(layout.num_layers), str(layout.num_kv_heads),
+            str(layout.head_dim), self._settings.namespace]).encode()
+        self._failures = Failures()
+        self._counters = Counters()
+        self._cache = open_segment(self._settings, layout, kv.page_size)
+        self._sched: Optional[SchedulerSide] = None
+        self._worker: Optional[WorkerSide] = None
+        if role == KVConnectorRole.SCHEDULER:
+            # vLLM 0.32 fails a request whose external blocks failed to load unless the
+            # policy is "recompute"; for a cache, a block evicted between lookup and borrow
+            # is a miss to recompute, never an error for the user.
+            if getattr(self._kv_transfer_config, "kv_load_failure_policy",
+                       "recompute") != "recompute":
+                try:
+                    self._kv_transfer_config.kv_load_failure_policy = "recompute"
+                except Exception:         # noqa: BLE001 - a frozen config: say so
+                    logger.warning("hostkv: set kv_load_failure_policy to 'recompute' in "
+                                   "--kv-transfer-config, or a page evicted between lookup "
+                                   "and load fails its request")
+            tier = None
+            if self._settings.remote is not None:
+                # Only the scheduler talks to the tier: it looks prompts up and publishes
+                # what the workers saved; the workers only copy pages of the host segment.
+                from hostkv.remote.tier import RemoteTier
+
+                try:
+                    tier = RemoteTier(self._cache, self._settings.remote)
+                except BaseException:
+                    # A tier that failed half way may still pin the pool until it is
+                    # collected: the close can wait, the cause must show.
+                    with contextlib.suppress(BufferError):
+                        self._cache.close()
+                    raise
+                logger.info("hostkv: remote tier %s (key prefix %r)",
+                            self._settings.remote.redacted_url,
+                            self._settings.remote.key_prefix)
+            self._sched = SchedulerSide(self._cache, self._settings, kv.page_size,
+                                        self._namespace_base, self._failures, self._counters,
+                                        tier, tp_world=kv.tp_world)
+        else:
+            self._worker = WorkerSide(self._cache, kv, _tensor_parallel_rank(),
+                                      self._failures, self._counters)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache: a dropped save is only a future miss."""
+        return False
+
+    @property
+    def supports_sleep_mode(self) -> bool:
+        """False: an engine put to sleep remaps its KV tensors. The worker drops its views
+        in :meth:`unregister_kv_caches` and copies nothing until
+        :meth:`restore_kv_caches` maps the new ones, but that pair is untested on a vLLM
+        that sleeps, so hostkv does not claim it."""
+        return False
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        self._failures.note(where, exc)
+        self._counters.add("failures", 1)
+
+    def _guarded(self, where: str, default: _T, call: Callable[[SchedulerSide], _T],
+                 count_timeout: bool = True) -> _T:
+        """Runs a scheduler-side call under its lock, failing open: a lock not had within
+        ``lock_timeout`` or any error is counted and logged once per cause, and the call
+        answers ``default`` (a miss, no copies, nothing committed)."""
+        sched = self._sched
+        if sched is None:
+            return default
+        if not sched.lock.acquire(timeout=self._settings.lock_timeout):
+            if count_timeout:
+                self._fail(where, TimeoutError("connector lock"))
+            return default
+        try:
+            return call(sched)
+        except Exception as exc:          # noqa: BLE001 - fail open
+            self._fail(where, exc)
+            return default
+        finally:
+            sched.lock.release()
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        """Maps vLLM's per-layer KV tensors onto the pool's pages (start-up: raises)."""
+        if self._worker is None:
+            raise RuntimeError("hostkv: register_kv_caches on the scheduler's connector")
+        self._worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+        """Forgets vLLM's KV tensors (they are being remapped): nothing copies until
+        :meth:`restore_kv_caches`; a step's loads meanwhile are recomputed, its saves
+        dropped."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self, kv_caches: Dict[str, torch.Tensor], *args: Any,
+                          **kwargs: Any) -> None:
+        """Maps vLLM's new KV tensors after :meth:`unregister_kv_caches`."""
+        self.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Copies this step's borrowed pages into their blocks (before the forward)."""
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, HostKVConnectorMetadata):
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: start_load_kv copies every layer before the forward."""
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing per layer: wait_for_save copies every layer at once after the forward."""
+        return
+
+    def wait_for_save(self) -> None:
+        """Copies this step's computed blocks into their reserved pages."""
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, HostKVConnectorMetadata):
+            try:
+                self._worker.wait_for_save(meta)
+            except Exception as exc:      # noqa: BLE001 - fail open
+                self._fail("wait_for_save", exc)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        """Blocks promised as hits that hostkv could not load: vLLM recomputes them."""
+        if self._worker is None or not self._worker.bad_blocks:
+            return set()
+        bad, self._worker.bad_blocks = self._worker.bad_blocks, set()
+        return bad
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        """The steps whose copies finished since the last report, and what failed."""
+        if self._worker is None or not self._worker.done:
+            return None
+        done, self._worker.done = self._worker.done, []
+        return HostKVWorkerMetadata(done=done)
+
+    # -- scheduler side --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        """Tokens hostkv holds beyond vLLM's local hit (a pure lookup; a miss on error).
+
+        With a remote tier, a prompt that goes beyond what the host holds first starts a
+        lookup of the rest there and answers None ("ask again later": vLLM schedules
+        other requests meanwhile) until the fetched pages are in the host's segment, or
+        ``remote_wait`` seconds have passed, or the lookup failed; then it answers from
+        the host's segment like any lookup."""
+        return self._guarded(
+            "lookup", (0, False),
+            lambda sched: sched.get_num_new_matched_tokens(request, num_computed_tokens),
+            count_timeout=False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        """Borrows the request's cached prefix and reserves pages for the rest."""
+        self._guarded("update_state_after_alloc", None,
+                      lambda sched: sched.update_state_after_alloc(request, blocks,
+                                                                   num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """This step's loads and saves, per request (none, on any error)."""
+        return self._guarded("build_connector_meta", HostKVConnectorMetadata(),
+                             lambda sched: sched.build_connector_meta(scheduler_output))
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Commits the pages whose saves every rank confirmed; releases finished requests."""
+        self._guarded("update_connector_output", None,
+                      lambda sched: sched.update_connector_output(connector_output))
+
+    def request_finished(self, request: "Request",
+                         block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """Releases the request once its last saves are confirmed; vLLM may free its
+        blocks now (every save was copied during the step that scheduled it)."""
+        self._guarded("request_finished", None, lambda sched: sched.request_finished(request))
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """BlockStored for pages this engine put in the cache, BlockRemoved for those it
+        found gone (medium "CPU"); they wait for the next call if the lock is busy."""
+        if self._sched is None or not self._sched.events:
+            return ()
+        return self._guarded("take_events", (), lambda sched: sched.take_events(),
+                             count_timeout=False)
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        """Hits, pages and bytes loaded and saved, copy time and failures since last time;
+        with a remote tier, its lookups, waits, fetched and written pages and errors."""
+        sched = self._sched
+        if sched is not None and sched.tier is not None:
+            try:
+                sched.take_tier_stats()
+            except Exception as exc:      # noqa: BLE001 - stats never fail a step
+                self._fail("remote stats", exc)
+        return self._counters.take()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Dict[Any, Any],
+                           labelnames: List[str],
+                           per_engine_labelvalues: Dict[int, List[object]]
+                           ) -> Optional[KVConnectorPromMetrics]:
+        """The connector's counters for vLLM's Prometheus logger (HostKVPromMetrics)."""
+        return HostKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> Optional[KVConnectorStats]:
+        """Rebuilds the stats object from its serialised counters."""
+        return HostKVConnectorStats(data=dict(data or {key: 0 for key in COUNTERS}))
+
+    def shutdown(self) -> None:
+        """Releases this engine's sequences (without commit) and detaches the segment."""
+        try:
+            if self._sched is not None:
+                self._sched.shutdown()
+            elif self._worker is not None:
+                self._worker.shutdown()
+        except Exception as exc:          # noqa: BLE001 - the dead-lease sweep cleans up
+            self._fail("shutdown", exc)
+

@@ -1,0 +1,268 @@
+"""What vLLM declares about its KV cache, read as hostkv pages; and the segment that holds them.
+
+A hostkv page is one vLLM block (page_size = block_size) of every layer, in the canonical
+layout of :class:`hostkv.KVLayout`: the model's total KV heads (a tensor-parallel rank holds a
+slice), or one latent vector per token for MLA. Everything here is read from vLLM's
+KV-cache config and its spec classes, never guessed from a tensor's shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING, List, Optional, Set, Tuple
+
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+from hostkv.cache import HostKVCache
+from hostkv.config import HostKVConfig, KVLayout
+from hostkv.copy_engine import VLLM, VLLM_MLA, BlockLayout, head_slice_for_rank
+from hostkv.errors import (
+    IncompatibleSegmentError,
+    SegmentExistsError,
+    SegmentFormatError,
+    SegmentNotFoundError,
+)
+from hostkv.vllm.settings import HostKVSettings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["EngineKV", "describe_layout", "engine_kv", "open_segment"]
+
+logger = logging.getLogger("hostkv.vllm")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineKV:
+    """One engine's KV cache as hostkv sees it.
+
+    Attributes:
+        layout: The canonical page layout (the model's total KV heads).
+        page_size: Tokens per page (vLLM's block size).
+        layer_names: vLLM's attention layers, in page order.
+        block_layout: How vLLM lays out a layer's blocks.
+        tp_world: Tensor-parallel ranks; the scheduler commits a page once every one of
+            them confirmed its save.
+        backend: The attention backend's name (for error messages).
+    """
+
+    layout: KVLayout
+    page_size: int
+    layer_names: Tuple[str, ...]
+    block_layout: BlockLayout
+    tp_world: int
+    local_kv_heads: int
+    backend: str
+
+    def heads_of_rank(self, rank: int) -> Tuple[int, int, bool]:
+        """(first head, stop, writes) of a rank's slice of every page (see
+        :func:`hostkv.copy_engine.head_slice_for_rank`); MLA: every rank holds the whole
+        latent and rank 0 writes."""
+        if self.layout.kind == "mla":
+            return 0, 1, rank == 0
+        return head_slice_for_rank(self.layout.num_kv_heads, rank, self.tp_world)
+
+
+def _backend_name(vllm_config: "VllmConfig", layer_names: List[str]) -> str:
+    context = getattr(getattr(vllm_config, "compilation_config", None),
+                      "static_forward_context", None) or {}
+    layer = context.get(layer_names[0]) if layer_names else None
+    backend = getattr(layer, "attn_backend", None)
+    if backend is not None and hasattr(backend, "get_name"):
+        try:
+            return str(backend.get_name())
+        except Exception:               # noqa: BLE001 - only for messages
+            pass
+    return "an unnamed attention backend"
+
+
+def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> EngineKV:
+    """Reads vLLM's KV-cache config and parallel config as hostkv pages.
+
+    Raises:
+        ValueError: a KV cache hostkv cannot hold, naming what it saw: several cache groups
+            (a hybrid model with vLLM's hybrid manager on), attention other than full
+            attention or MLA, K and V of other sizes, packed or quantized KV content, a
+            block size that is not a power of two, pipeline or decode-context parallelism,
+            or KV heads that do not split over the tensor-parallel ranks.
+    """
+    parallel = vllm_config.parallel_config
+    tp = int(parallel.tensor_parallel_size)
+    if int(parallel.pipeline_parallel_size) != 1:
+        raise ValueError(f"hostkv: pipeline parallelism is not supported (pp="
+                         f"{parallel.pipeline_parallel_size}): each stage would hold other "
+                         "layers of a page")
+    if int(getattr(parallel, "decode_context_parallel_size", 1) or 1) != 1:
+        raise ValueError("hostkv: decode context parallelism is not supported (dcp="
+                         f"{parallel.decode_context_parallel_size})")
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        raise ValueError(f"hostkv holds one KV-cache group (full attention in every layer); "
+                         f"this model has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    layers = list(groups[0].layer_names)
+    backend = _backend_name(vllm_config, layers)
+    # Exactly these classes: their subclasses lay blocks out otherwise.
+    if type(spec) is MLAAttentionSpec:
+        kind, block_layout = "mla", VLLM_MLA
+        if spec.head_size_v not in (0, None):
+            raise ValueError(f"hostkv: an MLA cache with a V part of {spec.head_size_v}")
+    elif type(spec) is FullAttentionSpec:
+        kind, block_layout = "mha", VLLM
+        if spec.head_size_v != spec.head_size:
+            raise ValueError(f"hostkv holds K and V of one head size; the model's are "
+                             f"{spec.head_size} and {spec.head_size_v}")
+    else:
+        raise ValueError(f"hostkv holds full attention or MLA; the model's KV cache is "
+                         f"{type(spec).__name__} ({backend})")
+    packed = [(name, getattr(spec, name)) for name in ("state_content_bytes", "num_head_slots")
+              if getattr(spec, name, None) is not None]
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        packed.append(("tokens_per_state", spec.tokens_per_state))
+    quant = getattr(spec, "kv_quant_mode", None)
+    if quant is not None and getattr(quant, "name", "NONE") != "NONE":
+        packed.append(("kv_quant_mode", quant.name))
+    if packed:
+        raise ValueError(f"hostkv holds dense K/V (or latent) elements; {backend}'s KV cache "
+                         f"is packed or quantized: {', '.join(f'{k}={v}' for k, v in packed)}")
+    local_heads = int(spec.num_kv_heads)
+    if kind == "mla":
+        total_heads = 1
+    else:
+        total_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+        try:
+            first, stop, _ = head_slice_for_rank(total_heads, 0, tp)
+        except ValueError as exc:
+            raise ValueError(f"hostkv: {exc} (tensor parallelism {tp})") from None
+        if stop - first != local_heads:
+            raise ValueError(f"hostkv: the model has {total_heads} KV heads and vLLM gives "
+                             f"each of {tp} ranks {local_heads}; hostkv expected "
+                             f"{stop - first}")
+    dtype = str(spec.dtype).replace("torch.", "")
+    layout = KVLayout(num_layers=len(layers), num_kv_heads=total_heads,
+                      head_dim=spec.head_size, dtype=dtype, kind=kind)
+    block_size = int(spec.block_size)
+    if block_size & (block_size - 1):
+        raise ValueError(f"hostkv pages hold a power-of-two number of tokens; vLLM's block "
+                         f"size is {block_size}")
+    return EngineKV(layout, block_size, tuple(layers), block_layout, tp, local_heads, backend)
+
+
+def describe_layout(layout: Optional[KVLayout], page_size: int) -> str:
+    """A layout in words, for messages: "2 layers x 4 KV heads x head_dim 64 float32 ..."."""
+    if layout is None:
+        return f"no KV layout, {page_size} tokens a page"
+    if layout.kind == "mla":
+        return (f"{layout.num_layers} layers x MLA latent {layout.head_dim} {layout.dtype}, "
+                f"{page_size} tokens a page")
+    return (f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x head_dim "
+            f"{layout.head_dim} {layout.dtype}, {page_size} tokens a page")
+
+
+def _processes_mapping(name: str) -> Set[int]:
+    """Pids (of this PID namespace) other than this one that map /dev/shm/<name>."""
+    path = f"/dev/shm/{name}"
+    found: Set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps", errors="replace") as maps:
+                if any(line.rstrip("\n").endswith(" " + path) for line in maps):
+                    found.add(int(entry))
+        except OSError:
+            continue                     # gone, or not ours to read
+    return found
+
+
+def _inode(name: str) -> Optional[Tuple[int, int]]:
+    try:
+        st = os.stat(f"/dev/shm/{name}")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _replace(settings: HostKVSettings, found: str, wanted: str, holders: int,
+             inode: Optional[Tuple[int, int]]) -> None:
+    """Unlinks a segment of another layout or version that nobody holds, or refuses."""
+    name = settings.segment
+    if holders:
+        raise IncompatibleSegmentError(
+            f"hostkv: segment {name!r} holds {found}, and {holders} live process(es) use "
+            f"it; this engine's KV cache is {wanted}: stop them, or give this engine "
+            "another segment")
+    if not settings.replace_incompatible:
+        raise IncompatibleSegmentError(
+            f"hostkv: segment {name!r} holds {found}, but this engine's KV cache is "
+            f"{wanted}; no live process uses it, and replace_incompatible is false: unlink "
+            f"it (python -m hostkv unlink {name}) or use another segment")
+    # Only the segment inspected: another engine may have replaced it meanwhile.
+    if inode is None or _inode(name) != inode:
+        return
+    logger.warning("hostkv: segment %r holds %s, which no live process uses; this engine's "
+                   "KV cache is %s: replacing it (its cached pages are dropped)", name, found,
+                   wanted)
+    try:
+        HostKVCache.unlink_segment(name)
+    except SegmentNotFoundError:
+        pass                             # another engine replaced it first
+
+
+def open_segment(settings: HostKVSettings, layout: KVLayout, page_size: int) -> HostKVCache:
+    """Attaches the segment, or creates it if none exists, atomically across engines.
+
+    Two engines starting at once both try; the create is exclusive, so exactly one wins and
+    the other attaches (waiting up to ``ready_timeout`` for the creator to finish). A
+    segment of another page layout, or made by another hostkv version, that no live
+    process holds is replaced (unless ``settings.replace_incompatible`` is false).
+
+    Raises:
+        IncompatibleSegmentError: the segment holds another layout or version and live
+            processes use it (the message names both layouts), or replacing is off.
+        HostKVError: the segment could not be created or attached.
+    """
+    page_bytes = layout.page_bytes(page_size)
+    num_pages = settings.num_pages or max(1, settings.size // page_bytes)
+    config = HostKVConfig(num_pages=num_pages, page_size=page_size, kv_layout=layout,
+                          max_processes=settings.max_processes)
+    wanted = describe_layout(layout, page_size)
+    for _ in range(20):
+        inode = _inode(settings.segment)
+        try:
+            cache = HostKVCache.attach(settings.segment, lock_timeout=settings.lock_timeout,
+                                       ready_timeout=settings.ready_timeout)
+        except SegmentNotFoundError:
+            pass
+        except SegmentFormatError as exc:
+            # Another hostkv version: not even its lease table can be read; the kernel's
+            # maps say who has it mapped (in this PID namespace).
+            _replace(settings, f"another format ({exc})", wanted,
+                     len(_processes_mapping(settings.segment)), inode)
+            continue
+        else:
+            have = cache.config
+            if have.kv_layout == layout and have.page_size == page_size:
+                return cache
+            try:
+                cache.reap()
+                others = cache.stats().active_processes - 1
+            finally:
+                cache.close()
+            _replace(settings, f"pages of {describe_layout(have.kv_layout, have.page_size)}",
+                     wanted, others, inode)
+            continue
+        try:
+            cache = HostKVCache.create(settings.segment, config,
+                                       lock_timeout=settings.lock_timeout)
+        except SegmentExistsError:
+            continue                     # another engine created it first: attach that one
+        logger.info("hostkv: created segment %r: %d pages of %d bytes (%s)",
+                    settings.segment, num_pages, page_bytes, wanted)
+        return cache
+    raise IncompatibleSegmentError(
+        f"hostkv: segment {settings.segment!r} kept appearing and vanishing")
+

@@ -1,0 +1,51 @@
+"""What the scheduler tells the workers each step, and what every worker answers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Set, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+__all__ = ["HostKVConnectorMetadata", "HostKVWorkerMetadata"]
+
+
+@dataclasses.dataclass
+class HostKVConnectorMetadata(KVConnectorMetadata):
+    """One step's copies, from the scheduler to every worker (each tensor-parallel rank
+    moves its slice of the same pages).
+
+    Attributes:
+        step: The scheduler's step number (the workers confirm steps by it).
+        loads: (req_id, hostkv pages, vLLM blocks) to copy pool -> blocks before the forward.
+        saves: (req_id, vLLM blocks, hostkv pages) to copy blocks -> pool after the forward.
+        bad_blocks: Blocks promised as external hits that hostkv could not hold (evicted
+            between lookup and borrow); the workers report them as load errors.
+    """
+
+    step: int = 0
+    loads: List[Tuple[str, List[int], List[int]]] = dataclasses.field(default_factory=list)
+    saves: List[Tuple[str, List[int], List[int]]] = dataclasses.field(default_factory=list)
+    bad_blocks: List[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class HostKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """Steps whose copies workers finished: (step, rank, request ids whose copies failed).
+
+    vLLM merges every rank's report of a step with :meth:`aggregate`; the scheduler
+    commits a step's saves only once every rank has confirmed it.
+    """
+
+    done: List[Tuple[int, int, List[str]]] = dataclasses.field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Merges another worker's report (one entry per step and rank)."""
+        merged: Dict[Tuple[int, int], Set[str]] = {}
+        for step, rank, failed in self.done + list(getattr(other, "done", [])):
+            merged.setdefault((step, rank), set()).update(failed)
+        return HostKVWorkerMetadata(done=[(step, rank, sorted(failed))
+                                          for (step, rank), failed in sorted(merged.items())])

@@ -1,0 +1,118 @@
+"""The connector's settings: the keys of vLLM's ``kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+from hostkv._units import parse_size
+from hostkv.errors import ConfigError
+from hostkv.remote.config import RemoteConfig, _number
+
+__all__ = ["HostKVSettings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKVSettings:
+    """The connector's keys in ``kv_connector_extra_config``, with their defaults.
+
+    Attributes:
+        segment: The segment's name (required); the first engine creates it.
+        size: The pool's size when this engine creates the segment: bytes, or a string
+            such as ``"8GiB"``. Ignored when ``num_pages`` is set or the segment exists.
+        num_pages: The pool's size in pages (one vLLM block of every layer each), 0: use
+            ``size``.
+        lock_timeout: Seconds a serving-path call waits for the segment's lock before it
+            gives up (a miss, or a skipped save).
+        ready_timeout: Seconds to wait for a segment that another engine is creating.
+        namespace: Extra text mixed into every request's namespace: engines with other
+            values never share pages (the model's name, dtype and layout, each request's
+            cache_salt and LoRA adapter are always mixed in).
+        max_processes: Lease slots when this engine creates the segment (0: hostkv's
+            default, 64): each engine takes two to three (scheduler, workers); a remote
+            tier shares its process's.
+        remote: The remote tier shared by every host (key ``remote``: a URL such as
+            ``redis://host:6379/0`` or ``redis+cluster://h1:7000,h2:7000``), None: off.
+            Keys ``remote_<field>`` set the other RemoteConfig fields (``remote_key_prefix``,
+            ``remote_ttl_seconds``, ``remote_socket_timeout``, ``remote_connect_timeout``,
+            ``remote_max_bytes_in_flight``, ...).
+        remote_wait: Seconds a request whose prompt goes beyond the host's cache waits
+            for the remote tier's answer (vLLM schedules other requests meanwhile); past
+            it the request goes on without, and what arrives later serves later requests.
+            0: never wait (the lookup still runs, for the requests that follow).
+        replace_incompatible: What an engine does with a segment of another page layout
+            or hostkv version that no live process holds (an operator changed the model,
+            or upgraded hostkv): True unlinks it and creates its own (logged); False
+            refuses to start. A segment that live engines hold is always refused.
+    """
+
+    segment: str
+    size: int = 1 << 30
+    num_pages: int = 0
+    lock_timeout: float = 1.0
+    ready_timeout: float = 30.0
+    namespace: str = ""
+    max_processes: int = 0
+    remote: Optional[RemoteConfig] = None
+    remote_wait: float = 0.5
+    replace_incompatible: bool = True
+
+    @classmethod
+    def from_extra_config(cls, extra: Optional[Dict[str, Any]]) -> "HostKVSettings":
+        """Reads and checks ``kv_connector_extra_config``.
+
+        Raises:
+            ValueError: a missing segment, an unknown key or a bad value (named); a bad
+                remote URL or setting is a ConfigError (a ValueError) naming it.
+        """
+        extra = dict(extra or {})
+        remote_fields = {f"remote_{field.name}": field.name
+                         for field in dataclasses.fields(RemoteConfig) if field.name != "url"}
+        known = {field.name for field in dataclasses.fields(cls)} | set(remote_fields)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"hostkv: unknown kv_connector_extra_config keys {unknown}; "
+                             f"known: {sorted(known)}")
+        if not isinstance(extra.get("segment"), str) or not extra["segment"]:
+            raise ValueError("hostkv: kv_connector_extra_config needs 'segment': the name "
+                             "of the shared segment")
+        values: Dict[str, Any] = {"segment": extra["segment"]}
+        if "size" in extra:
+            values["size"] = parse_size(extra["size"])
+        for key in ("num_pages", "max_processes"):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"hostkv: {key} must be an integer >= 0, got {value!r}")
+                values[key] = value
+        for key in ("lock_timeout", "ready_timeout"):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise ValueError(f"hostkv: {key} must be seconds > 0, got {value!r}")
+                values[key] = float(value)
+        if "namespace" in extra:
+            values["namespace"] = str(extra["namespace"])
+        if "replace_incompatible" in extra:
+            if not isinstance(extra["replace_incompatible"], bool):
+                raise ValueError(f"hostkv: replace_incompatible must be true or false, got "
+                                 f"{extra['replace_incompatible']!r}")
+            values["replace_incompatible"] = extra["replace_incompatible"]
+        url = extra.get("remote")
+        options = {field: extra[key] for key, field in remote_fields.items() if key in extra}
+        if url is None or url == "":
+            orphans = sorted(set(extra) & (set(remote_fields) | {"remote_wait"}))
+            if orphans:
+                raise ConfigError(f"hostkv: {orphans} set without 'remote' (the remote "
+                                  "tier's URL)")
+        else:
+            # RemoteConfig checks the URL and every value, naming it (the password masked).
+            try:
+                values["remote"] = RemoteConfig(url, **options)
+            except ConfigError as exc:
+                raise ConfigError(f"hostkv: kv_connector_extra_config 'remote': {exc}") from None
+            if "remote_wait" in extra:
+                values["remote_wait"] = float(_number(
+                    extra["remote_wait"], "hostkv: remote_wait (seconds)", 0, 600, False))
+        return cls(**values)
+
