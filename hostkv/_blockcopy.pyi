@@ -1,0 +1,21 @@
+"""Type stubs for hostkv._blockcopy (the copy engine's strided block copies)."""
+
+from typing import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+def copy_blocks(
+    dst: int,
+    dst_blocks: int,
+    dst_block_stride: int,
+    dst_index: npt.NDArray[np.int64],
+    src: int,
+    src_blocks: int,
+    src_block_stride: int,
+    src_index: npt.NDArray[np.int64],
+    shape: Sequence[int],
+    dst_strides: Sequence[int],
+    src_strides: Sequence[int],
+    run: int,
+) -> None: ...
