@@ -1,10 +1,10 @@
-"""Pre-faulting the page pool (HostKVCache.start_prefault).
+"""Pre-faulting the page pool (HostKVCache.start_prefault) and the huge-page advice.
 
 The prefault thread must never change a byte of the pool (other processes' KV is there),
 must let saves run beside it, must be stopped by close() before the mapping goes, and must
 not survive into a forked child. Where a test needs the thread at a known point, it wraps
 the segment the thread is given in a proxy whose advise_pool waits at a chosen chunk: the
-thread is then "running" for certain, with no sleeps and no timing asserts.
+thread is then "running" for certain, whatever the machine's speed, and nothing is timed.
 """
 
 from __future__ import annotations
@@ -484,6 +484,67 @@ def test_the_interpreter_exits_with_a_prefault_running(segment_name):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() in ("running", "done")
     assert result.stderr == ""
+
+
+# -- huge pages -------------------------------------------------------------------------------
+
+
+def test_huge_pages_are_reported(cache):
+    st = cache.prefault_status()
+    assert st.huge_policy in ("", "never", "advise", "within_size", "always", "deny", "force")
+    if st.huge_policy in ("", "never", "deny"):
+        assert st.huge_pages == "off"
+    else:
+        assert st.huge_pages in ("advised", "refused")
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+MOUNTS = """\
+22 1 0:21 / / rw,relatime - overlay overlay rw,lowerdir=/x
+25 24 0:23 / /dev rw,nosuid - tmpfs tmpfs rw,size=65536k,mode=755
+30 25 0:27 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24683652k{extra}
+"""
+
+
+@pytest.mark.parametrize("sysfs, extra, expected", [
+    ("always within_size advise [never] deny force", "", "never"),
+    ("always within_size advise [never] deny force", ",huge=advise", "advise"),
+    ("always within_size advise [never] deny force", ",huge=within_size", "within_size"),
+    # shmem_enabled is the internal mount's: its "advise" does nothing for /dev/shm ...
+    ("always within_size [advise] never deny force", "", "never"),
+    # ... but deny and force override every tmpfs.
+    ("always within_size advise never [deny] force", ",huge=always", "deny"),
+    ("always within_size advise never deny [force]", "", "force"),
+])
+def test_huge_policy_is_the_mounts_option(tmp_path, sysfs, extra, expected):
+    policy = cache_module._shmem_huge_policy(
+        "/dev/shm", write(tmp_path, "shmem_enabled", sysfs),
+        write(tmp_path, "mountinfo", MOUNTS.format(extra=extra)))
+    assert policy == expected
+
+
+def test_huge_policy_of_a_stacked_or_missing_mount(tmp_path):
+    sysfs = write(tmp_path, "shmem_enabled", "always within_size advise [never] deny force")
+    stacked = MOUNTS.format(extra="") + \
+        "31 30 0:28 / /dev/shm rw - tmpfs tmpfs rw,size=4G,huge=within_size\n"
+    assert cache_module._shmem_huge_policy(
+        "/dev/shm", sysfs, write(tmp_path, "stacked", stacked)) == "within_size"
+    # No mount of its own: /dev's tmpfs holds it.
+    no_shm = "".join(MOUNTS.format(extra="").splitlines(True)[:2]).replace(
+        "mode=755", "mode=755,huge=always")
+    assert cache_module._shmem_huge_policy(
+        "/dev/shm", sysfs, write(tmp_path, "no_shm", no_shm)) == "always"
+    # Not a tmpfs at all.
+    assert cache_module._shmem_huge_policy(
+        "/dev/shm", sysfs, write(tmp_path, "overlay", MOUNTS.splitlines(True)[0])) == "never"
+    # No transparent huge pages in this kernel.
+    assert cache_module._shmem_huge_policy(
+        "/dev/shm", str(tmp_path / "absent"), write(tmp_path, "m", MOUNTS.format(extra=""))) == ""
 
 
 # -- the compiled helper ----------------------------------------------------------------------
