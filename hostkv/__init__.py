@@ -3,7 +3,7 @@
 See README.md for a tour; the names below are the whole public API.
 """
 
-from hostkv.cache import CacheMetrics, CacheStats, HostKVCache, PrefixMatch
+from hostkv.cache import CacheMetrics, CacheStats, HostKVCache, PrefaultStatus, PrefixMatch
 from hostkv.config import HostKVConfig, KVLayout
 from hostkv.errors import (
     CapacityError,
@@ -46,6 +46,7 @@ __all__ = [
     "KVLayout",
     "LockTimeoutError",
     "OutOfPagesError",
+    "PrefaultStatus",
     "PrefixMatch",
     "PrefixSequenceState",
     "SegmentError",

@@ -17,6 +17,7 @@ import posix_ipc
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_ND, PyBUF_STRIDES, PyBUF_FORMAT
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.errno cimport errno
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcmp, memcpy, memset
@@ -129,6 +130,9 @@ DEFAULT_LOCK_TIMEOUT = 10.0
 DEFAULT_READY_TIMEOUT = 120.0
 RESERVE_CHUNK = 256 << 20    # the creator publishes its progress after each chunk
 SWEEP_INTERVAL_NS = 1_000_000_000
+# The madvise(2) advice that Segment.advise_pool takes, by name (values from linux/mman.h).
+MADV = {"MADV_WILLNEED": MADV_WILLNEED, "MADV_HUGEPAGE": MADV_HUGEPAGE,
+        "MADV_POPULATE_READ": MADV_POPULATE_READ, "MADV_POPULATE_WRITE": MADV_POPULATE_WRITE}
 cdef int LOCK_SPINS = 400        # ~10 us of pause instructions before blocking
 EXIT_LOCK_TIMEOUT = 0.1      # the most a lock waits once the interpreter is exiting
 cdef int64_t EXIT_LOCK_TIMEOUT_NS = 100_000_000
@@ -1576,6 +1580,47 @@ cdef class Segment:
         self._check_open()
         check_shape(self)
         return <size_t>(self.base + self.hdr.hdr_regions.reg_pool)
+
+    def advise_pool(self, int64_t start, int64_t length, int advice):
+        """madvise(2) on bytes [start, start + length) of this process's mapping of the page
+        pool, widened to whole OS pages, without the GIL. Returns 0, or the errno it failed
+        with (the caller decides: EINVAL from an older kernel means "try another advice").
+
+        Counts as a call in flight, so close() in another thread waits for it rather than
+        unmap the range under it, and refuses it once close() has begun.
+
+        Raises:
+            ValueError: the segment is closed or closing, or the range is not in the pool.
+        """
+        cdef pthread_t me = pthread_self()
+        cdef int64_t pool_bytes
+        cdef size_t os_page, addr, lo
+        cdef int rc, err = 0
+        if self.closed:
+            raise ValueError("the segment is closed")
+        if self.fork_epoch != _fork_epoch:
+            self._after_fork()
+        if self.closing and not pthread_equal(self.closing_thread, me):
+            raise ValueError("the segment is closed (another thread is closing it)")
+        check_shape(self)
+        pool_bytes = self.hdr.hdr_config.cfg_num_pages * self.hdr.hdr_config.cfg_page_bytes
+        if not (0 <= start <= pool_bytes and 0 <= length <= pool_bytes - start):
+            raise ValueError(
+                f"range [{start}, {start} + {length}) is not in the page pool of {pool_bytes} bytes")
+        if length == 0:
+            return 0
+        # madvise wants a page-aligned start; the bytes this adds before the range are the
+        # pool's or the metadata's, in this mapping, and no advice used here changes them.
+        os_page = <size_t>sysconf(_SC_PAGESIZE)
+        addr = <size_t>(self.base + self.hdr.hdr_regions.reg_pool + start)
+        lo = addr & ~(os_page - 1)
+        self.in_flight += 1
+        with nogil:
+            rc = madvise(<void*>lo, addr + <size_t>length - lo, advice)
+            if rc != 0:
+                err = errno
+        self.in_flight -= 1
+        return err
 
     def __getbuffer__(self, Py_buffer* view, int flags):
         # The page pool as a writable uint8 [num_pages, page_bytes] buffer: numpy and torch

@@ -13,6 +13,8 @@ Sections of the report:
   processes sharing one segment (aggregate throughput, lock or call latency percentiles);
 * data path: gathering and scattering KV pages through `cache.pages_tensor()` against a
   plain torch tensor and numpy;
+* pool faults: copying into a freshly attached pool, cold and after `start_prefault()`,
+  against a copy between two pre-faulted numpy buffers;
 * tree: the workloads as match-then-insert straight on the compiled tree (no WorkerView).
 
 Every figure is reported beside a baseline measured in the same process, because the machines
@@ -885,6 +887,65 @@ def _torch_ops(cache: HostKVCache, batches: List[np.ndarray],
     }
 
 
+# -- pool faults ----------------------------------------------------------------------------------
+
+
+def pool_faults(quick: bool) -> Dict[str, Any]:
+    """np.copyto of the whole pool from a pre-faulted buffer, through a handle attached just
+    before, so that its mapping has no page table entries yet (each attach maps anew, as
+    another process would): cold, and after start_prefault() has finished (timed too),
+    beside np.copyto between two pre-faulted numpy buffers of the same size. The three take
+    turns within each round, in a new order each round; medians are reported."""
+    nbytes = (64 if quick else 512) << 20
+    rounds = 3 if quick else 7
+    page_bytes = DATA_LAYOUT.page_bytes(PAGE_SIZE)
+    src = np.ones(nbytes, np.uint8)                     # both written: faulted in
+    dst = np.zeros(nbytes, np.uint8)
+    samples: Dict[str, List[float]] = {"cold": [], "prefaulted": [], "plain": [], "prefault": []}
+    last: Dict[str, Any] = {}                           # the last prefault's status
+    creator = _create(nbytes // page_bytes, 0, page_bytes=0, kv_layout=DATA_LAYOUT)
+    try:
+        def into_pool(prefault: bool) -> float:
+            handle = HostKVCache.attach(creator.name)
+            try:
+                if prefault:
+                    handle.start_prefault()
+                    while handle.prefault_status().state == "running":
+                        time.sleep(0.001)
+                    status = handle.prefault_status()
+                    samples["prefault"].append(status.done_bytes / max(status.seconds, 1e-9))
+                    last.update(method=status.method, prefault_state=status.state,
+                                huge_pages=status.huge_pages, huge_policy=status.huge_policy)
+                pool = handle.pages_array().reshape(-1)
+                start = time.perf_counter()
+                np.copyto(pool, src)
+                elapsed = time.perf_counter() - start
+                del pool                                # before close()
+            finally:
+                handle.close()
+            return nbytes / elapsed
+
+        def plain() -> float:
+            start = time.perf_counter()
+            np.copyto(dst, src)
+            return nbytes / (time.perf_counter() - start)
+
+        ops: Dict[str, Callable[[], float]] = {
+            "cold": lambda: into_pool(False), "prefaulted": lambda: into_pool(True),
+            "plain": plain}
+        order = list(ops)
+        shuffle = np.random.default_rng(0).shuffle
+        for _ in range(rounds):
+            shuffle(order)
+            for name in order:
+                samples[name].append(ops[name]())
+    finally:
+        _destroy(creator)
+    return {"pool_bytes": nbytes, "rounds": rounds, **last,
+            "gbytes_per_s": {name: float(np.median(rates)) / 1e9
+                             for name, rates in samples.items()}}
+
+
 # -- the tree section (no WorkerView) ------------------------------------------------------------
 
 
@@ -1034,6 +1095,7 @@ def run(quick: bool = False, seed: int = 0) -> Dict[str, Any]:
         "decode": decode_steps(quick, seed),
         "processes": process_scaling(process_specs(quick, seed), quick),
         "data_path": kv,
+        "pool_faults": pool_faults(quick),
         "tree": [tree_row(workloads[n], model_module, ceilings)
                  for n in ("shared-prompt", "multi-turn")],
     }
@@ -1201,6 +1263,19 @@ def _format_data_path(kv: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _format_pool_faults(pf: Dict[str, Any]) -> List[str]:
+    """The pool-faults section: GB/s of a copy into a fresh mapping, cold and pre-faulted."""
+    rates = pf["gbytes_per_s"]
+    return [
+        f"pool faults: np.copyto of {pf['pool_bytes'] >> 20} MiB into a freshly attached pool, "
+        f"GB/s, median of {pf['rounds']} interleaved rounds",
+        f"cold {rates['cold']:.1f}; after start_prefault() {rates['prefaulted']:.1f}; plain "
+        f"(between pre-faulted numpy buffers) {rates['plain']:.1f}; the prefault itself "
+        f"{rates['prefault']:.1f} ({pf['method']}, {pf['prefault_state']})",
+        f"huge pages: {pf['huge_pages']} (tmpfs policy {pf['huge_policy'] or 'unknown'})",
+    ]
+
+
 def format_table(report: Dict[str, Any]) -> str:
     """The report as plain-text tables."""
     m = report["machine"]
@@ -1246,6 +1321,8 @@ def format_table(report: Dict[str, Any]) -> str:
     lines += _format_processes(report["processes"])
     lines.append("")
     lines += _format_data_path(report["data_path"])
+    lines.append("")
+    lines += _format_pool_faults(report["pool_faults"])
     lines.append("")
     lines += _format_runs("tree: match then insert straight on _radix (no WorkerView)",
                           report["tree"], engine=False)

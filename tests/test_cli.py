@@ -81,7 +81,8 @@ def test_bench_quick_smoke(tmp_path):
     result = run_cli("bench", "--quick", "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    for section in ("engine:", "eviction:", "processes:", "KV data path:", "tree:"):
+    for section in ("engine:", "eviction:", "processes:", "KV data path:", "pool faults:",
+                    "tree:"):
         assert section in result.stdout
 
     assert report["ceilings"]["compare_tokens_per_s"] > 0
@@ -144,6 +145,11 @@ def test_bench_quick_smoke(tmp_path):
         assert {"tensor_gather", "plain_gather", "tensor_scatter", "plain_scatter"} <= set(rates)
         assert set(report["data_path"]["pages_tensor_vs_plain"]) == {"gather", "scatter"}
     assert all(rate > 0 for rate in rates.values())
+
+    faults = report["pool_faults"]
+    assert faults["prefault_state"] == "done"
+    assert set(faults["gbytes_per_s"]) == {"cold", "prefaulted", "plain", "prefault"}
+    assert all(rate > 0 for rate in faults["gbytes_per_s"].values())
 
     tree = {row["workload"]: row for row in report["tree"]}
     assert set(tree) == {"shared-prompt", "multi-turn"}

@@ -72,10 +72,24 @@ cdef extern from "<sys/mman.h>" nogil:
 cdef extern from *:
     """
     #include <sys/mman.h>
+    /* Values from linux/mman.h, for C libraries older than the kernels that know them;
+       a kernel that does not answers EINVAL. */
+    #ifndef MADV_WILLNEED
+    #define MADV_WILLNEED 3
+    #endif
+    #ifndef MADV_HUGEPAGE
+    #define MADV_HUGEPAGE 14         /* Linux 2.6.38, with CONFIG_TRANSPARENT_HUGEPAGE */
+    #endif
+    #ifndef MADV_POPULATE_READ
+    #define MADV_POPULATE_READ 22    /* Linux 5.14 */
+    #endif
     #ifndef MADV_POPULATE_WRITE
-    #define MADV_POPULATE_WRITE 23   /* Linux 5.14; older kernels answer EINVAL */
+    #define MADV_POPULATE_WRITE 23   /* Linux 5.14 */
     #endif
     """
+    int MADV_WILLNEED
+    int MADV_HUGEPAGE
+    int MADV_POPULATE_READ
     int MADV_POPULATE_WRITE
 
 
@@ -92,6 +106,9 @@ cdef extern from "<fcntl.h>" nogil:
 
 
 cdef extern from "<unistd.h>" nogil:
+    enum:
+        _SC_PAGESIZE
+    long sysconf(int)
     void _exit(int)
     pid_t getpid()
     unsigned int getuid()
