@@ -122,6 +122,8 @@ class HostKVConnector(KVConnectorBase_V1):
                 logger.info("hostkv: remote tier %s (key prefix %r)",
                             self._settings.remote.redacted_url,
                             self._settings.remote.key_prefix)
+                # The tier writes fetched pages into the pool from this process.
+                self._cache.start_prefault()
             self._sched = SchedulerSide(self._cache, self._settings, kv.page_size,
                                         self._namespace_base, self._failures, self._counters,
                                         tier, tp_world=kv.tp_world)
@@ -279,6 +281,11 @@ class HostKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         """Hits, pages and bytes loaded and saved, copy time and failures since last time;
         with a remote tier, its lookups, waits, fetched and written pages and errors."""
+        if self._worker is not None:
+            try:
+                self._worker.take_prefault_progress()
+            except Exception as exc:      # noqa: BLE001 - stats never fail a step
+                self._fail("prefault stats", exc)
         sched = self._sched
         if sched is not None and sched.tier is not None:
             try:

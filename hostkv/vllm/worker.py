@@ -44,6 +44,7 @@ class WorkerSide:
         self.bad_blocks: Set[int] = set()
         self.done: List[Tuple[int, int, List[str]]] = []
         self.load_failed: Set[str] = set()
+        self.prefaulted = 0
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         """Maps vLLM's per-layer KV tensors onto the pages (start-up: raises, naming the
@@ -67,6 +68,16 @@ class WorkerSide:
                 f"{describe_layout(kv.layout, kv.page_size)} (KV heads [{first}, {stop}) of "
                 f"rank {self.rank}): {exc}") from None
         self.engine = engine
+        # Off the serving path: this process's first saves into a fresh mapping would
+        # otherwise pay a page fault per 4 KiB of the pool.
+        self.cache.start_prefault()
+
+    def take_prefault_progress(self) -> None:
+        """Adds the pool bytes pre-faulted since the last call to ``prefaulted_bytes``."""
+        done = self.cache.prefault_status().done_bytes
+        if done > self.prefaulted:
+            self.counters.add("prefaulted_bytes", done - self.prefaulted)
+            self.prefaulted = done
 
     def unregister_kv_caches(self) -> None:
         """vLLM is remapping its KV tensors (sleep mode): no copy may touch the old ones."""
