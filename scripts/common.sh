@@ -1,6 +1,7 @@
-# The set-up scripts/test.sh and scripts/run.sh share; they source this file (it does nothing
-# run on its own). From a fresh Debian machine to a working virtualenv; each step is skipped
-# when it is already done, so a second run goes straight to the work.
+# The set-up scripts/test.sh and scripts/run.sh share; they source this file, which only
+# defines functions and moves to the repository's root. From a fresh Debian machine to a
+# working virtualenv; each step is skipped when it is already done, so that a second run
+# goes straight to the work.
 #
 #   hostkv_setup EXTRAS [COMMAND:PACKAGE ...]
 #       1. apt-get installs each Debian PACKAGE whose COMMAND is missing, and what building
