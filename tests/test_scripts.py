@@ -34,6 +34,8 @@ def test_the_readme_commands_are_the_scripts(section, command):
 
 
 def test_ci_runs_the_readme_test_command_verbatim():
+    if not os.path.exists(os.path.join(ROOT, ".ci", "run")):
+        pytest.skip("no .ci/run here (an sdist ships without it)")
     lines = read(".ci/run").splitlines()
     assert CI_MARK in lines
     after = [line for line in lines[lines.index(CI_MARK) + 1:] if line.strip()]
@@ -47,6 +49,8 @@ def test_ci_runs_the_readme_test_command_verbatim():
 @pytest.mark.parametrize("script", ["scripts/common.sh", "scripts/run.sh", "scripts/test.sh",
                                     ".ci/run"])
 def test_the_scripts_parse(script):
+    if not os.path.exists(os.path.join(ROOT, script)):
+        pytest.skip(f"no {script} here (an sdist ships without .ci)")
     result = subprocess.run(["bash", "-n", os.path.join(ROOT, script)], capture_output=True,
                             text=True, timeout=30)
     assert result.returncode == 0, result.stderr
