@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - the message is the point
 
 import hostkv
 import hostkv.remote          # needs redis-py only when --remote is used
+from hostkv._progress import Progress
 
 PAGE_SIZE = 16
 VOCAB = 32_000
@@ -321,6 +322,7 @@ def run(chats: List[Dict], num_requests: int, workers: int, seed: int, reuse: bo
     outputs = {}
     per_worker = []
     start = time.perf_counter()
+    bar = Progress(label, num_requests)
     try:
         for p in processes:
             p.start()
@@ -335,7 +337,7 @@ def run(chats: List[Dict], num_requests: int, workers: int, seed: int, reuse: bo
                 continue
             if event[0] == "progress":
                 done += event[1]
-                progress(label, done, num_requests)
+                bar.update(done)
             else:
                 _, worker_id, worker_outputs, figures = event
                 outputs.update(worker_outputs)
@@ -347,20 +349,13 @@ def run(chats: List[Dict], num_requests: int, workers: int, seed: int, reuse: bo
         cache.check()
         stats = cache.stats()
     finally:
+        bar.close()
         for p in processes:
             if p.is_alive():
                 p.kill()
         cache.close()
         hostkv.HostKVCache.unlink_segment(name)
-    print(file=sys.stderr)
     return outputs, sorted(per_worker, key=lambda f: f["worker"]), stats, elapsed
-
-
-def progress(label: str, done: int, total: int) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r{label:<10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    sys.stderr.flush()
 
 
 def print_report(reuse_run, baseline_run, identical: Optional[bool]) -> None:
@@ -452,7 +447,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         baseline_run = run(chats, args.requests, args.workers, args.seed, False,
                            args.segment_name + "-base", "no reuse")
     except KeyboardInterrupt:
-        print("\ninterrupted; segments unlinked", file=sys.stderr)
+        print("interrupted; segments unlinked", file=sys.stderr)   # (run() ended the bar's line)
         return 130
     identical = None
     if reuse_run is not None:

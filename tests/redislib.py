@@ -2,8 +2,8 @@
 cluster on 127.0.0.1 at free ports, each in its own temporary directory, always stopped
 (SIGCONT first: a SIGSTOPped server cannot die otherwise), failures included.
 
-redis-server and redis-cli come from Debian's redis-server/redis-tools packages (.ci/run
-installs them); nothing is started globally.
+redis-server and redis-cli come from Debian's redis-server/redis-tools packages
+(scripts/test.sh installs them when missing); nothing is started globally.
 """
 
 from __future__ import annotations

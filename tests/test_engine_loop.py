@@ -27,5 +27,9 @@ def test_engine_loop_reuses_and_matches_the_no_reuse_run():
     assert reuse_row, result.stdout
     requests, prompt_tokens, reused = map(int, reuse_row.groups())
     assert requests == 8 and 0 < reused < prompt_tokens
+    # Captured, stderr is no terminal: one plain line per phase, no "\r" bar frames.
+    assert "\r" not in result.stderr, result.stderr
+    assert re.search(r"^reuse +8/8$", result.stderr, re.M), result.stderr
+    assert re.search(r"^no reuse +8/8$", result.stderr, re.M), result.stderr
     # Both runs unlinked their segments.
     assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{name}-base")

@@ -103,15 +103,19 @@ def test_random_kill_9_soak(segment_name, workers, record_property):
             running = [s for s, w in workers.items() if w.proc.is_alive() and w.ops.value > 0]
             if running:
                 slot = rng.choice(running)
-                os.kill(workers[slot].proc.pid, signal.SIGKILL)
+                workers[slot].proc.kill()
                 retire(slot, killed=True)
                 spawn(slot)
             if time.monotonic() - last_check > CHECK_EVERY:
                 cache.check()           # exact, while processes live, die and recover
                 last_check = time.monotonic()
-        # Stop everyone: kill -9 the rest too.
+        # Stop everyone: kill -9 the rest too. Process.kill(), not os.kill(pid): a worker that
+        # died at its crash point since the last look may already be reaped (is_alive() above
+        # waits for it), and then its pid is gone (ProcessLookupError) or, worse, reused.
+        # Process.kill() sends nothing to a reaped child and ignores one that has just gone;
+        # retire() counts it by its exit status either way.
         for slot in list(workers):
-            os.kill(workers[slot].proc.pid, signal.SIGKILL)
+            workers[slot].proc.kill()
             retire(slot, killed=True)
         elapsed = time.monotonic() - start
         assert not failures, "; ".join(failures) + " (see the worker's traceback above)"
