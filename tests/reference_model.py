@@ -1,8 +1,8 @@
 """A pure-Python reference model of hostkv's radix prefix cache (the compiled tree's twin).
 
-It is written from the contract (DESIGN.md's Semantics and the radix brief), not from
-_radix.pyx, so that the hypothesis state machine in test_radix_model.py can drive both side by
-side and any difference is a finding in one of them. It is also the plain baseline for
+It is written from the contract (docs/design.md, "Semantics", and the summary below), not
+from _radix.pyx, so that the hypothesis state machine in test_radix_model.py can drive both
+side by side and any difference is a finding in one of them. It is also the plain baseline for
 benchmarks: dict-based nodes, O(1) child lookup by the first page's token tuple, a match
 costs O(pages matched), an eviction heapifies the unlocked leaves once (as SGLang's
 RadixCache does).
@@ -79,7 +79,7 @@ class RadixModel:
         self.cached_page_set: Set[int] = set()
         self.tick = 0
         self._next_id = 0
-        # Counters, named as in the brief; compare with CacheStats.
+        # Counters; each compares with the CacheStats field in parentheses.
         self.cached = 0         # pages held by the tree                 (cached_pages)
         self.protected = 0      # pages of locked nodes                  (borrowed_pages)
         self.nodes = 0          # nodes in use                           (tree_nodes)

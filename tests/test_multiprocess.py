@@ -113,7 +113,7 @@ def test_dead_process_lease_is_reaped(cache, segment_name, procs):
 
 
 def test_reap_counts_what_a_sweep_due_at_the_same_time_found(cache, segment_name, procs):
-    # DESIGN: a sweep runs at least once a second while the lock is in use. When one is due
+    # docs/design.md: a sweep runs at least once a second while the lock is in use. When one is due
     # as reap() takes the lock (forced here through a test hook), the dead lease
     # is reaped by that call all the same, and reap() must count it.
     before = cache.stats()
@@ -131,7 +131,7 @@ def test_attach_reclaims_a_dead_lease_when_all_slots_are_taken(segment_name, pro
     with HostKVCache.create(segment_name, small_config(max_processes=2)) as cache:
         p = procs(_attach_and_vanish, segment_name)
         finished(p, 0)
-        # Both slots are marked active; one holder is dead. DESIGN: attach sweeps.
+        # Both slots are marked active; one holder is dead. docs/design.md: attach sweeps.
         with HostKVCache.attach(segment_name) as other:
             st = other.stats()
             assert st.active_processes == 2

@@ -72,7 +72,7 @@ def snapshot(c: HostKVCache):
     """What a failed call must leave unchanged: the stats, every refcount, the lease table.
 
     generation is left out: any locker may run the periodic lease sweep (at least once a
-    second, DESIGN "Dead processes"), which is a committed mutation of its own.
+    second, docs/design.md "Dead processes"), which is a committed mutation of its own.
     """
     stats = dataclasses.replace(c.stats(), generation=0)
     return stats, _pages.refcounts(c._segment).tolist(), c._segment.leases()
@@ -382,7 +382,7 @@ def test_full_dev_shm_is_enospc_at_create_and_leaves_no_name(segment_name):
     st = os.statvfs("/dev/shm")
     if st.f_blocks == 0:
         pytest.skip("/dev/shm has no size limit to exceed")
-    # Twice the free space, as the brief says, and also more than the whole filesystem:
+    # Twice the free space, and also more than the whole filesystem:
     # tmpfs then refuses the reservation at once instead of filling memory first.
     target = 2 * max(st.f_bavail, st.f_blocks) * st.f_frsize
     num_pages = 1024
@@ -728,9 +728,10 @@ def _corrupt_then_lock_twice(name: str, how: str, results) -> None:
 
 @pytest.mark.parametrize("how", ["undo", "lease_state"])
 def test_corruption_found_while_locking_releases_the_lock(segment_name, how):
-    # DESIGN: a bad value is a CorruptionError; and a failed repair unlocks and reports
-    # (LMDB). Every later call must say CorruptionError again, not find the lock still held
-    # by the call that failed (RuntimeError "not re-entrant", or LockTimeoutError).
+    # docs/design.md: a bad value is a CorruptionError, and a recovery that fails marks the
+    # segment corrupt before it unlocks (LMDB, too, unlocks and reports). Every later call
+    # must say CorruptionError again, not find the lock still held by the call that failed
+    # (RuntimeError "not re-entrant", or LockTimeoutError).
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     p = ctx.Process(target=_corrupt_then_lock_twice, args=(segment_name, how, results))

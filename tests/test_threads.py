@@ -1,9 +1,10 @@
-"""Threads of one process sharing one HostKVCache (issue 10, items 1 and 2).
+"""Threads of one process sharing one HostKVCache.
 
-DESIGN: "one HostKVCache may be used by any number of threads of its process (each thread
-its own WorkerView); the segment lock serialises them like processes." The lock is a robust
-process-shared mutex, and the kernel tracks which thread holds it; only a thread that
-already holds it must be refused (a normal-type mutex would deadlock on itself).
+docs/design.md, "Threads": one HostKVCache may be used by any number of threads of its
+process, each thread with its own WorkerView, and the segment lock serialises them like
+processes. The lock is a robust process-shared mutex, and the kernel tracks which thread
+holds it; only a thread that already holds it must be refused (a normal-type mutex would
+deadlock on itself).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def _observer(fn, stop, errors, what, calls):
 
 
 def test_threads_with_own_views_serialise_on_the_segment_lock(segment_name):
-    # Issue 10 item 1: before the fix, the "locked" flag belonged to the handle, so every
-    # thread but the holder got RuntimeError("not re-entrant") on nearly every call.
+    # The "locked" flag once belonged to the handle, so every thread but the holder got
+    # RuntimeError("not re-entrant") on nearly every call.
     cfg = small_config(num_pages=256, max_sequences=64, page_size=PAGE)
     with HostKVCache.create(segment_name, cfg) as cache:
         errors: list = []
@@ -196,7 +197,7 @@ def test_views_in_threads_allocate_distinct_pages(segment_name):
 
 
 
-# -- close() while other threads are inside calls (issue 10 item 2) -----------------------------
+# -- close() while other threads are inside calls ---------------------------------------------
 
 
 def _wait_for(predicate, what):

@@ -1,6 +1,6 @@
-"""Commit when the undo log is too small (issue 10, item 10).
+"""Commit when the undo log is too small.
 
-Commit is best effort for radix node records (DESIGN: it evicts, and otherwise leaves the
+Commit is best effort for radix node records (docs/design.md: it evicts, and otherwise leaves the
 pages uncached). The undo log is not such a resource: a log too small for the batch is a
 configuration error, and swallowing it showed up only as "0 pages cached". Commit and
 release raise CapacityError(resource="undo log") and change nothing, as every other

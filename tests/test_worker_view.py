@@ -577,7 +577,7 @@ def test_namespaces_never_share(make):
 
 @pytest.mark.parametrize("namespace", [2**63, 2**64 - 1, np.uint64(2**64 - 1)])
 def test_namespaces_above_int64_max(make, namespace):
-    # DESIGN: "Namespaces are unsigned 64-bit"; as_namespace accepts [0, 2**64).
+    # docs/design.md: "Namespaces are unsigned 64-bit"; as_namespace accepts [0, 2**64).
     cache, view = make()
     (alloc,) = view.allocate_pages_for_sequences_with_prefix([R(1, P + [1], namespace)])
     assert alloc.reused_tokens == 0
@@ -1182,7 +1182,7 @@ def test_out_of_pages_says_where_the_pages_are(make):
 
 
 def test_requests_and_allocations_are_immutable_values(make):
-    """Both are compiled (issue 12: a Python __init__ per request cost more than the rest of
+    """Both are compiled (a Python __init__ per request cost more than the rest of
     the view's Python): they keep what they had as frozen dataclasses - keywords, a default
     namespace, value equality, hashing, repr, pattern matching, pickling, subclassing - and
     refuse every assignment."""
@@ -1253,8 +1253,8 @@ def _namespace_in_child(request):
 def test_a_subclass_of_sequence_request_is_read_as_python_reads_it(make):
     """A subclass's fields are what its attributes say (a property over a field included),
     and a copy, a pickle or a spawned process keeps its own state without running its
-    __init__: a request never silently falls back to another namespace (review of issue 12's
-    compiled types)."""
+    __init__: a request never silently falls back to another namespace (found in review of
+    the compiled types)."""
     cache, view = make(num_pages=16)
     a, b = TenantRequest(1, P + [1], tenant="a"), TenantRequest(2, P + [1], tenant="b")
     assert repr(b).endswith("TenantRequest(seq_id=2, tokens=%r, namespace=2)" % (P + [1]))
@@ -1295,7 +1295,7 @@ def test_a_look_alike_of_sequence_request_is_read_through_its_attributes(make):
 
 def test_a_commit_continues_below_the_prefix_the_sequence_holds(make):
     """Commit and release insert a sequence's pages from the end of the prefix it holds
-    (issue 12: the prefix is not compared again). That node may have been split by another
+    (the prefix is not compared again). That node may have been split by another
     sequence meanwhile (it keeps its identity as the tail) or have gained children: the
     pages still land right after the prefix, and every prompt matches as it should."""
     cache, view = make(num_pages=64)
@@ -1321,7 +1321,7 @@ def test_a_commit_continues_below_the_prefix_the_sequence_holds(make):
 
 def test_a_release_hands_its_references_to_the_tree_and_refuses_pages_it_never_held(make):
     """A release that commits lets the tree take over the sequence's own references
-    (issue 12) instead of adding one and dropping one: the refcounts come out exact. Handed
+    instead of adding one and dropping one: the refcounts come out exact. Handed
     pages the sequence's list does not hold (another sequence's), the compiled release
     refuses the whole mutation and changes nothing."""
     cache, view = make(num_pages=64)
@@ -1366,7 +1366,7 @@ def test_page_lists_fill_twelve_pages_a_record_across_decode_steps(make):
 
 
 def test_a_commit_never_locks_past_what_it_matched(make):
-    """Found in review (issue 12): a commit whose pages were all cached, ending inside a
+    """Found in review: a commit whose pages were all cached, ending inside a
     node it could not split (no node record free), locked that whole node; the next commit
     then continued below its end without comparing, and hung this sequence's KV under
     another prompt's pages. The lock must stay where the sequence's tokens were matched."""
@@ -1390,7 +1390,7 @@ def test_a_commit_never_locks_past_what_it_matched(make):
 
 
 def test_big_endian_int32_prompts_are_read_as_their_ids(make):
-    """Found in review (issue 12): a '>i4' array is NPY_INT32 too, and the compiled fast
+    """Found in review: a '>i4' array is NPY_INT32 too, and the compiled fast
     path copied its bytes raw, caching ids 1 << 24, 2 << 24, ... for 1, 2, ... It is
     converted like any other dtype; the raw compiled calls refuse it."""
     cache, view = make(num_pages=32)
@@ -1414,7 +1414,7 @@ def test_big_endian_int32_prompts_are_read_as_their_ids(make):
 
 def test_a_closed_cache_still_names_the_bad_request_first(segment_name):
     """The view's documented errors come before "closed", as they did when the view checked
-    requests in Python (a regression found in review, issue 12)."""
+    requests in Python (a regression found in review)."""
     cache = hostkv.HostKVCache.create(segment_name, hostkv.HostKVConfig(
         num_pages=32, page_size=PS, page_bytes=64))
     view = WorkerView(cache)
