@@ -55,8 +55,9 @@ def _metrics_summary(metrics) -> dict:
 
 
 # inspect is meant for production segments: no lock hold may be long enough to stall a
-# worker (issue 10: copying a 4,000-node tree at once held the lock for 0.8 s). The tree is
-# read in pieces of at most this many node records, the lock let go between pieces.
+# worker (copying a 4,000-node tree at once held the lock for 0.8 s; a full tree would hold
+# it longer than a worker's lock timeout). The tree is read in pieces of at most this many
+# node records, the lock let go between pieces.
 INSPECT_CHUNK_NODES = 1024
 INSPECT_ATTEMPTS = 3        # walks tried before reporting one the engines changed midway
 

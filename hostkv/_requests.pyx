@@ -2,7 +2,7 @@
 """The WorkerView's public value types: SequenceRequest and SequenceAllocation.
 
 Immutable records with value equality, hashing and a repr, as frozen dataclasses have (they
-were ones until issue 12): compiled because an engine makes a request and gets an
+were frozen dataclasses before): compiled because an engine makes a request and gets an
 allocation for every sequence it starts, and a Python __init__ each cost more than the rest
 of the view's Python for a short prompt. worker_view re-exports both; their fields are read
 and filled from C by _sequences.

@@ -63,8 +63,8 @@ def _as_int32_array(tokens: Any, what: str) -> np.ndarray:
     else:
         if isinstance(tokens, BYTES_LIKE) or not isinstance(tokens, Sequence):
             # bytes, bytearray and memoryview iterate as small ints, but they are bytes, not
-            # token ids; a dict or set has no order (issue 10: each was let through or said
-            # something misleading).
+            # token ids; a dict or set has no order (each was once let through, or refused
+            # with a misleading message).
             raise ValueError(f"{what} must be a sequence of integer ids (a list, tuple, numpy "
                              f"or torch integer array), got {type(tokens).__name__}")
         if len(tokens) == 0:

@@ -28,7 +28,7 @@ layer checks on every use, so a stale name is a SequenceError, never a change to
 another view has since been given. And an exception that lands between a compiled call and
 the bookkeeping after it (a KeyboardInterrupt, a MemoryError) leaves the view marked
 "unsettled": its next call first reads back the records the segment holds for this view and
-settles on them (issue 10, item 3):
+settles on them, so the view and the segment never disagree about what it holds:
 
 - an interrupted allocation is undone whole: its sequences are released without commit
   (the caller, who got an exception, never learned their pages);

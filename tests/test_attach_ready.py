@@ -1,4 +1,4 @@
-"""Attach and a creator still initialising (issue 10 item 7).
+"""Attach and a creator still initialising.
 
 A creator writes a header that says what the segment is (magic, format, config, regions,
 creator pid, state INITIALISING) before sizing it, then reserves its memory chunk by chunk,
@@ -136,5 +136,5 @@ def test_create_publishes_its_reservation(cache):
 
 
 def test_the_default_ready_timeout_fits_a_real_pool():
-    # The README's 65,536 x 2 MiB pool takes ~23 s to reserve at ~5.7 GB/s (issue 10).
+    # The README's 65,536 x 2 MiB pool takes ~23 s to reserve at ~5.7 GB/s (measured).
     assert _segment.DEFAULT_READY_TIMEOUT >= 60

@@ -116,7 +116,7 @@ BAD_TOKENS = {
     "mixed-str": [1, "a", 3, 4],
     "mixed-None": [1, None, 3, 4],
     "dict": {1: 2},
-    # Issue 10: each of these was accepted, or refused with a misleading message.
+    # Each of these was once accepted, or refused with a misleading message.
     "bool-among-ints": [1, True, 2, 3],
     "numpy-bool-among-ints": [1, 2, np.False_, 3],
     "bytearray": bytearray(b"abcd"),
@@ -330,7 +330,7 @@ case("WorkerView-not-a-cache", TypeError, lambda env: WorkerView(env.name))
 
 case("evict-negative", ValueError, lambda env: env.cache.evict(-1))
 case("evict-str", ValueError, lambda env: env.cache.evict("a"))
-# Issue 10: each of these was accepted (int() of it) or raised TypeError / OverflowError.
+# Each of these was once accepted (int() of it) or raised TypeError / OverflowError.
 for key, count in {"None": None, "2**70": 2**70, "2**63": 2**63, "0.9": 0.9, "2.9": 2.9,
                    "numeric-str": "3", "True": True, "numpy-bool": np.True_,
                    "numpy-float": np.float64(2.0), "list": [1]}.items():
@@ -422,7 +422,7 @@ def test_non_contiguous_tokens_are_accepted_by_copying(env):
 
 
 def test_out_of_pages_messages_say_what_holds_the_pages(env):
-    """Issue 10: an empty pool short for a batch said "every other page is held by live
+    """An empty pool short for a batch once said "every other page is held by live
     sequences" though none were. These batches take the lock (they evict before they know),
     so they are not in the byte-for-byte table; they still change nothing."""
     before = {s: env.view.state(s).pages.tolist() for s in env.view.live_sequences}
@@ -438,8 +438,8 @@ def test_out_of_pages_messages_say_what_holds_the_pages(env):
 
 
 def test_the_issues_65_pages_on_an_empty_64_page_pool(segment_name):
-    """The exact case from issue 10: nothing is held, so the message must not blame live
-    sequences; and the request is refused before the lock (the segment is unchanged)."""
+    """65 pages asked of an empty 64-page pool: nothing is held, so the message must not
+    blame live sequences; and the request is refused before the lock (the segment is unchanged)."""
     with HostKVCache.create(segment_name, small_config(num_pages=64, page_size=PAGE)) as cache:
         view = WorkerView(cache)
         cache.reap()

@@ -1,4 +1,4 @@
-"""Clocks (issue 10 item 11).
+"""Clocks: lock timeouts and lease sweeps that no clock jump or time namespace can skew.
 
 CLOCK_MONOTONIC differs between time namespaces (containers may offset it), so no stamp of
 it is ever compared across processes: each handle paces its own once-a-second lease sweep.

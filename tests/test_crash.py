@@ -160,8 +160,8 @@ def alloc_many(cache, ctx):
 
 
 def test_undo_log_that_wraps_around_its_ring_is_replayed_at_every_step(segment_name):
-    """Each lease starts its undo log at its own home in the ring of entries (issue 12: two
-    processes taking turns at the lock then write their own cache lines). With 256 entries
+    """Each lease starts its undo log at its own home in the ring of entries (so two
+    processes taking turns at the lock write their own cache lines). With 256 entries
     and 2 lease slots the child's slot 1 starts at entry 168, so allocating 120 pages
     (about 125 logged stores) wraps past the region's end: a death at any step must still
     be replayed to the state before."""

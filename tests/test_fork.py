@@ -1,6 +1,6 @@
-"""A forked child and the handles it inherits (issue 10 items 4 and 5).
+"""A forked child and the handles it inherits.
 
-py-lmdb's rule (STYLE.md): objects inherited by a child never tear down shared state. A child
+py-lmdb's rule: objects inherited by a child never tear down shared state. A child
 inherits its parent's numpy/torch views of the pool as well as the handle, so close() must
 refuse to unmap under them there as in the parent; and an observer's handle stays an observer.
 """
@@ -62,7 +62,7 @@ def test_forked_child_closes_once_the_inherited_views_are_gone(cache):
 
 
 def test_observer_takes_no_lease_in_a_forked_child(cache):
-    # Issue 10 item 5: before the fix, the child's first call registered a lease.
+    # An observer's child once registered a lease at its first call.
     observer = HostKVCache.attach(cache.name, lease=False)
     try:
         before = cache.stats()

@@ -341,7 +341,7 @@ def test_hold_exceptions_mid_batch_roll_back(hold_cache, crash_snapshots, mode):
 def test_skipping_stops_at_the_first_candidate_listed(segment_name):
     """skip_pages skips the coldest nodes while they fit it, then lists every node after:
     a later, smaller node that would still fit what is left of the budget is not left out
-    (review of issue 13: the evict writer's offsets fall inside nodes, and the node at
+    (found in review: the evict writer's offsets fall inside nodes, and the node at
     position 7 below went missing, so it could be evicted unsent)."""
     cfg = small_config(num_pages=64, page_size=4)
     with hostkv.HostKVCache.create(segment_name, cfg) as cache:

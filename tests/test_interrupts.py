@@ -1,4 +1,4 @@
-"""Stale sequence records and interrupted calls (issue 10, item 3).
+"""Stale sequence records and interrupted calls.
 
 The compiled layer names a sequence by (record, sequence id, record generation) and checks
 all three on every use, so a stale name is a SequenceError and never touches a record that
@@ -60,9 +60,9 @@ def segment_sequences(cache):
 
 
 def test_a_stale_release_cannot_release_another_views_sequence(icache, monkeypatch):
-    """The issue's scenario: A's release is interrupted after the compiled release returned;
-    B is given A's old record; A.close() must not release B's sequence, C must not be given
-    B's pages, and B's release must not free C's."""
+    """The case that made records carry a generation: A's release is interrupted after the
+    compiled release returned; B is given A's old record; A.close() must not release B's
+    sequence, C must not be given B's pages, and B's release must not free C's."""
     a, b, c = WorkerView(icache), WorkerView(icache), WorkerView(icache)
     a.allocate_pages_for_sequences_with_prefix([R(7, SYS + [1, 2, 3])])
     record = a._sequences[7].record

@@ -1,4 +1,5 @@
-"""Never wrong KV, checked through the KV bytes themselves (issue 12's review).
+"""Never wrong KV, checked through the KV bytes themselves, not only through the tree's
+invariants (seed 1614 below found a commit whose lock covered more than it had matched).
 
 Every page a sequence writes gets, as its "KV", a digest of the tokens of the whole prefix
 it ends: what a real engine's KV depends on. Random batches of allocate, decode, commit,

@@ -1,4 +1,4 @@
-"""Hostile mutex bytes (issue 10 item 6).
+"""Hostile mutex bytes, in a segment other users may write.
 
 glibc believes a mutex's kind word at every lock: with PTHREAD_MUTEX_PRIO_PROTECT (0x40) it
 aborts the process (SIGABRT), and kinds 0-3, 0x20 (priority inheritance) or 0x30 give a lock

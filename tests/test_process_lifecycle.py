@@ -1,4 +1,4 @@
-"""A process's start and end around a segment (issue 10 items 9 and 12): no environment
+"""A process's start and end around a segment: no environment
 variable can make it _exit, a failed create leaves no thread behind, and exiting with a
 handle open never waits out the lock timeout."""
 

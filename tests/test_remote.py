@@ -548,7 +548,7 @@ def test_a_probe_that_never_reports_back_expires():
     """The open breaker lets one probe through; a probe whose caller never reports an
     outcome (its batch had nothing to send after all, or failed for a reason that is not
     the store's) expires after one call's timeouts, so the breaker cannot stay open for
-    good (review of issue 13: it did, until the process restarted)."""
+    good (a probe with no outcome once kept it open until the process restarted)."""
     import time
 
     from hostkv.remote.tier import _Breaker

@@ -169,7 +169,7 @@ def test_a_dead_master_fails_only_its_own_keys(make_host):
 def test_every_master_paused_opens_the_breaker_and_it_closes_again(make_host):
     """Every master stopped (SIGSTOP): lookups fail, and as every master is failed or
     backing off, the store counts as down and the breaker opens (lookups then cost
-    nothing); resumed, the nodes answer again and the breaker closes (review of issue 13:
+    nothing); resumed, the nodes answer again and the breaker closes (found in review:
     the stream's bookkeeping after its last answer never ran, so the breaker never opened
     and recovered nodes stayed marked down)."""
     with redis_cluster() as cluster:
