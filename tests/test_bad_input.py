@@ -437,7 +437,7 @@ def test_out_of_pages_messages_say_what_holds_the_pages(env):
     env.cache.check()
 
 
-def test_the_issues_65_pages_on_an_empty_64_page_pool(segment_name):
+def test_65_pages_on_an_empty_64_page_pool(segment_name):
     """65 pages asked of an empty 64-page pool: nothing is held, so the message must not
     blame live sequences; and the request is refused before the lock (the segment is unchanged)."""
     with HostKVCache.create(segment_name, small_config(num_pages=64, page_size=PAGE)) as cache:

@@ -29,8 +29,8 @@ class HostKVSettings:
             values never share pages (the model's name, dtype and layout, each request's
             cache_salt and LoRA adapter are always mixed in).
         max_processes: Lease slots when this engine creates the segment (0: hostkv's
-            default, 64): each engine takes two to three (scheduler, workers); a remote
-            tier shares its process's.
+            default, 64): each engine takes one per process (its scheduler and each
+            tensor-parallel worker); a remote tier shares its process's.
         remote: The remote tier shared by every host (key ``remote``: a URL such as
             ``redis://host:6379/0`` or ``redis+cluster://h1:7000,h2:7000``), None: off.
             Keys ``remote_<field>`` set the other RemoteConfig fields (``remote_key_prefix``,
