@@ -119,3 +119,74 @@ def test_sliding_window_model_keeps_working(tmp_path):
     model = write_model(str(tmp_path / "model"), num_layers=4, num_kv_heads=1,
                         kind="gemma3")
     _share_both_ways(tmp_path, "gemma3", model, tp_b=1)
+
+
+def _worker_pid(engine: Engine, rank: int) -> int:
+    """The pid of an engine's tensor-parallel worker (vLLM titles it VLLM::Worker_TP<rank>)."""
+    group = engine.proc.pid
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+            if title.strip() == f"VLLM::Worker_TP{rank}" and os.getpgid(int(entry)) == group:
+                return int(entry)
+        except OSError:
+            continue
+    raise AssertionError(f"no VLLM::Worker_TP{rank} in the engine's process group")
+
+
+def test_a_tp_rank_killed_mid_save_commits_nothing_half_written(tmp_path):
+    """kill -9 of one rank of a TP=2 engine while its requests decode (pages reserved, saves
+    in flight): its pages are never committed unless both ranks confirmed them, so another
+    engine that reuses what the cache holds generates exactly the baseline's tokens, and the
+    segment checks clean once the dead engine's leases are swept."""
+    import signal
+    import time
+
+    model = write_model(str(tmp_path / "model"), num_layers=2, num_kv_heads=4, head_dim=64,
+                        seed=4)
+    segment = f"hostkv-test-tpkill-{os.getpid()}-{random.randrange(1 << 30):x}"
+    extra = {"segment": segment, "size": "64MiB"}
+    prompts = _prompts(random.Random(11), 3)
+    engines = []
+    try:
+        base = Engine(model, None, str(tmp_path / "base.log"))
+        victim = Engine(model, extra, str(tmp_path / "victim.log"), tp=2)
+        survivor = Engine(model, extra, str(tmp_path / "survivor.log"))
+        engines = [base, victim, survivor]
+        for engine in engines:
+            engine.ready()
+        expected = base.generate(prompts, MAX_TOKENS)[0]
+        base.stop()
+        victim.submit(prompts, 1000)
+        deadline = time.monotonic() + 120
+        with hostkv.HostKVCache.attach(segment, lease=False) as observer:
+            while time.monotonic() < deadline:
+                stats = observer.stats()
+                if stats.active_sequences >= len(prompts) and stats.cached_pages > 0:
+                    break
+                time.sleep(0.005)
+            else:
+                pytest.fail("the TP=2 engine never committed a page")
+            allocated = stats.pages_allocated
+            while time.monotonic() < deadline:       # into the decode: pages reserved
+                if observer.stats().pages_allocated > allocated:
+                    break
+                time.sleep(0.005)
+        os.kill(_worker_pid(victim, 1), signal.SIGKILL)
+        victim.kill()                                # vLLM gives up the engine; all of it
+        outs, cached, _ = survivor.generate(prompts, MAX_TOKENS)
+        assert cached == _hits(prompts, BLOCK_SIZE)  # the prompts' pages were committed
+        assert outs == expected
+        with hostkv.HostKVCache.attach(segment) as cache:
+            cache.reap()
+            cache.check()
+            stats = cache.stats()
+            assert stats.active_sequences == 0 and stats.borrowed_pages == 0
+            assert stats.free_pages + stats.cached_pages == cache.config.num_pages
+    finally:
+        for engine in engines:
+            engine.stop()
+        unlink_quietly(segment)
