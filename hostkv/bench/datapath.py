@@ -1,0 +1,211 @@
+"""The sections that move KV bytes: gathers and scatters through pages_tensor() (the KV
+data path) and copies into a freshly attached pool (pool faults)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Callable, Dict, Iterator, List, Sequence
+
+import numpy as np
+
+from hostkv.bench.common import _create, _destroy
+from hostkv.bench.workloads import PAGE_SIZE
+from hostkv.cache import HostKVCache
+from hostkv.config import KVLayout
+
+# The data path's KV layout: 16 layers x 4 KV heads x 64 dims in bfloat16 is 16 KiB per
+# token, 256 KiB per 16-token page (a 7B-class model's 2 MiB pages would not fit the pool).
+DATA_LAYOUT = KVLayout(num_layers=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+GATHER_PAGES = 64
+
+
+def _median_rates(ops: Dict[str, Callable[[], None]], nbytes: int, seconds: float,
+                  rounds: int = 9) -> Dict[str, float]:
+    """Bytes per second of each op (median of rounds). The ops take turns within a round,
+    so that a noisy neighbour slows them alike, in a new seeded order each round, so that
+    no op always follows the same one (and inherits its dirty cache lines)."""
+    for op in ops.values():
+        op()                                            # warm up (first touch, allocations)
+    calls = {}
+    for name, op in ops.items():
+        start = time.perf_counter()
+        n = 0
+        while time.perf_counter() - start < seconds / rounds / len(ops):
+            op()
+            n += 1
+        calls[name] = max(n, 1)
+    samples: Dict[str, List[float]] = {name: [] for name in ops}
+    order = list(ops)
+    shuffle = np.random.default_rng(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for name in order:
+            op = ops[name]
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                op()
+            samples[name].append(nbytes * calls[name] / (time.perf_counter() - start))
+    return {name: float(np.median(rates)) for name, rates in samples.items()}
+
+
+class _Rotation:
+    """Hands out its items in turn, so that repeated ops touch different pages."""
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        self._items = items
+        self._next = 0
+
+    def __call__(self) -> Any:
+        item = self._items[self._next]
+        self._next = (self._next + 1) % len(self._items)
+        return item
+
+
+def data_path(quick: bool, seed: int) -> Dict[str, Any]:
+    """Gathers GATHER_PAGES random pages into a preallocated destination and scatters them
+    back: through pages_tensor(), a plain torch tensor of the same shape, and numpy on
+    pages_array(); plus the memcpy ceiling, copying as many contiguous pages of the pool."""
+    num_pages = 256 if quick else 4096                  # 64 MiB or 1 GiB at 256 KiB a page
+    page_bytes = DATA_LAYOUT.page_bytes(PAGE_SIZE)
+    rng = np.random.default_rng(seed)
+    batches = [rng.choice(num_pages, GATHER_PAGES, replace=False) for _ in range(16)]
+    starts = rng.integers(0, num_pages - GATHER_PAGES, 16).tolist()
+    report: Dict[str, Any] = {"layout": dataclasses.asdict(DATA_LAYOUT), "page_bytes": page_bytes,
+                              "pool_bytes": num_pages * page_bytes, "pages_per_op": GATHER_PAGES}
+    cache = _create(num_pages, 0, page_bytes=0, kv_layout=DATA_LAYOUT)
+    try:
+        ops = _numpy_ops(cache, _Rotation(batches), _Rotation(starts))
+        ops.update(_torch_ops(cache, batches, report))
+        with _one_torch_thread():
+            rates = _median_rates(ops, GATHER_PAGES * page_bytes, 2.0 if quick else 12.0)
+        del ops                                         # drop the views before closing
+    finally:
+        _destroy(cache)
+    report["gbytes_per_s"] = {name: rate / 1e9 for name, rate in rates.items()}
+    if "tensor_gather" in rates:
+        report["pages_tensor_vs_plain"] = {kind: rates[f"tensor_{kind}"] / rates[f"plain_{kind}"]
+                                           for kind in ("gather", "scatter")}
+    return report
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Runs torch on one thread, as numpy and the copy ceiling run: on a small shared machine
+    torch's thread pool turns a 1 ms gather into hundreds of ms whenever a neighbour holds a
+    core, so ratios would measure the neighbour."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _numpy_ops(cache: HostKVCache, batch: Callable[[], np.ndarray],
+               start: Callable[[], int]) -> Dict[str, Callable[[], None]]:
+    """The copy ceiling (contiguous pages), take(out=) gathers, fancy-index scatters."""
+    pool = cache.pages_array()
+    pool.fill(1)                                        # touch the pool once
+    host = np.empty((GATHER_PAGES, pool.shape[1]), dtype=np.uint8)
+
+    def copy_ceiling() -> None:
+        first = start()
+        np.copyto(host, pool[first:first + GATHER_PAGES])
+
+    def numpy_gather() -> None:
+        # mode="clip": with the default "raise", numpy copies through a temporary buffer.
+        np.take(pool, batch(), axis=0, out=host, mode="clip")
+
+    def numpy_scatter() -> None:
+        pool[batch()] = host
+
+    return {"copy_ceiling": copy_ceiling, "numpy_gather": numpy_gather,
+            "numpy_scatter": numpy_scatter}
+
+
+def _torch_ops(cache: HostKVCache, batches: List[np.ndarray],
+               report: Dict[str, Any]) -> Dict[str, Callable[[], None]]:
+    """index_select gathers and index_copy_ scatters on pages_tensor() and on a plain tensor
+    of the same shape; none (and a note in the report) without torch."""
+    try:
+        import torch
+    except ImportError:
+        report["torch"] = "skipped: torch is not installed"
+        return {}
+    report["torch_threads"] = 1
+    shared = cache.pages_tensor()
+    plain = torch.ones_like(shared)
+    dst = torch.empty((GATHER_PAGES,) + tuple(shared.shape[1:]), dtype=shared.dtype)
+    index = _Rotation([torch.from_numpy(b.astype(np.int64)) for b in batches])
+    return {
+        "tensor_gather": lambda: torch.index_select(shared, 0, index(), out=dst),
+        "plain_gather": lambda: torch.index_select(plain, 0, index(), out=dst),
+        "tensor_scatter": lambda: shared.index_copy_(0, index(), dst),
+        "plain_scatter": lambda: plain.index_copy_(0, index(), dst),
+    }
+
+
+# -- pool faults ----------------------------------------------------------------------------------
+
+
+def pool_faults(quick: bool) -> Dict[str, Any]:
+    """np.copyto of the whole pool from a pre-faulted buffer, through a handle attached just
+    before, so that its mapping has no page table entries yet (each attach maps anew, as
+    another process would): cold, and after start_prefault() has finished (timed too),
+    beside np.copyto between two pre-faulted numpy buffers of the same size. The three take
+    turns within each round, in a new order each round; medians are reported."""
+    nbytes = (64 if quick else 512) << 20
+    rounds = 3 if quick else 7
+    page_bytes = DATA_LAYOUT.page_bytes(PAGE_SIZE)
+    src = np.ones(nbytes, np.uint8)                     # both written: faulted in
+    dst = np.zeros(nbytes, np.uint8)
+    samples: Dict[str, List[float]] = {"cold": [], "prefaulted": [], "plain": [], "prefault": []}
+    last: Dict[str, Any] = {}                           # the last prefault's status
+    creator = _create(nbytes // page_bytes, 0, page_bytes=0, kv_layout=DATA_LAYOUT)
+    try:
+        def into_pool(prefault: bool) -> float:
+            handle = HostKVCache.attach(creator.name)
+            try:
+                if prefault:
+                    handle.start_prefault()
+                    while handle.prefault_status().state == "running":
+                        time.sleep(0.001)
+                    status = handle.prefault_status()
+                    samples["prefault"].append(status.done_bytes / max(status.seconds, 1e-9))
+                    last.update(method=status.method, prefault_state=status.state,
+                                huge_pages=status.huge_pages, huge_policy=status.huge_policy)
+                pool = handle.pages_array().reshape(-1)
+                start = time.perf_counter()
+                np.copyto(pool, src)
+                elapsed = time.perf_counter() - start
+                del pool                                # before close()
+            finally:
+                handle.close()
+            return nbytes / elapsed
+
+        def plain() -> float:
+            start = time.perf_counter()
+            np.copyto(dst, src)
+            return nbytes / (time.perf_counter() - start)
+
+        ops: Dict[str, Callable[[], float]] = {
+            "cold": lambda: into_pool(False), "prefaulted": lambda: into_pool(True),
+            "plain": plain}
+        order = list(ops)
+        shuffle = np.random.default_rng(0).shuffle
+        for _ in range(rounds):
+            shuffle(order)
+            for name in order:
+                samples[name].append(ops[name]())
+    finally:
+        _destroy(creator)
+    return {"pool_bytes": nbytes, "rounds": rounds, **last,
+            "gbytes_per_s": {name: float(np.median(rates)) / 1e9
+                             for name, rates in samples.items()}}
