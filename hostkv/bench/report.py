@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hostkv.bench.datapath import DATA_LAYOUT
 
@@ -134,26 +134,31 @@ def _format_pool_faults(pf: Dict[str, Any]) -> List[str]:
     ]
 
 
-def format_table(report: Dict[str, Any]) -> str:
-    """The report as plain-text tables."""
+def _format_header(report: Dict[str, Any]) -> List[str]:
+    """The machine, and the C-level ceilings where a section that compares with them ran
+    (the page copy's where the data path ran too)."""
     m = report["machine"]
-    c = report["ceilings"]
-    ev = report["eviction"]
     lines = [
         f"{m['cpu']}, {m['cores']} cores; Python {m['python']}, numpy {m['numpy']}, "
         f"torch {m['torch'] or 'not installed'}; page size {report['page_size']}, "
         f"seed {report['seed']}{' (quick)' if report['quick'] else ''}; load average "
         f"{m['load_average_1m']:.2f} at the start",
-        f"C-level ceilings (one core): token compare {c['compare_tokens_per_s'] / 1e9:.2f} G "
-        f"tokens/s (memcmp); page copy {c['copy_bytes_per_s'] / 1e9:.1f} GB/s (numpy copy of "
-        f"{report['data_path']['pages_per_op']} contiguous pool pages) = "
-        f"{c['copy_tokens_per_s'] / 1e6:.2f} M tokens/s of KV at "
-        f"{DATA_LAYOUT.token_bytes // 1024} KiB/token",
-        "",
     ]
-    lines += _format_runs("engine: allocate -> release (commit) per request through a "
-                          "WorkerView; reference: RadixModel + free list", report["engine"],
-                          engine=True)
+    if "ceilings" in report:
+        c = report["ceilings"]
+        copy = (f"; page copy {c['copy_bytes_per_s'] / 1e9:.1f} GB/s (numpy copy of "
+                f"{report['data_path']['pages_per_op']} contiguous pool pages) = "
+                f"{c['copy_tokens_per_s'] / 1e6:.2f} M tokens/s of KV at "
+                f"{DATA_LAYOUT.token_bytes // 1024} KiB/token" if "copy_bytes_per_s" in c else "")
+        lines.append(f"C-level ceilings (one core): token compare "
+                     f"{c['compare_tokens_per_s'] / 1e9:.2f} G tokens/s (memcmp){copy}")
+    return lines
+
+
+def _format_engine(report: Dict[str, Any]) -> List[str]:
+    lines = _format_runs("engine: allocate -> release (commit) per request through a "
+                         "WorkerView; reference: RadixModel + free list", report["engine"],
+                         engine=True)
     lines.append("x ref: tokens/s over the reference's (us/req improves by the same factor); "
                  "the same flow and LRU should reuse and evict exactly as the reference does")
     lines.append("% cmp: of the token-compare ceiling; x copy: over copying those tokens' KV at "
@@ -165,23 +170,36 @@ def format_table(report: Dict[str, Any]) -> str:
                  "engines' own format), converted inside the timed calls; us/req: one request "
                  "per call (batch 1), allocate + release; hostkv and the hash chain take "
                  f"turns, {report['engine_rounds']} runs each, and keep their fastest")
+    return lines
+
+
+def _format_eviction(report: Dict[str, Any]) -> List[str]:
+    ev = report["eviction"]
+    demand = report["eviction_by_demand"]
     ref = (f"; reference {ev['reference_ns_per_token']:.0f} ns/token "
            f"({ev['speedup_vs_reference']:.1f}x)" if "reference_ns_per_token" in ev else "")
-    lines += ["", f"eviction: cache.evict({ev['chunk_pages']}) until empty on the "
-              f"{ev['workload']} workload's tree: {ev['ns_per_token']:.1f} ns per evicted token"
-              f"{ref}",
-              f"eviction by demand: one allocation of {report['eviction_by_demand']['allocated_pages']} "
-              f"pages that evicts {report['eviction_by_demand']['evicted_pages']} on the "
-              f"{report['eviction_by_demand']['workload']} workload's cache: "
-              f"{report['eviction_by_demand']['ns_per_token']:.1f} ns per evicted token", ""]
-    lines += _format_decode(report["decode"])
-    lines.append("")
-    lines += _format_processes(report["processes"])
-    lines.append("")
-    lines += _format_data_path(report["data_path"])
-    lines.append("")
-    lines += _format_pool_faults(report["pool_faults"])
-    lines.append("")
-    lines += _format_runs("tree: match then insert straight on _radix (no WorkerView)",
-                          report["tree"], engine=False)
-    return "\n".join(lines)
+    return [f"eviction: cache.evict({ev['chunk_pages']}) until empty on the "
+            f"{ev['workload']} workload's tree: {ev['ns_per_token']:.1f} ns per evicted token"
+            f"{ref}",
+            f"eviction by demand: one allocation of {demand['allocated_pages']} "
+            f"pages that evicts {demand['evicted_pages']} on the "
+            f"{demand['workload']} workload's cache: "
+            f"{demand['ns_per_token']:.1f} ns per evicted token"]
+
+
+def format_table(report: Dict[str, Any]) -> str:
+    """The report as plain-text tables: the sections it holds, in the order they run, one
+    blank line between them."""
+    formatters: List[Tuple[str, Callable[[Dict[str, Any]], List[str]]]] = [
+        ("engine", _format_engine),
+        ("eviction", _format_eviction),
+        ("decode", lambda r: _format_decode(r["decode"])),
+        ("processes", lambda r: _format_processes(r["processes"])),
+        ("data_path", lambda r: _format_data_path(r["data_path"])),
+        ("pool_faults", lambda r: _format_pool_faults(r["pool_faults"])),
+        ("tree", lambda r: _format_runs("tree: match then insert straight on _radix (no "
+                                        "WorkerView)", r["tree"], engine=False)),
+    ]
+    blocks = [_format_header(report)]
+    blocks += [formatter(report) for key, formatter in formatters if key in report]
+    return "\n\n".join("\n".join(block) for block in blocks)
