@@ -6,13 +6,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Dict, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from hostkv.bench.common import _create, _destroy
 from hostkv.bench.workloads import PAGE_SIZE
-from hostkv.cache import HostKVCache
+from hostkv.cache import HostKVCache, PrefaultStatus
 from hostkv.config import KVLayout
 
 # The data path's KV layout: 16 layers x 4 KV heads x 64 dims in bfloat16 is 16 KiB per
@@ -152,6 +152,50 @@ def _torch_ops(cache: HostKVCache, batches: List[np.ndarray],
     }
 
 
+# -- copies into fresh mappings -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _fresh_mapping(name: str, prefault: bool = False
+                   ) -> Iterator[Tuple[HostKVCache, Optional[PrefaultStatus]]]:
+    """A handle attached to segment `name` just now: its own mapping of the pool, with no page
+    table entries yet (each attach maps anew, as another process would), and with prefault
+    once start_prefault() has finished on it, with the prefault's status. The caller drops
+    its views of the pool before the block ends (close() refuses while they live)."""
+    handle = HostKVCache.attach(name)
+    try:
+        status = None
+        if prefault:
+            handle.start_prefault()
+            while handle.prefault_status().state == "running":
+                time.sleep(0.001)
+            status = handle.prefault_status()
+        yield handle, status
+    finally:
+        handle.close()
+
+
+def _take_turns(ops: Dict[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:
+    """Each op's samples over `rounds` rounds: the ops take turns within a round, so that a
+    noisy neighbour slows them alike, in a new seeded order each round, so that no op always
+    follows the same one."""
+    samples: Dict[str, List[float]] = {name: [] for name in ops}
+    order = list(ops)
+    shuffle = np.random.default_rng(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for name in order:
+            samples[name].append(ops[name]())
+    return samples
+
+
+def _rate(nbytes: int, op: Callable[[], Any]) -> float:
+    """Bytes per second of one call of op, which moves nbytes."""
+    start = time.perf_counter()
+    op()
+    return nbytes / (time.perf_counter() - start)
+
+
 # -- pool faults ----------------------------------------------------------------------------------
 
 
@@ -166,46 +210,33 @@ def pool_faults(quick: bool) -> Dict[str, Any]:
     page_bytes = DATA_LAYOUT.page_bytes(PAGE_SIZE)
     src = np.ones(nbytes, np.uint8)                     # both written: faulted in
     dst = np.zeros(nbytes, np.uint8)
-    samples: Dict[str, List[float]] = {"cold": [], "prefaulted": [], "plain": [], "prefault": []}
+    prefaults: List[float] = []
     last: Dict[str, Any] = {}                           # the last prefault's status
     creator = _create(nbytes // page_bytes, 0, page_bytes=0, kv_layout=DATA_LAYOUT)
     try:
         def into_pool(prefault: bool) -> float:
-            handle = HostKVCache.attach(creator.name)
-            try:
-                if prefault:
-                    handle.start_prefault()
-                    while handle.prefault_status().state == "running":
-                        time.sleep(0.001)
-                    status = handle.prefault_status()
-                    samples["prefault"].append(status.done_bytes / max(status.seconds, 1e-9))
-                    last.update(method=status.method, prefault_state=status.state,
-                                huge_pages=status.huge_pages, huge_policy=status.huge_policy)
+            with _fresh_mapping(creator.name, prefault) as (handle, status):
+                if status is not None:
+                    prefaults.append(status.done_bytes / max(status.seconds, 1e-9))
+                    last.update(_prefault_fields(status))
                 pool = handle.pages_array().reshape(-1)
-                start = time.perf_counter()
-                np.copyto(pool, src)
-                elapsed = time.perf_counter() - start
+                rate = _rate(nbytes, lambda: np.copyto(pool, src))
                 del pool                                # before close()
-            finally:
-                handle.close()
-            return nbytes / elapsed
+            return rate
 
-        def plain() -> float:
-            start = time.perf_counter()
-            np.copyto(dst, src)
-            return nbytes / (time.perf_counter() - start)
-
-        ops: Dict[str, Callable[[], float]] = {
-            "cold": lambda: into_pool(False), "prefaulted": lambda: into_pool(True),
-            "plain": plain}
-        order = list(ops)
-        shuffle = np.random.default_rng(0).shuffle
-        for _ in range(rounds):
-            shuffle(order)
-            for name in order:
-                samples[name].append(ops[name]())
+        samples = _take_turns({"cold": lambda: into_pool(False),
+                               "prefaulted": lambda: into_pool(True),
+                               "plain": lambda: _rate(nbytes, lambda: np.copyto(dst, src))},
+                              rounds)
     finally:
         _destroy(creator)
+    samples["prefault"] = prefaults
     return {"pool_bytes": nbytes, "rounds": rounds, **last,
             "gbytes_per_s": {name: float(np.median(rates)) / 1e9
                              for name, rates in samples.items()}}
+
+
+def _prefault_fields(status: PrefaultStatus) -> Dict[str, Any]:
+    """What the report says of a finished prefault."""
+    return {"method": status.method, "prefault_state": status.state,
+            "huge_pages": status.huge_pages, "huge_policy": status.huge_policy}
