@@ -46,3 +46,28 @@ def test_an_unknown_section_is_refused(tmp_path):
     assert result.returncode == 2 and "invalid choice: 'nope'" in result.stderr
     with pytest.raises(ValueError, match="unknown bench sections"):
         bench.run(sections=["nope"])
+
+
+def test_the_copy_engine_section_alone(tmp_path):
+    pytest.importorskip("torch")
+    stdout, report = run_bench(tmp_path, "--section", "copy-engine")
+    assert set(report) == BASE_KEYS | {"copy_engine"}
+    step = report["copy_engine"]
+    assert step["prefault_state"] == "done"
+    assert step["step_bytes"] == step["step_pages"] * step["page_bytes"]
+    rates = step["gbytes_per_s"]
+    assert set(rates) == set(step["vs_limit"]) == set(step["page_faults"]) == set(bench.STEP_OPS)
+    assert all(0 < rate["median"] <= rate["best"] for rate in rates.values())
+    assert step["vs_limit"][step["limit"]] == 1.0
+    # A mapping attached just before faults on its first save; a pre-faulted one does not
+    # (or far less: one fault per 2 MiB where the tmpfs gives huge pages).
+    assert step["page_faults"]["cold_save"] > step["page_faults"]["warm_save"]
+    assert "copy engine: one engine step's" in stdout and "load, cold pool" in stdout
+
+
+def test_the_copy_engine_section_without_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)         # import torch raises ImportError
+    step = bench.copy_engine_step(quick=True, seed=0)
+    assert step == {"skipped": "torch is not installed"}
+    assert bench.report._format_copy_engine(step) == [
+        "copy engine: skipped: torch is not installed"]

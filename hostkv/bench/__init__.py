@@ -15,6 +15,9 @@ Sections of the report:
   plain torch tensor and numpy;
 * pool faults: copying into a freshly attached pool, cold and after `start_prefault()`,
   against a copy between two pre-faulted numpy buffers;
+* copy engine: one engine step's pages saved and loaded through `CopyEngine` (vLLM's
+  layout, an 8B model's KV cut to 8 layers), into a cold pool and a pre-faulted one,
+  against plain copies of as many bytes;
 * tree: the workloads as match-then-insert straight on the compiled tree (no WorkerView).
 
 `--section NAME` (repeatable) runs only the sections named: see SECTIONS.
@@ -37,7 +40,8 @@ from typing import Any, Dict, List, Optional, Sequence
 # The package's modules, one section (or group of sections) each; the names the single
 # module had are re-exported so that `from hostkv.bench import X` keeps working.
 from hostkv.bench.common import histogram_percentile, latency_summary, lock_metrics, lock_summary
-from hostkv.bench.datapath import DATA_LAYOUT, GATHER_PAGES, data_path, pool_faults
+from hostkv.bench.datapath import (DATA_LAYOUT, GATHER_PAGES, STEP_LAYOUT, STEP_OPS,
+                                   copy_engine_step, data_path, pool_faults)
 from hostkv.bench.decode import DECODE_BATCHES, decode_steps
 from hostkv.bench.engine import (ENGINE_ROUNDS, engine_row, run_engine_compiled,
                                  run_engine_hash_chain, run_engine_reference)
@@ -54,9 +58,9 @@ from hostkv.bench.workloads import (GENERATORS, PAGE_SIZE, VOCAB, Requests, Work
 
 __all__ = [
     "DATA_LAYOUT", "DECODE_BATCHES", "ENGINE_ROUNDS", "EVICT_CHUNK_PAGES", "GATHER_PAGES",
-    "GENERATORS", "PAGE_SIZE", "PROCESS_COUNTS", "SECTIONS", "VOCAB",
+    "GENERATORS", "PAGE_SIZE", "PROCESS_COUNTS", "SECTIONS", "STEP_LAYOUT", "STEP_OPS", "VOCAB",
     "HashChainEngine", "ReferenceEngine", "Requests", "ViewEngine", "Workload", "WorkloadSpec",
-    "compare_ceiling", "cpu_rate", "data_path", "decode_steps", "engine_row",
+    "compare_ceiling", "copy_engine_step", "cpu_rate", "data_path", "decode_steps", "engine_row",
     "eviction_by_demand", "eviction_cost", "format_table", "histogram_percentile",
     "latency_summary", "lock_metrics", "lock_summary", "machine_info", "main", "multi_turn",
     "no_sharing", "pool_faults", "process_scaling", "process_specs", "replay", "run",
@@ -67,7 +71,8 @@ __all__ = [
 
 
 # The sections `--section` names, in the order they run and print.
-SECTIONS = ("engine", "eviction", "decode", "processes", "data-path", "pool-faults", "tree")
+SECTIONS = ("engine", "eviction", "decode", "processes", "data-path", "pool-faults",
+            "copy-engine", "tree")
 
 
 def run(quick: bool = False, seed: int = 0, sections: Optional[Sequence[str]] = None
@@ -122,6 +127,8 @@ def run(quick: bool = False, seed: int = 0, sections: Optional[Sequence[str]] = 
         report["data_path"] = kv
     if "pool-faults" in chosen:
         report["pool_faults"] = pool_faults(quick)
+    if "copy-engine" in chosen:
+        report["copy_engine"] = copy_engine_step(quick, seed)
     if "tree" in chosen:
         report["tree"] = [tree_row(workloads[n], model_module, ceilings)
                           for n in ("shared-prompt", "multi-turn")]

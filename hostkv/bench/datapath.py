@@ -1,10 +1,12 @@
 """The sections that move KV bytes: gathers and scatters through pages_tensor() (the KV
-data path) and copies into a freshly attached pool (pool faults)."""
+data path), copies into a freshly attached pool (pool faults), and one engine step's saves
+and loads through the copy engine, cold, warm and beside a plain copy (copy engine)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import resource
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -242,3 +244,119 @@ def _prefault_fields(status: PrefaultStatus) -> Dict[str, Any]:
     """What the report says of a finished prefault."""
     return {"method": status.method, "prefault_state": status.state,
             "huge_pages": status.huge_pages, "huge_policy": status.huge_policy}
+
+
+# -- the copy engine: one engine step's saves and loads -------------------------------------------
+
+
+# An 8B model's KV (Llama-3-8B's 32 layers, 8 KV heads, head_dim 128, bfloat16: 2 MiB a
+# 16-token page) cut to 8 layers, so that a step's pages, the engine's blocks and the plain
+# copy's buffers fit a small machine together: 512 KiB a page. A layer's copy is the same
+# strided runs whatever the layer count; fewer layers only mean fewer calls a step.
+STEP_LAYOUT = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+STEP_FULL_LAYERS = 32
+STEP_OPS = ("cold_save", "cold_load", "warm_save", "warm_load", "torch_copy", "numpy_copy")
+
+
+def copy_engine_step(quick: bool, seed: int) -> Dict[str, Any]:
+    """One engine step's pages saved (engine blocks -> pool pages) and loaded (pages ->
+    blocks) through CopyEngine, from vLLM's per-layer [blocks, kv_heads, block_size,
+    2*head_dim] tensors, in three conditions that take turns each round: a cold pool (each
+    save or load through a mapping attached just before, as in the pool-faults section: the
+    pages exist, this mapping has never touched them), a warm pool (one mapping that
+    start_prefault() populated), and the physical limit, as many bytes copied between two
+    pre-faulted buffers (torch copy_ and np.copyto). Best and median GB/s of each, and each
+    median over the faster plain copy's; torch runs on one thread, as the copy engine's
+    compiled loop and numpy do. Without torch, a note instead.
+    """
+    try:
+        import torch
+
+        from hostkv.copy_engine import VLLM, CopyEngine
+    except ImportError:
+        return {"skipped": "torch is not installed"}
+    layout = STEP_LAYOUT
+    step_pages = 64 if quick else 128                   # 32 or 64 MiB a step
+    rounds = 3 if quick else 25
+    page_bytes = layout.page_bytes(PAGE_SIZE)
+    nbytes = step_pages * page_bytes
+    # Twice the step's pages and blocks, so that a step's are scattered as an engine's are.
+    num_pages = num_blocks = 2 * step_pages
+    rng = np.random.default_rng(seed)
+    pages = rng.choice(num_pages, step_pages, replace=False).tolist()   # as an engine hands them
+    blocks = rng.choice(num_blocks, step_pages, replace=False).tolist()
+    dtype = getattr(torch, layout.dtype)
+    kv = [torch.ones(num_blocks, layout.num_kv_heads, PAGE_SIZE, 2 * layout.head_dim,
+                     dtype=dtype) for _ in range(layout.num_layers)]   # written: faulted in
+    src = torch.full((nbytes,), 1, dtype=torch.uint8)
+    dst = torch.full((nbytes,), 2, dtype=torch.uint8)
+    src_np, dst_np = src.numpy(), dst.numpy()           # the same two buffers
+    report: Dict[str, Any] = {
+        "layout": dataclasses.asdict(layout), "full_layers": STEP_FULL_LAYERS,
+        "block_layout": VLLM.name, "page_bytes": page_bytes, "step_pages": step_pages,
+        "step_bytes": nbytes, "pool_pages": num_pages, "engine_blocks": num_blocks,
+        "rounds": rounds, "torch_threads": 1,
+    }
+
+    faults: Dict[str, List[int]] = {name: [] for name in STEP_OPS}
+
+    def engine_on(handle: HostKVCache) -> CopyEngine:
+        return CopyEngine(handle.pages_tensor(), layout, PAGE_SIZE, kv, VLLM)
+
+    def timed(name: str, op: Callable[[], int]) -> float:
+        """The rate of one call of op, which returns the bytes it moved; its page faults (this
+        process's, the prefault thread having ended) go to faults[name]."""
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.perf_counter()
+        moved = op()
+        elapsed = time.perf_counter() - start
+        faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        if moved != nbytes:
+            raise RuntimeError(f"{name} moved {moved} bytes of a {nbytes}-byte step")
+        return nbytes / elapsed
+
+    def cold(save: bool) -> float:
+        with _fresh_mapping(creator.name) as (handle, _):
+            engine = engine_on(handle)
+            rate = (timed("cold_save", lambda: engine.save(blocks, pages)) if save
+                    else timed("cold_load", lambda: engine.load(pages, blocks)))
+            del engine                                  # its views, before close()
+        return rate
+
+    def torch_copy() -> int:
+        dst.copy_(src)
+        return nbytes
+
+    def numpy_copy() -> int:
+        np.copyto(dst_np, src_np)
+        return nbytes
+
+    creator = _create(num_pages, 0, page_bytes=0, kv_layout=layout)
+    try:
+        with _one_torch_thread(), _fresh_mapping(creator.name, prefault=True) as (warm, status):
+            if status is not None:                      # (always, with prefault=True)
+                report.update(_prefault_fields(status))
+            warm_engine = engine_on(warm)
+            ops: Dict[str, Callable[[], float]] = {
+                "cold_save": lambda: cold(True), "cold_load": lambda: cold(False),
+                "warm_save": lambda: timed("warm_save", lambda: warm_engine.save(blocks, pages)),
+                "warm_load": lambda: timed("warm_load", lambda: warm_engine.load(pages, blocks)),
+                "torch_copy": lambda: timed("torch_copy", torch_copy),
+                "numpy_copy": lambda: timed("numpy_copy", numpy_copy),
+            }
+            for op in ops.values():
+                op()                                    # once untimed: first calls
+            for counts in faults.values():
+                counts.clear()
+            samples = _take_turns(ops, rounds)
+            del warm_engine, ops
+    finally:
+        _destroy(creator)
+    rates = {name: {"best": max(values) / 1e9, "median": float(np.median(values)) / 1e9}
+             for name, values in samples.items()}
+    limit = max(("torch_copy", "numpy_copy"), key=lambda name: rates[name]["median"])
+    report["gbytes_per_s"] = rates
+    report["limit"] = limit
+    report["vs_limit"] = {name: rates[name]["median"] / rates[limit]["median"] for name in rates}
+    report["page_faults"] = {name: int(np.median(counts)) for name, counts in faults.items()}
+    return report

@@ -134,6 +134,40 @@ def _format_pool_faults(pf: Dict[str, Any]) -> List[str]:
     ]
 
 
+def _format_copy_engine(ce: Dict[str, Any]) -> List[str]:
+    """The copy-engine section: best and median GB/s of a step's save and load, cold and
+    warm, and of the plain copies; each median over the faster plain copy's."""
+    if "skipped" in ce:
+        return [f"copy engine: skipped: {ce['skipped']}"]
+    layout = ce["layout"]
+    rates = ce["gbytes_per_s"]
+    full_page = ce["page_bytes"] * ce["full_layers"] // layout["num_layers"]
+    lines = [
+        f"copy engine: one engine step's {ce['step_pages']} pages "
+        f"({ce['step_bytes'] >> 20} MiB) saved and loaded through CopyEngine between vLLM's "
+        f"per-layer [blocks, kv_heads, block_size, 2*head_dim] tensors and the pool; "
+        f"KVLayout({layout['num_layers']}, {layout['num_kv_heads']}, {layout['head_dim']}, "
+        f"{layout['dtype']}): an 8B model's {ce['full_layers']} layers cut to "
+        f"{layout['num_layers']}, {ce['page_bytes'] >> 10} KiB a page "
+        f"({full_page >> 20} MiB uncut); GB/s, {ce['rounds']} interleaved rounds, one thread",
+        f"{'op':<26} {'best':>6} {'median':>7} {'x limit':>8} {'faults':>7}",
+    ]
+    labels = {"cold_save": "save, cold pool", "cold_load": "load, cold pool",
+              "warm_save": "save, warm pool", "warm_load": "load, warm pool",
+              "torch_copy": "plain copy, torch copy_", "numpy_copy": "plain copy, np.copyto"}
+    for name, label in labels.items():
+        lines.append(f"{label:<26} {rates[name]['best']:>6.1f} {rates[name]['median']:>7.1f} "
+                     f"{ce['vs_limit'][name]:>7.2f}x {ce['page_faults'][name]:>7}")
+    lines.append(f"cold: each save or load through a mapping of the pool attached just before "
+                 f"(the pages exist, its page tables are empty); warm: one mapping "
+                 f"start_prefault() populated ({ce.get('method', '?')}, "
+                 f"{ce.get('prefault_state', '?')}; huge pages {ce.get('huge_pages', '?')}); "
+                 f"plain: as many bytes between two pre-faulted buffers; x limit: median over "
+                 f"the faster plain copy's ({labels[ce['limit']].split(', ')[1]}); faults: the "
+                 f"process's minor page faults during one op (median)")
+    return lines
+
+
 def _format_header(report: Dict[str, Any]) -> List[str]:
     """The machine, and the C-level ceilings where a section that compares with them ran
     (the page copy's where the data path ran too)."""
@@ -197,6 +231,7 @@ def format_table(report: Dict[str, Any]) -> str:
         ("processes", lambda r: _format_processes(r["processes"])),
         ("data_path", lambda r: _format_data_path(r["data_path"])),
         ("pool_faults", lambda r: _format_pool_faults(r["pool_faults"])),
+        ("copy_engine", lambda r: _format_copy_engine(r["copy_engine"])),
         ("tree", lambda r: _format_runs("tree: match then insert straight on _radix (no "
                                         "WorkerView)", r["tree"], engine=False)),
     ]
