@@ -7,7 +7,7 @@
     python -m hostkv unlink NAME              removes the segment's name
     python -m hostkv create NAME --size 8GiB --page-size 16 --layers 32 --kv-heads 8 \
         --head-dim 128 --dtype bfloat16      sizes a segment up front (engines attach it)
-    python -m hostkv bench [--quick] [--json PATH]
+    python -m hostkv bench [--quick] [--json PATH] [--section NAME]...
     python -m hostkv bench --remote URL [--quick]   the remote tier against plain redis-py
 
 inspect, stats and check attach without a lease (observers): they take no lease slot and

@@ -1,0 +1,73 @@
+"""`python -m hostkv bench --section`: the sections named run alone, and the report holds
+only them. (The whole quick run is tests/test_cli.py's smoke test; speed is never asserted.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hostkv import bench
+
+BASE_KEYS = {"machine", "seed", "quick", "page_size", "reference_model"}
+
+
+def run_bench(tmp_path, *args: str) -> tuple:
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "-m", "hostkv", "bench", "--quick", "--json",
+                             str(out), *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_sections_named_run_alone(tmp_path):
+    stdout, report = run_bench(tmp_path, "--section", "decode", "--section", "eviction")
+    assert set(report) == BASE_KEYS | {"eviction", "eviction_by_demand", "decode"}
+    titles = {line.split(":")[0] for line in stdout.splitlines() if ":" in line}
+    assert {"decode", "eviction"} <= titles
+    assert not titles & {"engine", "processes", "KV data path", "pool faults", "tree",
+                         "C-level ceilings (one core)"}
+
+
+def test_engine_without_the_data_path_has_no_copy_ratio(tmp_path):
+    # The page-copy ceiling is the data path's: without it the engine rows say n/a.
+    stdout, report = run_bench(tmp_path, "--section", "engine")
+    assert set(report) == BASE_KEYS | {"ceilings", "engine", "engine_rounds"}
+    assert set(report["ceilings"]) == {"compare_tokens_per_s"}
+    assert all("vs_kv_copy" not in row for row in report["engine"])
+    assert "page copy" not in stdout and "n/a" in stdout
+
+
+def test_an_unknown_section_is_refused(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "hostkv", "bench", "--section", "nope"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "invalid choice: 'nope'" in result.stderr
+    with pytest.raises(ValueError, match="unknown bench sections"):
+        bench.run(sections=["nope"])
+
+
+def test_the_copy_engine_section_alone(tmp_path):
+    pytest.importorskip("torch")
+    stdout, report = run_bench(tmp_path, "--section", "copy-engine")
+    assert set(report) == BASE_KEYS | {"copy_engine"}
+    step = report["copy_engine"]
+    assert step["prefault_state"] == "done"
+    assert step["step_bytes"] == step["step_pages"] * step["page_bytes"]
+    rates = step["gbytes_per_s"]
+    assert set(rates) == set(step["vs_limit"]) == set(step["page_faults"]) == set(bench.STEP_OPS)
+    assert all(0 < rate["median"] <= rate["best"] for rate in rates.values())
+    assert step["vs_limit"][step["limit"]] == 1.0
+    # A mapping attached just before faults on its first save; a pre-faulted one does not
+    # (or far less: one fault per 2 MiB where the tmpfs gives huge pages).
+    assert step["page_faults"]["cold_save"] > step["page_faults"]["warm_save"]
+    assert "copy engine: one engine step's" in stdout and "load, cold pool" in stdout
+
+
+def test_the_copy_engine_section_without_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)         # import torch raises ImportError
+    step = bench.copy_engine_step(quick=True, seed=0)
+    assert step == {"skipped": "torch is not installed"}
+    assert bench.report._format_copy_engine(step) == [
+        "copy engine: skipped: torch is not installed"]
