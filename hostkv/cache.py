@@ -11,7 +11,6 @@ import dataclasses
 import errno
 import glob
 import logging
-import numbers
 import os
 import threading
 import time
@@ -22,6 +21,7 @@ import posix_ipc
 
 from hostkv import _pages, _radix, _segment, _sequences
 from hostkv._tokens import as_namespace, as_tokens
+from hostkv._validate import int_in
 from hostkv.config import KV_KINDS, HostKVConfig, KVLayout, dtype_from_code
 from hostkv.errors import ConfigError, IncompatibleSegmentError, os_error, translate_posix_ipc
 
@@ -780,10 +780,5 @@ def _advise_huge_pages(segment: _segment.Segment, pool_bytes: int, policy: str) 
 
 
 def _page_count(value: Any, what: str) -> int:
-    """A count of pages as an int in [0, 2**63), or ValueError naming it. No int() of
-    anything else: 0.9 pages is not 0 pages, "3" is not 3, True is not 1."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    if not 0 <= int(value) < 2**63:
-        raise ValueError(f"{what} must be in [0, 2**63), got {int(value)}")
-    return int(value)
+    """A count of pages as an int in [0, 2**63), or ValueError naming it."""
+    return int_in(value, 0, 2**63, ValueError, what, "an int", "be in [0, 2**63)")
