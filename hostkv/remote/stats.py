@@ -9,7 +9,7 @@ import dataclasses
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-from hostkv import _histogram
+from hostkv import _histogram, prometheus
 from hostkv.remote.shared_stats import SlotWriter, writer_for
 
 __all__ = ["HISTOGRAM_BUCKETS", "INVALID_REASONS", "SHARED_COUNTERS", "RemoteStats",
@@ -28,7 +28,8 @@ class RemoteStats:
         lookups: Lookups queued.
         lookups_skipped: Lookups answered at once without asking the store (breaker open,
             queue full, tier closed).
-        fetches: Round trips to the store for lookups.
+        fetches: Round trips to the store for lookups (in Prometheus, the count of the
+            fetch_seconds histogram).
         hit_pages: Pages found in the store and valid.
         miss_pages: Pages asked for and absent.
         invalid_pages: Values that failed a check, by reason ("layout", "tokens",
@@ -51,7 +52,7 @@ class RemoteStats:
         queue_depth: Lookups and writes waiting now.
         fetch_seconds: Total time of the lookups' round trips.
         fetch_latency_histogram: Round trips per log2 bucket of microseconds: entry b counts
-            durations in [2**(b-1), 2**b) us.
+            durations in [2**(b-1), 2**b) us, entry 0 those under 1 us (whole us: 0).
     """
 
     lookups: int
@@ -77,27 +78,11 @@ class RemoteStats:
     fetch_latency_histogram: Tuple[int, ...]
 
     def prometheus_text(self, prefix: str = "hostkv_remote") -> str:
-        """The counters in Prometheus' text format, for an engine's own /metrics."""
-        lines = []
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            name = f"{prefix}_{field.name}"
-            if field.name == "invalid_pages":
-                lines.append(f"# TYPE {name} counter")
-                lines.extend(f'{name}{{reason="{r}"}} {n}' for r, n in sorted(value.items()))
-            elif field.name == "fetch_latency_histogram":
-                lines.append(f"# TYPE {prefix}_fetch_latency_us histogram")
-                running = 0
-                for bucket, count in enumerate(value):
-                    running += count
-                    lines.append(f'{prefix}_fetch_latency_us_bucket{{le="{1 << bucket}"}} {running}')
-                lines.append(f'{prefix}_fetch_latency_us_bucket{{le="+Inf"}} {running}')
-                lines.append(f"{prefix}_fetch_latency_us_count {running}")
-            else:
-                kind = "gauge" if field.name in ("queue_depth", "breaker_open") else "counter"
-                lines.append(f"# TYPE {name} {kind}")
-                lines.append(f"{name} {float(value) if isinstance(value, float) else int(value)}")
-        return "\n".join(lines) + "\n"
+        """The counters in Prometheus' text format, for an engine's own /metrics, under the
+        names `python -m hostkv stats --prometheus` gives every process's sums
+        (hostkv/prometheus.py): ``<prefix>_<counter>_total``, the gauges, and the histogram
+        ``<prefix>_fetch_seconds``."""
+        return prometheus.remote_text(dataclasses.asdict(self), prefix=prefix)
 
 
 # What a tier publishes for `python -m hostkv stats` (shared_stats.py): every counter of
