@@ -51,7 +51,7 @@ from hostkv import _sequences
 from hostkv._requests import SequenceAllocation, SequenceRequest
 from hostkv._sequences import ViewSequence
 from hostkv._tokens import BYTES_LIKE
-from hostkv._validate import is_int
+from hostkv._validate import is_bool, is_int
 from hostkv.cache import HostKVCache
 from hostkv.errors import HostKVError, SequenceError
 
@@ -413,7 +413,7 @@ class WorkerView:
         """
         if self._in_flight is not None or self._closed or self._fork_epoch != _fork_epoch:
             self._check_usable()
-        if commit is not True and commit is not False and not isinstance(commit, np.bool_):
+        if commit is not True and commit is not False and not is_bool(commit):
             # A truthy "no" must not commit.
             raise ValueError(f"commit must be True or False, got {commit!r}")
         sequences = _sequences.live_of(self._sequences, seq_ids, "release")
