@@ -22,7 +22,7 @@ import json
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from hostkv import _radix
+from hostkv import _radix, prometheus
 from hostkv._units import parse_size
 from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig, KVLayout
@@ -152,65 +152,6 @@ def inspect_segment(name: str) -> dict:
         cache.close()
 
 
-_STAT_HELP = {
-    "free_pages": ("gauge", "Pages no one references."),
-    "cached_pages": ("gauge", "Pages held by the radix tree."),
-    "borrowed_pages": ("gauge", "Tree pages a live sequence holds (not evictable)."),
-    "evictable_pages": ("gauge", "Cached pages no sequence protects."),
-    "active_sequences": ("gauge", "Live sequences across all processes."),
-    "active_processes": ("gauge", "Attached processes (live leases)."),
-    "tree_nodes": ("gauge", "Radix-tree node records in use."),
-}
-
-
-def prometheus_text(name: str, stats: dict, metrics) -> str:
-    """The stats and metrics in Prometheus' text exposition format (version 0.0.4)."""
-    label = f'segment="{name}"'
-    lines = []
-
-    def metric(metric_name: str, kind: str, text: str, samples) -> None:
-        lines.append(f"# HELP hostkv_{metric_name} {text}")
-        lines.append(f"# TYPE hostkv_{metric_name} {kind}")
-        for labels, value in samples:
-            extra = "".join(f',{k}="{v}"' for k, v in labels)
-            lines.append(f"hostkv_{metric_name}{{{label}{extra}}} {value}")
-
-    for key, value in stats.items():
-        kind, text = _STAT_HELP.get(key, ("counter", f"{key.replace('_', ' ')} so far."))
-        metric(key if kind == "gauge" else f"{key}_total", kind, text, [((), value)])
-    for which in ("wait", "hold"):
-        histogram = getattr(metrics, f"lock_{which}_histogram")
-        total_ns = getattr(metrics, f"lock_{which}_ns")
-        name_ = f"lock_{which}_seconds"
-        lines.append(f"# HELP hostkv_{name_} Time spent {'waiting for' if which == 'wait' else 'holding'} the segment lock.")
-        lines.append(f"# TYPE hostkv_{name_} histogram")
-        running = 0
-        for bucket, count in enumerate(histogram):
-            running += count
-            upper = metrics.bucket_upper_ns(bucket) / 1e9
-            lines.append(f'hostkv_{name_}_bucket{{{label},le="{upper:.9g}"}} {running}')
-        lines.append(f'hostkv_{name_}_bucket{{{label},le="+Inf"}} {running}')
-        lines.append(f"hostkv_{name_}_sum{{{label}}} {total_ns / 1e9:.9f}")
-        lines.append(f"hostkv_{name_}_count{{{label}}} {running}")
-    metric("full_hits_total", "counter", "Requests that reused every page they could.",
-           [((), metrics.full_hits)])
-    metric("misses_total", "counter", "Requests that reused less than they could, by reason.",
-           [((("reason", reason),), count) for reason, count in metrics.misses.items()])
-    metric("namespace_lookup_tokens_total", "counter", "Prompt tokens looked up, by namespace.",
-           [((("namespace", ns),), lookup) for ns, (lookup, _) in metrics.namespaces.items()])
-    metric("namespace_hit_tokens_total", "counter", "Prompt tokens reused, by namespace.",
-           [((("namespace", ns),), hit) for ns, (_, hit) in metrics.namespaces.items()])
-    return "\n".join(lines) + "\n"
-
-
-_REMOTE_GAUGES = {
-    "processes": "Live processes with a remote tier on this segment.",
-    "tiers": "Remote tiers open in those processes.",
-    "queue_depth": "Remote lookups and writes waiting now.",
-    "breaker_open": "Remote tiers whose circuit breaker is open now.",
-}
-
-
 def remote_totals(seg, name: str) -> Optional[dict]:
     """Every process's remote-tier counters on the segment, summed (None: no tier ever
     ran there), named as in RemoteStats: fetch_seconds, fetch_latency_histogram."""
@@ -228,40 +169,6 @@ def remote_totals(seg, name: str) -> Optional[dict]:
     totals["fetch_seconds"] = totals.pop("fetch_ns", 0) / 1e9
     totals["fetch_latency_histogram"] = totals.pop("fetch_latency_us", [])
     return totals
-
-
-def remote_prometheus_text(name: str, remote: dict) -> str:
-    """The summed remote-tier counters in Prometheus' text format, beside the segment's:
-    hostkv_remote_<counter>_total, gauges, a fetch latency histogram in seconds."""
-    label = f'segment="{name}"'
-    lines = []
-    for key, value in remote.items():
-        metric = f"hostkv_remote_{key}"
-        if key in _REMOTE_GAUGES:
-            lines += [f"# HELP {metric} {_REMOTE_GAUGES[key]}", f"# TYPE {metric} gauge",
-                      f"{metric}{{{label}}} {value}"]
-        elif key == "fetch_latency_histogram":
-            metric = "hostkv_remote_fetch_seconds"
-            lines += [f"# HELP {metric} Round trips of remote lookups (log2 buckets of us).",
-                      f"# TYPE {metric} histogram"]
-            running = 0
-            for bucket, count in enumerate(value):
-                running += count
-                lines.append(f'{metric}_bucket{{{label},le="{(1 << bucket) / 1e6:.9g}"}} '
-                             f'{running}')
-            lines.append(f'{metric}_bucket{{{label},le="+Inf"}} {running}')
-            lines.append(f"{metric}_sum{{{label}}} {remote['fetch_seconds']:.9f}")
-            lines.append(f"{metric}_count{{{label}}} {running}")
-        elif key == "fetch_seconds":
-            continue                    # the histogram's _sum
-        elif isinstance(value, dict):
-            lines += [f"# HELP {metric}_total Remote tier: {key.replace('_', ' ')}, by reason.",
-                      f"# TYPE {metric}_total counter"]
-            lines += [f'{metric}_total{{{label},reason="{k}"}} {v}' for k, v in value.items()]
-        else:
-            lines += [f"# HELP {metric}_total Remote tier: {key.replace('_', ' ')} so far.",
-                      f"# TYPE {metric}_total counter", f"{metric}_total{{{label}}} {value}"]
-    return "\n".join(lines) + "\n"
 
 
 def _observe_metrics(report: dict):
@@ -374,9 +281,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             finally:
                 cache.close()
             if args.prometheus:
-                sys.stdout.write(prometheus_text(args.name, stats, metrics))
+                sys.stdout.write(prometheus.segment_text(args.name, stats, metrics))
                 if remote is not None:
-                    sys.stdout.write(remote_prometheus_text(args.name, remote))
+                    sys.stdout.write(prometheus.remote_text(remote, segment=args.name))
             elif args.json:
                 extra = {"remote": remote} if remote is not None else {}
                 print(json.dumps({**stats, "metrics": _metrics_dict(metrics), **extra},

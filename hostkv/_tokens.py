@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import numpy as np
 
 from hostkv import _radix
+from hostkv._validate import int_in, is_bool
 from hostkv.errors import SequenceError
 
 TOKEN_LIMIT = 2**31
@@ -97,7 +97,7 @@ def _refuse_bools(tokens: Sequence, arr: np.ndarray, what: str) -> None:
     """numpy turns True and False among integers into 1 and 0: look at the elements that
     became 0 or 1 (few, in real prompts), not at every element."""
     for i in np.flatnonzero(arr <= 1).tolist():
-        if isinstance(tokens[i], (bool, np.bool_)):
+        if is_bool(tokens[i]):
             raise ValueError(f"{what}[{i}] is {tokens[i]!r}: token ids must be integers, "
                              "not bools")
 
@@ -111,21 +111,13 @@ def as_seq_id(seq_id: Any) -> int:
     """Returns a sequence id as an int in [-2**63, 2**63), or raises SequenceError."""
     if type(seq_id) is int and _INT64_MIN <= seq_id <= _INT64_MAX:
         return seq_id
-    if isinstance(seq_id, (bool, np.bool_)) or not isinstance(seq_id, numbers.Integral):
-        raise SequenceError(f"sequence ids must be integers, got {seq_id!r}")
-    value = int(seq_id)
-    if not _INT64_MIN <= value <= _INT64_MAX:
-        raise SequenceError(f"sequence ids must fit int64, got {value}")
-    return value
+    return int_in(seq_id, _INT64_MIN, _INT64_MAX + 1, SequenceError, "sequence ids",
+                  "integers", "fit int64")
 
 
 def as_namespace(namespace: Any) -> int:
     """Returns the namespace as an int in [0, 2**64), or raises ValueError."""
     if type(namespace) is int and 0 <= namespace < NAMESPACE_LIMIT:
         return namespace
-    if isinstance(namespace, (bool, np.bool_)) or not isinstance(namespace, numbers.Integral):
-        raise ValueError(f"namespace must be an integer in [0, 2**64), got {namespace!r}")
-    value = int(namespace)
-    if not 0 <= value < NAMESPACE_LIMIT:
-        raise ValueError(f"namespace must be in [0, 2**64), got {value}")
-    return value
+    return int_in(namespace, 0, NAMESPACE_LIMIT, ValueError, "namespace",
+                  "an integer in [0, 2**64)", "be in [0, 2**64)")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hostkv._validate import is_bool
+
 __all__ = ["parse_size"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -24,7 +26,7 @@ def parse_size(value: Any) -> int:
     Raises:
         ValueError: not a positive size.
     """
-    if isinstance(value, bool):
+    if is_bool(value):
         raise ValueError(f"size must be bytes or a string like '4GiB', got {value!r}")
     if isinstance(value, int):
         size = value

@@ -11,7 +11,6 @@ import dataclasses
 import errno
 import glob
 import logging
-import numbers
 import os
 import threading
 import time
@@ -20,8 +19,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import posix_ipc
 
-from hostkv import _pages, _radix, _segment, _sequences
+from hostkv import _histogram, _pages, _radix, _segment, _sequences
 from hostkv._tokens import as_namespace, as_tokens
+from hostkv._validate import int_in
 from hostkv.config import KV_KINDS, HostKVConfig, KVLayout, dtype_from_code
 from hostkv.errors import ConfigError, IncompatibleSegmentError, os_error, translate_posix_ipc
 
@@ -144,21 +144,14 @@ class CacheMetrics:
     @staticmethod
     def bucket_upper_ns(bucket: int) -> int:
         """The exclusive upper bound, in ns, of histogram entry `bucket`."""
-        return 1 << bucket
+        return _histogram.upper(bucket)
 
     def percentile_ns(self, which: str, fraction: float) -> int:
         """An upper bound of the given percentile (0 < fraction <= 1) of lock "wait" or
-        "hold" times, from the histogram: the top of the bucket it falls in."""
+        "hold" times, from the histogram: the top of the bucket it falls in, or 0 when it
+        falls in entry 0 (acquisitions that did not wait; see hostkv/_histogram.py)."""
         histogram = self.lock_wait_histogram if which == "wait" else self.lock_hold_histogram
-        total = sum(histogram)
-        if total == 0:
-            return 0
-        running = 0
-        for bucket, count in enumerate(histogram):
-            running += count
-            if running >= fraction * total:
-                return self.bucket_upper_ns(bucket)
-        return self.bucket_upper_ns(len(histogram) - 1)
+        return _histogram.percentile(histogram, fraction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -780,10 +773,5 @@ def _advise_huge_pages(segment: _segment.Segment, pool_bytes: int, policy: str) 
 
 
 def _page_count(value: Any, what: str) -> int:
-    """A count of pages as an int in [0, 2**63), or ValueError naming it. No int() of
-    anything else: 0.9 pages is not 0 pages, "3" is not 3, True is not 1."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    if not 0 <= int(value) < 2**63:
-        raise ValueError(f"{what} must be in [0, 2**63), got {int(value)}")
-    return int(value)
+    """A count of pages as an int in [0, 2**63), or ValueError naming it."""
+    return int_in(value, 0, 2**63, ValueError, what, "an int", "be in [0, 2**63)")

@@ -12,12 +12,12 @@ recognised by their ``str()``, numpy dtypes only when numpy is already imported.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import os
 import sys
 import types
 from typing import Any, Mapping, Optional, Tuple
 
+from hostkv._validate import as_index, describe, is_bool, positive_index
 from hostkv.errors import ConfigError
 
 __all__ = ["DTYPE_CODES", "KV_KINDS", "HostKVConfig", "KVLayout", "dtype_from_code"]
@@ -85,34 +85,11 @@ def dtype_from_code(code: int) -> str:
     Raises:
         ConfigError: ``code`` is not a known dtype code.
     """
-    if isinstance(code, bool) or not isinstance(code, int) or code not in _CODE_TO_DTYPE:
+    if is_bool(code) or not isinstance(code, int) or code not in _CODE_TO_DTYPE:
         raise ConfigError(
             f"dtype code must be one of {sorted(_CODE_TO_DTYPE)}, got {code!r}"
         )
     return _CODE_TO_DTYPE[code]
-
-
-def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _as_int(value: Any, field: str) -> int:
-    """Return ``value`` as a Python int, accepting numpy integers but not bool or float."""
-    # bool is an int subclass, but num_pages=True is always a mistake.
-    if isinstance(value, bool):
-        raise ConfigError(f"{field} must be an integer, got {_describe(value)}")
-    try:
-        # operator.index accepts int and numpy integers and refuses float and str.
-        return operator.index(value)
-    except TypeError:
-        raise ConfigError(f"{field} must be an integer, got {_describe(value)}") from None
-
-
-def _positive_int(value: Any, field: str) -> int:
-    result = _as_int(value, field)
-    if result <= 0:
-        raise ConfigError(f"{field} must be a positive integer, got {result}")
-    return result
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -181,7 +158,7 @@ class KVLayout:
         # object.__setattr__: the dataclass is frozen, and normalising here keeps equality
         # and hashing on canonical values (numpy int 8 and int 8 give equal layouts).
         for field in ("num_layers", "num_kv_heads", "head_dim"):
-            value = _positive_int(getattr(self, field), f"KVLayout.{field}")
+            value = positive_index(getattr(self, field), f"KVLayout.{field}", ConfigError)
             object.__setattr__(self, field, value)
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
         if self.kind not in KV_KINDS:
@@ -228,7 +205,7 @@ class KVLayout:
         Raises:
             ConfigError: ``page_size`` is not a positive integer.
         """
-        return _positive_int(page_size, "page_size") * self.token_bytes
+        return positive_index(page_size, "page_size", ConfigError) * self.token_bytes
 
     def page_shape(self, page_size: int) -> Tuple[int, ...]:
         """Shape of one page viewed as an array of :attr:`dtype`.
@@ -244,7 +221,7 @@ class KVLayout:
         Raises:
             ConfigError: ``page_size`` is not a positive integer.
         """
-        page_size = _positive_int(page_size, "page_size")
+        page_size = positive_index(page_size, "page_size", ConfigError)
         if self.kind == "mla":
             return (self.num_layers, page_size, self.head_dim)
         return (self.num_layers, 2, page_size, self.num_kv_heads, self.head_dim)
@@ -337,17 +314,17 @@ class HostKVConfig:
             "prefix_min_reuse_pages",
             "prefix_min_store_pages",
         ) + _DERIVED_FIELDS:
-            value = _as_int(getattr(self, field), f"HostKVConfig.{field}")
+            value = as_index(getattr(self, field), f"HostKVConfig.{field}", ConfigError)
             object.__setattr__(self, field, value)
         if not isinstance(self.enable_prefix_reuse, bool):
             raise ConfigError(
                 "HostKVConfig.enable_prefix_reuse must be a bool, got "
-                f"{_describe(self.enable_prefix_reuse)}"
+                f"{describe(self.enable_prefix_reuse)}"
             )
         if self.kv_layout is not None and not isinstance(self.kv_layout, KVLayout):
             raise ConfigError(
                 "HostKVConfig.kv_layout must be a KVLayout or None, got "
-                f"{_describe(self.kv_layout)}"
+                f"{describe(self.kv_layout)}"
             )
 
         if self.num_pages <= 0:

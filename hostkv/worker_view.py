@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -52,6 +51,7 @@ from hostkv import _sequences
 from hostkv._requests import SequenceAllocation, SequenceRequest
 from hostkv._sequences import ViewSequence
 from hostkv._tokens import BYTES_LIKE
+from hostkv._validate import is_bool, is_int
 from hostkv.cache import HostKVCache
 from hostkv.errors import HostKVError, SequenceError
 
@@ -62,11 +62,6 @@ __all__ = [
     "WorkerView",
     "WorkerViewStats",
 ]
-
-
-def _is_int(value: Any) -> bool:
-    """A Python or numpy integer, not a bool (True is an int to Python, never to hostkv)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +332,7 @@ class WorkerView:
         limits: List[Optional[int]]
         if num_tokens is None:
             limits = [None] * len(sequences)
-        elif _is_int(num_tokens):
+        elif is_int(num_tokens):
             limits = [int(num_tokens)] * len(sequences)
         else:
             if isinstance(num_tokens, BYTES_LIKE) or not isinstance(num_tokens, Iterable) or (
@@ -346,7 +341,7 @@ class WorkerView:
                                     f"got {num_tokens!r}")
             values = list(num_tokens)
             for n in values:
-                if not _is_int(n):
+                if not is_int(n):
                     # No int() of a float or a str: 7.9 is not 7 tokens, "8" is not 8.
                     raise SequenceError(f"num_tokens must be integers, got {n!r}")
             limits = [int(n) for n in values]
@@ -418,7 +413,7 @@ class WorkerView:
         """
         if self._in_flight is not None or self._closed or self._fork_epoch != _fork_epoch:
             self._check_usable()
-        if commit is not True and commit is not False and not isinstance(commit, np.bool_):
+        if commit is not True and commit is not False and not is_bool(commit):
             # A truthy "no" must not commit.
             raise ValueError(f"commit must be True or False, got {commit!r}")
         sequences = _sequences.live_of(self._sequences, seq_ids, "release")

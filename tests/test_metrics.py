@@ -79,6 +79,21 @@ def test_lock_histograms_count_every_acquisition(cache):
     assert 0 < after.percentile_ns("hold", 0.5) <= after.percentile_ns("hold", 0.99)
 
 
+def test_a_percentile_in_entry_0_is_zero(cache):
+    """Entry 0 counts the acquisitions taken at the first try, recorded as a wait of exactly
+    0 ns (not timed): a percentile that falls there is 0, not the 1 ns above it."""
+    import dataclasses
+
+    buckets = len(cache.metrics().lock_wait_histogram)
+    metrics = dataclasses.replace(cache.metrics(),
+                                  lock_wait_histogram=(98, 0, 0, 1, 1) + (0,) * (buckets - 5))
+    assert metrics.percentile_ns("wait", 0.5) == 0
+    assert metrics.percentile_ns("wait", 0.99) == 8
+    assert metrics.percentile_ns("wait", 1.0) == 16
+    empty = dataclasses.replace(metrics, lock_wait_histogram=(0,) * buckets)
+    assert empty.percentile_ns("wait", 0.5) == 0
+
+
 def test_prometheus_and_json_export(cache):
     serve(hostkv.WorkerView(cache), 1, SYSTEM + [1])
     run = lambda *a: subprocess.run([sys.executable, "-m", "hostkv", "stats", cache.name, *a],

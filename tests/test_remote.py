@@ -551,7 +551,7 @@ def test_a_probe_that_never_reports_back_expires():
     good (a probe with no outcome once kept it open until the process restarted)."""
     import time
 
-    from hostkv.remote.tier import _Breaker
+    from hostkv.remote.breaker import Breaker as _Breaker
     config = RemoteConfig("redis://127.0.0.1:1/0", socket_timeout=0.05, connect_timeout=0.05,
                           failure_threshold=1, backoff_initial=0.01, backoff_max=0.01)
     breaker = _Breaker(config)

@@ -185,6 +185,33 @@ def test_gauges_follow_the_queue_and_the_breaker(redis_server, make_host):
     assert totals()["tiers"] == 1
 
 
+def test_a_process_and_every_process_name_each_metric_alike(redis_server, make_host):
+    """RemoteStats.prometheus_text() (one process, for an engine's /metrics) and `stats
+    --prometheus` (every process's sums) use one set of names: counters end in _total,
+    latency is in seconds, and the fetches are the fetch histogram's _count, not a counter
+    of their own as well."""
+    host = make_host(fast_config(redis_server.url))
+    host.tier.lookup(prompt(PAGE_SIZE * 2 + 1)).wait(WAIT)
+
+    def families(text: str) -> dict:
+        return {line.split(" ")[2]: line.split(" ")[3] for line in text.splitlines()
+                if line.startswith("# TYPE ")}
+
+    own_text = host.tier.stats().prometheus_text()
+    own = families(own_text)
+    summed = {name: kind for name, kind in
+              families(cli("stats", host.cache.name, "--prometheus")).items()
+              if name.startswith("hostkv_remote_")}
+    assert own.items() <= summed.items()
+    assert set(summed) - set(own) == {"hostkv_remote_processes", "hostkv_remote_tiers"}
+    assert own["hostkv_remote_fetch_seconds"] == "histogram"
+    assert all(name.endswith("_total") for name, kind in own.items() if kind == "counter")
+    assert "hostkv_remote_fetches_total" not in summed
+    assert not any("_us" in name or name.endswith("_ns") for name in summed)
+    assert "hostkv_remote_fetch_seconds_count 1\n" in own_text
+    assert "hostkv_remote_lookups_total 1\n" in own_text
+
+
 def test_every_shared_counter_is_a_remote_stats_counter():
     from hostkv.remote.tier import RemoteStats
     import dataclasses

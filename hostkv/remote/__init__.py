@@ -12,7 +12,8 @@ store behind :class:`RemoteBackend`).
 
 Off unless an engine makes a RemoteTier: hostkv alone stays the default, and neither
 ``import hostkv`` nor ``import hostkv.remote`` needs redis-py (only building a Redis backend
-does). See tier.py for the read and write paths and codec.py for keys and values.
+does). See tier.py for the map of the tier (fetch.py reads, writer.py and evict.py write) and
+codec.py for keys and values.
 """
 
 from hostkv.remote.backend import (

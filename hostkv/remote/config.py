@@ -18,11 +18,11 @@ them uses :attr:`RemoteConfig.redacted_url`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from hostkv._validate import number
 from hostkv.errors import ConfigError
 
 __all__ = ["ParsedURL", "RemoteConfig", "WRITE_POLICIES", "parse_url"]
@@ -213,18 +213,6 @@ def parse_url(url: Any) -> ParsedURL:
                      username=username, password=password, tls=tls, tls_options=tls_options)
 
 
-def _number(value: Any, field: str, minimum: float, maximum: float, integer: bool) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            integer and not isinstance(value, int)):
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{field} must be {kind}, got {value!r} ({type(value).__name__})")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{field} must be finite, got {value!r}")
-    if not minimum <= value <= maximum:
-        raise ConfigError(f"{field} must be in [{minimum}, {maximum}], got {value!r}")
-    return value
-
-
 @dataclasses.dataclass(frozen=True, repr=False)
 class RemoteConfig:
     """The remote tier's settings. Validated when built; a bad value is a ConfigError.
@@ -280,27 +268,27 @@ class RemoteConfig:
         if not isinstance(self.key_prefix, str) or not _PREFIX_RE.match(self.key_prefix):
             raise ConfigError("key_prefix must be 1-64 characters of letters, digits and "
                               f"._:/{{}}-, got {self.key_prefix!r}")
-        _number(self.ttl_seconds, "ttl_seconds", 0, 10 * 365 * 86_400, True)
-        _number(self.max_bytes_in_flight, "max_bytes_in_flight", 1, 2**44, True)
-        _number(self.max_queue, "max_queue", 1, 1 << 24, True)
-        _number(self.max_fetch_pages, "max_fetch_pages", 1, 1 << 20, True)
-        _number(self.socket_timeout, "socket_timeout", 0.001, 600, False)
-        _number(self.connect_timeout, "connect_timeout", 0.001, 600, False)
-        _number(self.failure_threshold, "failure_threshold", 1, 1 << 20, True)
-        _number(self.backoff_initial, "backoff_initial", 0.0, 3600, False)
-        _number(self.backoff_max, "backoff_max", 0.0, 86_400, False)
+        number(self.ttl_seconds, "ttl_seconds", 0, 10 * 365 * 86_400, True, ConfigError)
+        number(self.max_bytes_in_flight, "max_bytes_in_flight", 1, 2**44, True, ConfigError)
+        number(self.max_queue, "max_queue", 1, 1 << 24, True, ConfigError)
+        number(self.max_fetch_pages, "max_fetch_pages", 1, 1 << 20, True, ConfigError)
+        number(self.socket_timeout, "socket_timeout", 0.001, 600, False, ConfigError)
+        number(self.connect_timeout, "connect_timeout", 0.001, 600, False, ConfigError)
+        number(self.failure_threshold, "failure_threshold", 1, 1 << 20, True, ConfigError)
+        number(self.backoff_initial, "backoff_initial", 0.0, 3600, False, ConfigError)
+        number(self.backoff_max, "backoff_max", 0.0, 86_400, False, ConfigError)
         if self.backoff_max < self.backoff_initial:
             raise ConfigError(f"backoff_max ({self.backoff_max}) must be >= backoff_initial "
                               f"({self.backoff_initial})")
-        _number(self.write_batch_pages, "write_batch_pages", 1, 1 << 16, True)
+        number(self.write_batch_pages, "write_batch_pages", 1, 1 << 16, True, ConfigError)
         if not isinstance(self.write_policy, str) or self.write_policy not in WRITE_POLICIES:
             raise ConfigError(f"write_policy must be one of {', '.join(map(repr, WRITE_POLICIES))}, "
                               f"got {self.write_policy!r}")
-        _number(self.evict_headroom, "evict_headroom", 0.0, 1.0, False)
+        number(self.evict_headroom, "evict_headroom", 0.0, 1.0, False, ConfigError)
         if self.evict_headroom == 0:
             raise ConfigError("evict_headroom must be in (0, 1], got 0 (nothing would be "
                               "written before its eviction)")
-        _number(self.evict_poll_seconds, "evict_poll_seconds", 0.001, 60, False)
+        number(self.evict_poll_seconds, "evict_poll_seconds", 0.001, 60, False, ConfigError)
 
     @property
     def parsed(self) -> ParsedURL:

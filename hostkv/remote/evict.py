@@ -46,16 +46,16 @@ import logging
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from hostkv.cache import HostKVCache
 from hostkv.errors import CapacityError, OutOfPagesError
-from hostkv.remote import codec
+from hostkv.remote.config import RemoteConfig
+from hostkv.remote.stats import TierCounters
+from hostkv.remote.writer import StoreWriter, Todo
 from hostkv.worker_view import SequenceRequest, WorkerView
-
-if TYPE_CHECKING:
-    from hostkv.remote.tier import RemoteTier
 
 __all__ = ["EvictWriter"]
 
@@ -68,15 +68,17 @@ _KEY_MEMO_PATHS = 1024       # paths whose chain keys are kept (a path: tokens +
 class EvictWriter:
     """The thread that writes pages near eviction to the store, for one RemoteTier.
 
-    Built and owned by RemoteTier; it shares the tier's handle (the engine's), breaker,
-    backend and counters, and keeps its own WorkerView (one per thread).
+    Built and owned by RemoteTier; it shares the tier's handle (the engine's), store writer
+    (backend, breaker) and counters, and keeps its own WorkerView (one per thread).
     """
 
-    def __init__(self, tier: "RemoteTier") -> None:
+    def __init__(self, cache: HostKVCache, config: RemoteConfig, store: StoreWriter,
+                 counters: TierCounters) -> None:
         """Prepares the writer; start() starts its thread."""
-        self._tier = tier
-        config = tier.config
-        cfg = tier._handle.config
+        self._handle = cache
+        self._store = store
+        self._counters = counters
+        cfg = cache.config
         self._num_pages = cfg.num_pages
         self._page_size = cfg.page_size
         self._headroom = max(1, math.ceil(config.evict_headroom * cfg.num_pages))
@@ -89,7 +91,7 @@ class EvictWriter:
         self._known_lock = threading.Lock()
         self._key_memo: "collections.OrderedDict[Tuple[int, bytes], List[bytes]]" = (
             collections.OrderedDict())
-        self._view = WorkerView(tier._handle)
+        self._view = WorkerView(cache)
         self._seq_ids = itertools.count(1)
         self._wake = threading.Condition()
         self._kicks = 0             # rounds asked for (flush)
@@ -145,9 +147,7 @@ class EvictWriter:
         memo_key = (namespace, tokens.tobytes())
         keys = self._key_memo.get(memo_key)
         if keys is None:
-            tier = self._tier
-            keys = codec.chain_keys(tier._prefix, namespace, tier._fingerprint, tokens,
-                                    self._page_size, num_pages)
+            keys = self._store.chain_keys(namespace, tokens, num_pages)
             self._key_memo[memo_key] = keys
             while len(self._key_memo) > _KEY_MEMO_PATHS:
                 self._key_memo.popitem(last=False)
@@ -207,7 +207,7 @@ class EvictWriter:
                     forced, sweep = True, False
             except Exception:     # a bug must not kill the thread: the host tier goes on
                 log.exception("hostkv remote tier: write-on-evict round failed")
-                self._tier._count(errors=1)
+                self._counters.add(errors=1)
             with self._wake:
                 self._rounds_done = max(self._rounds_done, kicks)
                 self._wake.notify_all()
@@ -216,8 +216,8 @@ class EvictWriter:
         """One look at the pool and at most one batch sent. True if it sent or asked about
         pages (there may be more to do), False when nothing near eviction is unsent.
         forced: look even if nothing changed; sweep: read from the coldest page."""
-        tier = self._tier
-        handle = tier._handle
+        store = self._store
+        handle = self._handle
         stats = handle.stats()
         short = self._headroom - stats.free_pages
         # The coldest pages change when free pages shrink (more of them are near eviction)
@@ -243,10 +243,10 @@ class EvictWriter:
         else:
             offset = max(0, self._verified - (stats.evicted_pages - self._verified_evicted))
         ps = self._page_size
-        limit = tier._write_limit
+        limit = store.write_limit
         window = 4 * limit
         # (namespace, tokens of the path up to the last page to send, keys, pages to send)
-        jobs: List[Tuple[int, np.ndarray, List[bytes], List[int]]] = []
+        jobs: List[Todo] = []
         chosen: Dict[bytes, bool] = {}
         total = 0
         while offset < short and not jobs:
@@ -285,15 +285,15 @@ class EvictWriter:
         if not jobs:
             self._settled, self._settled_at = state, now
             return False
-        if not tier._breaker.allow():
+        if not store.allow():
             return False             # nothing is lost: the pages are looked at again
         asking = [keys[p] for _, _, keys, todo in jobs for p in todo]
-        present = tier._ask_store(asking)
+        present = store.ask(asking)
         if present is None:
             return False
         there = [key for key, flag in zip(asking, present) if flag]
         self.note_present(there)
-        tier._count(present_pages=len(there))
+        self._counters.add(present_pages=len(there))
         # A page whose node did not answer (None) is not sent: that node is down; the page
         # is looked at again at the next round.
         unknown = {key for key, flag in zip(asking, present) if flag is None}
@@ -310,7 +310,7 @@ class EvictWriter:
             return False             # no sequence record to hold with: try at the next look
         if not items:
             return True              # all evicted meanwhile: look again
-        not_stored = tier._send(items)
+        not_stored = store.send(items)
         if not_stored is None:
             return False
         if not not_stored:
@@ -319,17 +319,15 @@ class EvictWriter:
             self.note_present([key for key, _ in items])
         return True
 
-    def _hold_and_encode(self, missing: List[Tuple[int, np.ndarray, List[bytes], List[int]]]
-                         ) -> Optional[List[Tuple[bytes, bytes]]]:
+    def _hold_and_encode(self, missing: List[Todo]) -> Optional[List[Tuple[bytes, bytes]]]:
         """Holds the pages (no recency refreshed, nothing evicted), copies and encodes them,
         releases them. Pages evicted since eviction_candidates are dropped (counted)."""
-        tier = self._tier
         requests = [SequenceRequest(next(self._seq_ids), tokens, namespace)
                     for namespace, tokens, _keys, _pages in missing]
         try:
             holds = self._view.hold_cached_pages(requests)
         except (OutOfPagesError, CapacityError) as exc:
             log.debug("hostkv remote tier: cannot hold pages to write: %s", exc)
-            tier._count(writes_dropped=sum(len(p) for _, _, _, p in missing))
+            self._counters.add(writes_dropped=sum(len(p) for _, _, _, p in missing))
             return None
-        return tier._encode_held(self._view, missing, holds)
+        return self._store.encode_held(self._view, missing, holds)

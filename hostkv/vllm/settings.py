@@ -6,8 +6,9 @@ import dataclasses
 from typing import Any, Dict, Optional
 
 from hostkv._units import parse_size
+from hostkv._validate import is_int, is_real, number
 from hostkv.errors import ConfigError
-from hostkv.remote.config import RemoteConfig, _number
+from hostkv.remote.config import RemoteConfig
 
 __all__ = ["HostKVSettings"]
 
@@ -82,13 +83,13 @@ class HostKVSettings:
         for key in ("num_pages", "max_processes"):
             if key in extra:
                 value = extra[key]
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                if not is_int(value) or value < 0:
                     raise ValueError(f"hostkv: {key} must be an integer >= 0, got {value!r}")
-                values[key] = value
+                values[key] = int(value)
         for key in ("lock_timeout", "ready_timeout"):
             if key in extra:
                 value = extra[key]
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                if not is_real(value) or value <= 0:
                     raise ValueError(f"hostkv: {key} must be seconds > 0, got {value!r}")
                 values[key] = float(value)
         if "namespace" in extra:
@@ -112,7 +113,8 @@ class HostKVSettings:
             except ConfigError as exc:
                 raise ConfigError(f"hostkv: kv_connector_extra_config 'remote': {exc}") from None
             if "remote_wait" in extra:
-                values["remote_wait"] = float(_number(
-                    extra["remote_wait"], "hostkv: remote_wait (seconds)", 0, 600, False))
+                values["remote_wait"] = float(number(
+                    extra["remote_wait"], "hostkv: remote_wait (seconds)", 0, 600, False,
+                    ConfigError))
         return cls(**values)
 
