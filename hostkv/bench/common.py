@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from hostkv import _histogram
 from hostkv.bench.workloads import PAGE_SIZE
 from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig
@@ -62,13 +63,8 @@ def lock_summary(before: Dict[str, np.ndarray], after: Dict[str, np.ndarray]) ->
 
 
 def histogram_percentile(histogram: np.ndarray, q: float) -> float:
-    """The q-quantile of a log2 histogram (entry b counts [2^(b-1), 2^b) ns, entry 0 zero)
-    as the upper bound of its bucket, in ns."""
-    total = int(histogram.sum())
-    if total == 0:
-        return 0.0
-    bucket = int(np.searchsorted(np.cumsum(histogram), q * total))
-    return 0.0 if bucket == 0 else float(2 ** bucket)
+    """The q-quantile of a log2 histogram (hostkv._histogram's buckets), in ns."""
+    return float(_histogram.percentile([int(c) for c in histogram], q))
 
 
 def latency_summary(latencies_ns: np.ndarray) -> Dict[str, float]:
