@@ -7,7 +7,8 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t
 
 from hostkv._layout cimport HkvHeader
-from hostkv._segment cimport Segment, add_rederive_hook, check_open, log_store_i32, log_store_i64
+from hostkv._lock cimport check_open, log_store_i32, log_store_i64
+from hostkv._segment cimport Segment, add_rederive_hook
 
 from hostkv.errors import CorruptionError, OutOfPagesError
 

@@ -17,8 +17,8 @@ from cpython.object cimport PyObject
 
 from hostkv._layout cimport (
     HkvHeader, HkvMetrics, HkvRadixNode, HkvRadixState, HkvSlab, HkvSlabRecord, HKV_HINT_SLOTS)
-from hostkv._segment cimport (
-    Segment, add_rederive_hook, check_open, log_store_i32, log_store_i64)
+from hostkv._lock cimport check_open, log_store_i32, log_store_i64
+from hostkv._segment cimport Segment, add_rederive_hook
 from hostkv._slab cimport (
     slab_alloc, slab_check, slab_check_index, slab_free, slab_record, slab_rederive)
 from hostkv._pages cimport check_page_index, page_decref, page_incref, page_refcounts

@@ -24,8 +24,8 @@ from libc.string cimport memcpy
 from hostkv._layout cimport (
     HkvHeader, HkvLease, HkvMetrics, HkvNamespaceStats, HkvRadixNode, HkvSeqPage, HkvSequence,
     HkvSlab, HKV_HINT_SLOTS, HKV_LEASE_ACTIVE, HKV_NAMESPACE_SLOTS, HKV_SEQ_PAGES_PER_ENTRY)
-from hostkv._segment cimport (
-    Segment, add_dead_lease_hook, add_rederive_hook, check_open, log_store_i32, log_store_i64)
+from hostkv._lock cimport check_open, log_store_i32, log_store_i64
+from hostkv._segment cimport Segment, add_dead_lease_hook, add_rederive_hook
 from hostkv._slab cimport (
     slab_alloc_many, slab_check, slab_check_index, slab_free, slab_freed_in_mutation,
     slab_note_free, slab_record, slab_rederive)

@@ -7,7 +7,7 @@
 
 from libc.stdint cimport int32_t, int64_t
 from hostkv._layout cimport HkvSlab, HkvSlabRecord
-from hostkv._segment cimport Segment, log_store_i32
+from hostkv._segment cimport Segment
 
 
 cdef inline HkvSlabRecord* slab_record(HkvSlab* slab, int32_t index) noexcept nogil:

@@ -4,7 +4,8 @@
 from libc.stdint cimport int32_t, int64_t
 
 from hostkv._layout cimport HkvSlab, HkvSlabRecord
-from hostkv._segment cimport Segment, log_store_i32
+from hostkv._lock cimport log_store_i32
+from hostkv._segment cimport Segment
 
 
 cdef int slab_index_corrupt(Segment seg, HkvSlab* slab, int64_t index, str what) except -1:

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMPILED = ["hostkv._segment", "hostkv._pages", "hostkv._slab", "hostkv._radix",
+COMPILED = ["hostkv._crash", "hostkv._leases", "hostkv._geometry", "hostkv._format",
+            "hostkv._lock", "hostkv._segment", "hostkv._pages", "hostkv._slab", "hostkv._radix",
             "hostkv._requests", "hostkv._sequences", "hostkv._blockcopy"]
 
 

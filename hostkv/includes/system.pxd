@@ -1,7 +1,8 @@
 # The C library declarations hostkv needs beyond Cython's bundled libc/posix ones:
-# process-shared robust mutexes, the memory map, and a compiler barrier.
+# process-shared robust mutexes, the memory map, and hostkv's own inline C (compat.h:
+# ordering, CPU pause, the mutex's deadline lock and kind word, madvise values).
 
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 from posix.types cimport off_t, pid_t
 
 
@@ -69,30 +70,6 @@ cdef extern from "<sys/mman.h>" nogil:
     int madvise(void*, size_t, int)
 
 
-cdef extern from *:
-    """
-    #include <sys/mman.h>
-    /* Values from linux/mman.h, for C libraries older than the kernels that know them;
-       a kernel that does not answers EINVAL. */
-    #ifndef MADV_WILLNEED
-    #define MADV_WILLNEED 3
-    #endif
-    #ifndef MADV_HUGEPAGE
-    #define MADV_HUGEPAGE 14         /* Linux 2.6.38, with CONFIG_TRANSPARENT_HUGEPAGE */
-    #endif
-    #ifndef MADV_POPULATE_READ
-    #define MADV_POPULATE_READ 22    /* Linux 5.14 */
-    #endif
-    #ifndef MADV_POPULATE_WRITE
-    #define MADV_POPULATE_WRITE 23   /* Linux 5.14 */
-    #endif
-    """
-    int MADV_WILLNEED
-    int MADV_HUGEPAGE
-    int MADV_POPULATE_READ
-    int MADV_POPULATE_WRITE
-
-
 cdef extern from "<sys/stat.h>" nogil:
     cdef struct stat:
         off_t st_size
@@ -125,10 +102,20 @@ cdef extern from "<errno.h>" nogil:
         ENOSPC
 
 
-cdef extern from *:
-    """
-    /* Keeps the compiler from moving stores across it. A process may be killed between any
-       two instructions, so the undo record must be in memory before the store it protects. */
-    static inline void hkv_compiler_barrier(void) { __asm__ __volatile__("" ::: "memory"); }
-    """
-    void hkv_compiler_barrier() noexcept nogil
+cdef extern from "includes/compat.h" nogil:
+    # hostkv's own inline C (the path is relative to the .c file Cython writes in hostkv/).
+    int MADV_WILLNEED
+    int MADV_HUGEPAGE
+    int MADV_POPULATE_READ
+    int MADV_POPULATE_WRITE
+    int HKV_MUTEX_KIND_OFFSET
+
+    void hkv_compiler_barrier() noexcept
+    void __atomic_store_release_u32(uint32_t* p, uint32_t v) noexcept
+    uint32_t __atomic_load_acquire_u32(uint32_t* p) noexcept
+    void hkv_store_release_i64(int64_t* p, int64_t v) noexcept
+    int64_t now_ns "hkv_now_ns"(int clock) noexcept
+    int count_leading_zeros(uint64_t x) noexcept
+    void cpu_relax() noexcept
+    int hkv_mutex_lock_until(pthread_mutex_t* m, const timespec* deadline) noexcept
+    int hkv_mutex_kind(pthread_mutex_t* m) noexcept

@@ -1,0 +1,3 @@
+"""Type stubs for hostkv._crash (crash points, the tests' kill-at-step-N)."""
+
+def _arm_new_segments(step: int, mode: str = ...) -> None: ...

@@ -1,0 +1,340 @@
+# cython: language_level=3, embedsignature=True
+"""What a segment says it is: the format word, the config packed into the header, the checks
+every bounds check rests on, and the header's first words at create and attach.
+
+Everything read from a segment is untrusted (see _layout.pxd): the checks here run before
+anything follows an offset the header gives, and say what is wrong in words; the caller
+raises (Segment.corrupt names the segment).
+"""
+
+import os
+import time
+
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.stdint cimport int64_t, uint32_t
+from libc.string cimport memcmp, memcpy, memset
+
+from hostkv._geometry cimport compute_regions, radix_table_capacity
+from hostkv._layout cimport *
+from hostkv.includes.system cimport *
+
+from hostkv.config import DTYPE_CODES, KV_KINDS
+from hostkv.errors import (
+    CorruptionError,
+    IncompatibleSegmentError,
+    SegmentFormatError,
+    os_error,
+)
+
+RESERVE_CHUNK = 256 << 20    # the creator publishes its progress after each chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# The format word: what a segment was built with
+
+cdef HkvFormat expected_format() noexcept:
+    cdef HkvFormat fmt
+    memset(&fmt, 0, sizeof(fmt))
+    fmt.fmt_layout_version = HKV_LAYOUT_VERSION
+    fmt.fmt_byte_order = HKV_BYTE_ORDER_MARK
+    fmt.fmt_pointer_size = sizeof(void*)
+    fmt.fmt_mutex_size = sizeof(pthread_mutex_t)
+    fmt.fmt_header_size = sizeof(HkvHeader)
+    fmt.fmt_lease_size = sizeof(HkvLease)
+    fmt.fmt_undo_entry_size = sizeof(HkvUndoEntry)
+    fmt.fmt_slab_size = sizeof(HkvSlab)
+    fmt.fmt_radix_node_size = sizeof(HkvRadixNode)
+    fmt.fmt_sequence_size = sizeof(HkvSequence)
+    fmt.fmt_metrics_size = sizeof(HkvMetrics)
+    return fmt
+
+
+cdef int check_format(name, HkvFormat* got_format) except -1:
+    """IncompatibleSegmentError unless the segment's format word is this build's."""
+    cdef dict got = got_format[0]
+    cdef dict want = expected_format()
+    for field in _FORMAT_FIELDS:
+        if got[field] != want[field]:
+            raise SegmentFormatError(
+                f"segment {name!r} has another format: {field} is {got[field]}, "
+                f"this hostkv expects {want[field]}")
+    return 0
+
+
+_FORMAT_FIELDS = ("fmt_layout_version", "fmt_byte_order", "fmt_pointer_size", "fmt_mutex_size",
+                  "fmt_header_size", "fmt_lease_size", "fmt_undo_entry_size", "fmt_slab_size",
+                  "fmt_radix_node_size", "fmt_sequence_size", "fmt_metrics_size")
+
+
+# ---------------------------------------------------------------------------------------------
+# The config in the header
+
+# HostKVConfig field -> HkvConfig field. The KVLayout is stored as four fields.
+_CONFIG_FIELDS = (
+    ("num_pages", "cfg_num_pages"),
+    ("page_size", "cfg_page_size"),
+    ("page_bytes", "cfg_page_bytes"),
+    ("enable_prefix_reuse", "cfg_enable_prefix_reuse"),
+    ("prefix_min_reuse_pages", "cfg_prefix_min_reuse_pages"),
+    ("prefix_min_store_pages", "cfg_prefix_min_store_pages"),
+    ("radix_node_capacity", "cfg_radix_node_capacity"),
+    ("sequence_page_node_capacity", "cfg_sequence_page_node_capacity"),
+    ("max_sequences", "cfg_max_sequences"),
+    ("max_processes", "cfg_max_processes"),
+    ("undo_log_capacity", "cfg_undo_log_capacity"),
+)
+
+
+cdef HkvConfig config_to_c(object config) except *:
+    """Packs a resolved HostKVConfig into the header's form."""
+    cdef HkvConfig c
+    memset(&c, 0, sizeof(c))
+    values = {cname: int(getattr(config, pyname)) for pyname, cname in _CONFIG_FIELDS}
+    layout = config.kv_layout
+    if layout is not None:
+        values.update(cfg_kv_num_layers=layout.num_layers, cfg_kv_num_kv_heads=layout.num_kv_heads,
+                      cfg_kv_head_dim=layout.head_dim, cfg_kv_dtype_code=DTYPE_CODES[layout.dtype],
+                      cfg_kv_kind=KV_KINDS[layout.kind])
+    c.cfg_num_pages = values["cfg_num_pages"]
+    c.cfg_page_bytes = values["cfg_page_bytes"]
+    c.cfg_page_size = values["cfg_page_size"]
+    c.cfg_enable_prefix_reuse = values["cfg_enable_prefix_reuse"]
+    c.cfg_prefix_min_reuse_pages = values["cfg_prefix_min_reuse_pages"]
+    c.cfg_prefix_min_store_pages = values["cfg_prefix_min_store_pages"]
+    c.cfg_radix_node_capacity = values["cfg_radix_node_capacity"]
+    c.cfg_sequence_page_node_capacity = values["cfg_sequence_page_node_capacity"]
+    c.cfg_max_sequences = values["cfg_max_sequences"]
+    c.cfg_max_processes = values["cfg_max_processes"]
+    c.cfg_undo_log_capacity = values["cfg_undo_log_capacity"]
+    c.cfg_kv_num_layers = values.get("cfg_kv_num_layers", 0)
+    c.cfg_kv_num_kv_heads = values.get("cfg_kv_num_kv_heads", 0)
+    c.cfg_kv_head_dim = values.get("cfg_kv_head_dim", 0)
+    c.cfg_kv_dtype_code = values.get("cfg_kv_dtype_code", 0)
+    c.cfg_kv_kind = values.get("cfg_kv_kind", 0)
+    return c
+
+
+cdef tuple config_values(const HkvConfig* cfg):
+    """The header's config as (dict of HostKVConfig field values, kv layout or None): the
+    layout as (num_layers, num_kv_heads, head_dim, dtype code, kind code)."""
+    cdef dict c = cfg[0]
+    values = {pyname: c[cname] for pyname, cname in _CONFIG_FIELDS}
+    values["enable_prefix_reuse"] = bool(values["enable_prefix_reuse"])
+    layout = None
+    if c["cfg_kv_num_layers"]:
+        layout = (c["cfg_kv_num_layers"], c["cfg_kv_num_kv_heads"], c["cfg_kv_head_dim"],
+                  c["cfg_kv_dtype_code"], c["cfg_kv_kind"])
+    return values, layout
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks every bounds check rests on
+
+cdef bint config_impossible(const HkvConfig* c) except -1:
+    """A config no create writes: sizes that are not positive, or a pool past 2**46 bytes."""
+    return (c.cfg_num_pages <= 0 or c.cfg_num_pages >= 2**31 or c.cfg_page_size <= 0
+            or c.cfg_page_bytes <= 0 or c.cfg_max_processes <= 0
+            or c.cfg_undo_log_capacity <= 0 or c.cfg_radix_node_capacity < 0
+            or c.cfg_sequence_page_node_capacity < 0 or c.cfg_max_sequences < 0
+            or c.cfg_num_pages * c.cfg_page_bytes >= 2**46)
+
+
+cdef str shape_problem(HkvHeader* hdr, size_t size, int64_t undo_capacity):
+    """What is wrong with the header's config and region offsets (None: nothing): the config
+    must be sane and the one attach found (undo_capacity), and the offsets the ones it
+    implies, ending where the mapping (size bytes) ends. None of these changes after create,
+    so a difference is corruption."""
+    cdef HkvConfig* c = &hdr.hdr_config
+    cdef HkvRegions regions
+    if (config_impossible(c) or c.cfg_page_size > 2**20 or c.cfg_page_bytes >= 2**46
+            or c.cfg_undo_log_capacity != undo_capacity):
+        return "the header's config is impossible or changed"
+    compute_regions(c, &regions)
+    if (memcmp(&regions, &hdr.hdr_regions, sizeof(HkvRegions)) != 0
+            or regions.reg_total_size != <int64_t>size):
+        return "the header's region offsets disagree with its config or the mapping"
+    return None
+
+
+cdef str tables_problem(char* base, HkvHeader* hdr, const HkvRegions* regions):
+    """What is wrong with the tables' fixed sizes (None: nothing), at regions (offsets
+    shape_problem found sound): the child table's capacity and the record pools' headers
+    must be the config's."""
+    cdef HkvConfig* c = &hdr.hdr_config
+    cdef HkvSlab* slab
+    if hdr.hdr_radix.rt_table_capacity != radix_table_capacity(c.cfg_radix_node_capacity):
+        return f"child table capacity {hdr.hdr_radix.rt_table_capacity} disagrees with the config"
+    slab = <HkvSlab*>(base + regions.reg_radix_nodes)
+    if slab.sl_capacity != c.cfg_radix_node_capacity or slab.sl_record_size != sizeof(HkvRadixNode):
+        return "the radix node table's header disagrees with the config"
+    slab = <HkvSlab*>(base + regions.reg_sequences)
+    if slab.sl_capacity != c.cfg_max_sequences or slab.sl_record_size != sizeof(HkvSequence):
+        return "the sequence table's header disagrees with the config"
+    slab = <HkvSlab*>(base + regions.reg_sequence_pages)
+    if (slab.sl_capacity != c.cfg_sequence_page_node_capacity
+            or slab.sl_record_size != sizeof(HkvSeqPage)):
+        return "the page-list table's header disagrees with the config"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The header's first words: written by the creator before anything else, waited for by
+# attachers
+
+cdef int write_first_header(name, int fd, const HkvConfig* ccfg,
+                            const HkvRegions* regions) except -1:
+    """Writes the header's identity and sizes the segment, refusing what /dev/shm cannot hold.
+
+    The first bytes an attacher can see are a header that says what this is (magic, format,
+    config, regions, creator pid) in state INITIALISING: pwrite extends the file only once
+    the header's bytes are in it, so a segment of at least a header's size that does not
+    start with the magic is not hostkv's, at once."""
+    cdef HkvHeader first
+    cdef int64_t total = regions.reg_total_size
+    memset(&first, 0, sizeof(HkvHeader))
+    first.hdr_magic = HKV_MAGIC
+    first.hdr_format = expected_format()
+    first.hdr_config = ccfg[0]
+    first.hdr_regions = regions[0]
+    first.hdr_state = HKV_STATE_INITIALISING
+    first.hdr_creator_pid = getpid()
+    data = PyBytes_FromStringAndSize(<char*>&first, sizeof(HkvHeader))
+    try:
+        written = os.pwrite(fd, data, 0)
+        if written != len(data):
+            raise OSError(ENOSPC, "short write")
+        os.ftruncate(fd, total)
+    except OSError as exc:
+        raise os_error(exc.errno or EINVAL, "write the header of segment", name) from None
+    # Reserving chunk by chunk, unlike one posix_fallocate of the whole, would fill
+    # memory before a too-big request fails (tmpfs refuses a single request larger than
+    # the filesystem at once): refuse what cannot fit before reserving any of it.
+    vfs = os.fstatvfs(fd)
+    if vfs.f_blocks and total > vfs.f_bavail * vfs.f_frsize:
+        raise os_error(ENOSPC, f"reserve {total} bytes for segment (only "
+                       f"{vfs.f_bavail * vfs.f_frsize} free)", name)
+    return 0
+
+
+cdef int reserve_memory(name, int fd, int64_t total, int64_t* reserved) except -1:
+    """Reserves the segment's memory chunk by chunk, publishing the bytes reserved so far in
+    *reserved (the mapped header's hdr_reserved_bytes), so that an attacher that times out
+    can say how far it got. On a full /dev/shm this fails with ENOSPC here instead of a
+    SIGBUS at the first touch of an unbacked page later."""
+    cdef int64_t at = 0, chunk
+    cdef int rc
+    while at < total:
+        chunk = min(<int64_t>RESERVE_CHUNK, total - at)
+        with nogil:
+            rc = posix_fallocate(fd, at, chunk)
+        if rc != 0:
+            raise os_error(rc, f"reserve {total} bytes for segment", name)
+        at += chunk
+        hkv_store_release_i64(reserved, at)
+    return 0
+
+
+cdef int64_t wait_ready(name, int fd, double timeout) except -1:
+    """Waits until the segment `name` open at fd is sized and READY; returns its size (to map).
+
+    Reads the header with pread, so nothing is mapped before the creator has sized the
+    segment. A creator between shm_open and writing its header leaves a segment shorter
+    than a header: that is waited for. A header without the magic, or of another format, is
+    refused at once: the creator writes those first.
+    """
+    cdef HkvHeader h
+    cdef Py_ssize_t header_size = sizeof(HkvHeader)
+    cdef uint32_t state = 0
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    first_reserved = None
+    size = 0
+    have_header = False
+    while True:
+        size = os.fstat(fd).st_size
+        if size >= header_size:
+            data = os.pread(fd, header_size, 0)
+            if len(data) == header_size:
+                memcpy(&h, <char*>data, header_size)
+                have_header = True
+                if h.hdr_magic != HKV_MAGIC:
+                    raise IncompatibleSegmentError(
+                        f"segment {name!r} is not a hostkv segment (bad magic)")
+                check_format(name, &h.hdr_format)
+                state = h.hdr_state
+                if state == HKV_STATE_READY or state == HKV_STATE_CORRUPT:
+                    return size
+                if state != HKV_STATE_INITIALISING:
+                    raise CorruptionError(
+                        f"segment {name!r}: the header's state word is {state}")
+                if first_reserved is None:
+                    first_reserved = h.hdr_reserved_bytes
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    if not have_header:
+        raise IncompatibleSegmentError(
+            f"segment {name!r} is {size} bytes after {timeout:g} s, shorter than a "
+            f"hostkv header ({header_size} bytes): not a hostkv segment, or its creator "
+            "died before writing its header; unlink it and create it again")
+    total = h.hdr_regions.reg_total_size
+    reserved = h.hdr_reserved_bytes
+    percent = 100.0 * reserved / total if total > 0 else 0.0
+    if reserved >= total:
+        progress = "all of its memory reserved, its tables still being written"
+    else:
+        progress = f"{percent:.0f}% of its {total} bytes reserved"
+    if first_reserved is not None and reserved == first_reserved:
+        advice = ("no progress while waiting: its creator may have died; unlink it and "
+                  "create it again")
+    else:
+        advice = "still progressing: pass a longer ready_timeout"
+    raise IncompatibleSegmentError(
+        f"segment {name!r} did not become ready within {timeout:g} s: still being "
+        f"created by pid {h.hdr_creator_pid}, {progress}; {advice}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Snapshots as plain Python values
+
+cdef dict header_snapshot(HkvHeader* header, char* base):
+    """The header (format, regions, state, counters) as plain dicts; its offsets sound."""
+    cdef dict hdr = header[0]
+    return {
+        "format": dict(hdr["hdr_format"]),
+        "regions": dict(hdr["hdr_regions"]),
+        "state": hdr["hdr_state"],
+        "creator_pid": hdr["hdr_creator_pid"],
+        "reserved_bytes": hdr["hdr_reserved_bytes"],
+        "generation": hdr["hdr_generation"],
+        "free_pages": hdr["hdr_free_pages"],
+        "active_leases": hdr["hdr_active_leases"],
+        "tree_nodes": (<HkvSlab*>(base + header.hdr_regions.reg_radix_nodes)).sl_used,
+        "active_sequences": (<HkvSlab*>(base + header.hdr_regions.reg_sequences)).sl_used,
+        "sequence_pages": (<HkvSlab*>(base + header.hdr_regions.reg_sequence_pages)).sl_used,
+        "undo_count": hdr["hdr_undo_count"],
+        "stats": {k: v for k, v in dict(hdr["hdr_stats"]).items() if k != "st_reserved"},
+        "radix": {k: v for k, v in dict(hdr["hdr_radix"]).items() if k != "rt_reserved"},
+    }
+
+
+cdef dict metrics_snapshot(HkvMetrics* m):
+    """The metrics region as plain Python values."""
+    cdef int i
+    namespaces = {}
+    for i in range(HKV_NAMESPACE_SLOTS):
+        if m.mt_namespaces[i].ns_used:
+            key = "other" if i == HKV_NAMESPACE_SLOTS - 1 else m.mt_namespaces[i].ns_namespace
+            namespaces[key] = (m.mt_namespaces[i].ns_lookup_tokens, m.mt_namespaces[i].ns_hit_tokens)
+    return {
+        "lock_acquisitions": m.mt_lock_acquisitions,
+        "lock_wait_ns": m.mt_lock_wait_ns,
+        "lock_hold_ns": m.mt_lock_hold_ns,
+        "lock_wait_histogram": [m.mt_lock_wait_histogram[i] for i in range(HKV_HISTOGRAM_BUCKETS)],
+        "lock_hold_histogram": [m.mt_lock_hold_histogram[i] for i in range(HKV_HISTOGRAM_BUCKETS)],
+        "full_hits": m.mt_full_hits,
+        "misses": {"no_prefix": m.mt_miss_no_prefix, "namespace": m.mt_miss_namespace,
+                   "below_minimum": m.mt_miss_below_minimum, "evicted": m.mt_miss_evicted},
+        "namespaces": namespaces,
+    }

@@ -1,0 +1,4 @@
+"""Type stubs for hostkv._leases (robust mutexes and the lease thread)."""
+
+MUTEX_KIND: int
+MUTEX_KIND_OFFSET: int
