@@ -1,45 +1,16 @@
-"""Type stubs for hostkv._sequences (sequence records and the batch entry points)."""
+"""Type stubs for hostkv._sequences (the batch entry points over sequences)."""
 
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
 
+from hostkv._records import check_references as check_references
+from hostkv._records import live_sequences as live_sequences
 from hostkv._requests import SequenceAllocation
 from hostkv._segment import Segment
-
-class ViewSequence:
-    seq_id: int
-    record: int
-    generation: int
-    namespace: int
-    tokens: npt.NDArray[np.int32]
-    num_tokens: int
-    cacheable_tokens: int
-    reused_tokens: int
-    committed_pages: int
-    pages: npt.NDArray[np.int32]
-    num_pages: int
-    def __init__(self, seq_id: int, record: int, generation: int, namespace: int,
-                 tokens: npt.NDArray[np.int32], reused_tokens: int, reused_pages: int,
-                 pages: npt.NDArray[np.int32]) -> None: ...
-
-class ViewState:
-    segment: Segment
-    live: Dict[int, ViewSequence]
-    page_size: int
-    pool_pages: int
-    reuse_enabled: bool
-    min_reuse_pages: int
-    min_store_pages: int
-    view: int
-    requests: int
-    prompt_tokens: int
-    reused_tokens: int
-    committed_pages: int
-    def __init__(self, segment: Segment, live: Dict[int, ViewSequence], page_size: int,
-                 pool_pages: int, reuse_enabled: bool, min_reuse_pages: int,
-                 min_store_pages: int, view: int) -> None: ...
+from hostkv._viewstate import ViewSequence, ViewState
+from hostkv._viewstate import live_of as live_of
 
 def allocate_requests(state: ViewState, requests: Sequence[Any],
                       seq_ids: List[int]) -> List[SequenceAllocation]: ...
@@ -58,13 +29,10 @@ def commit_view_sequences(state: ViewState, sequences: List[ViewSequence],
                           num_pages: List[int]) -> List[int]: ...
 def release_sequences(state: ViewState, sequences: List[ViewSequence],
                       commit: bool) -> List[int]: ...
-def live_of(live: Dict[int, ViewSequence], seq_ids: Any, what: str) -> List[ViewSequence]: ...
 def token_list(token_ids: Any) -> Any: ...
 def append_tokens(seg: Segment, sequences: List[ViewSequence], token_ids: Any,
                   page_size: int) -> None: ...
 def view_sequences(seg: Segment, view: int) -> List[Tuple[int, int, int, List[int]]]: ...
-def check_references(seg: Segment, exact: bool) -> None: ...
-def live_sequences(seg: Segment) -> List[Tuple[int, int, int, int, Tuple[int, ...]]]: ...
 
 from hostkv.errors import OutOfPagesError
 

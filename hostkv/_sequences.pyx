@@ -1,17 +1,13 @@
 # cython: language_level=3, embedsignature=True
-"""Sequence records and the batch entry points: allocate, append, commit, release.
+"""The batch entry points over sequences: allocate, hold, append, commit, release.
 
-A sequence belongs to one lease (process). It holds the prefix it borrowed from the tree by a
-lock on the node that prefix ends at (so none of it can be evicted under it), and one
-reference to each of its own pages, which its page list records. When it commits, the lock
-moves to the node its committed pages end at. Each entry point is one lock and one mutation for a whole batch; the
-policy (what to reuse, what to commit) is WorkerView's, in Python.
+Each entry point is one lock and one mutation for a whole batch, made of the record and
+page-list building blocks in _records; the policy (what to reuse, what to commit) is
+WorkerView's, in Python, and its bookkeeping of each sequence is _viewstate's.
 """
 
 import numbers
 from collections.abc import Iterable
-
-cimport cython
 
 import numpy as np
 cimport numpy as cnp
@@ -19,53 +15,33 @@ from cpython.object cimport PyObject_IsInstance
 
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
 
 from hostkv._layout cimport (
-    HkvHeader, HkvLease, HkvMetrics, HkvNamespaceStats, HkvRadixNode, HkvSeqPage, HkvSequence,
-    HkvSlab, HKV_HINT_SLOTS, HKV_LEASE_ACTIVE, HKV_NAMESPACE_SLOTS, HKV_SEQ_PAGES_PER_ENTRY)
-from hostkv._lock cimport check_open, log_store_i32, log_store_i64
-from hostkv._segment cimport Segment, add_dead_lease_hook, add_rederive_hook
-from hostkv._slab cimport (
-    slab_alloc_many, slab_check, slab_check_index, slab_free, slab_freed_in_mutation,
-    slab_note_free, slab_record, slab_rederive)
-from hostkv._pages cimport check_page_index, page_decref, page_refcounts, pages_alloc
-from hostkv._requests cimport SequenceRequest, new_allocation
+    HkvHeader, HkvMetrics, HkvNamespaceStats, HkvSequence, HKV_HINT_SLOTS, HKV_NAMESPACE_SLOTS)
+from hostkv._lock cimport check_open, log_store_i64
+from hostkv._pages cimport pages_alloc
 from hostkv._radix cimport (
     BORROW_MAY_EVICT, BORROW_REFRESH, Tree, checked_i32_copy, node_depth, sequence_tokens,
-    tree_borrow, tree_evict_pages, tree_insert, tree_lock, tree_of, tree_page_hash, tree_unlock)
+    tree_borrow, tree_evict_pages, tree_insert, tree_of, tree_page_hash)
+from hostkv._records cimport (
+    extend_page_list, new_sequence, owned_by_view, owned_sequence, release_sequence,
+    sequence_at, set_lock)
+from hostkv._requests cimport SequenceRequest, new_allocation
+from hostkv._segment cimport Segment
+from hostkv._viewstate cimport (
+    ViewSequence, ViewState, check_filled, check_state, needs_page, note_cached, push_page,
+    push_token, reserve_page, reserve_token)
 
 from hostkv._tokens import BYTES_LIKE as _BYTES_LIKE, as_namespace, as_seq_id, as_tokens
-from hostkv.errors import CapacityError, CorruptionError, OutOfPagesError, SequenceError
+from hostkv.errors import CapacityError, OutOfPagesError, SequenceError
+# Defined in the layers below; named here too, where callers and tests have always found them.
+from hostkv._records import check_references, live_sequences
+from hostkv._viewstate import live_of
 
 cdef object INT64_MIN = -(2**63), INT64_MAX = 2**63 - 1, NAMESPACE_LIMIT = 2**64
 cdef int64_t INT32_MAX = 2**31 - 1
 
 cnp.import_array()
-
-
-cdef inline HkvSlab* sequence_slab(Segment seg) noexcept nogil:
-    return <HkvSlab*>(seg.base + seg.hdr.hdr_regions.reg_sequences)
-
-
-cdef inline HkvSlab* page_list_slab(Segment seg) noexcept nogil:
-    return <HkvSlab*>(seg.base + seg.hdr.hdr_regions.reg_sequence_pages)
-
-
-cdef HkvSequence* sequence_at(Segment seg, int64_t index) except NULL:
-    cdef HkvSlab* slab = sequence_slab(seg)
-    cdef HkvSequence* seq
-    slab_check_index(seg, slab, index, "sequence")
-    seq = <HkvSequence*>slab_record(slab, <int32_t>index)
-    if seq.sq_slab.sr_in_use != 1:
-        seg.corrupt(f"sequence record {index} is referenced but free")
-    return seq
-
-
-cdef HkvSeqPage* page_entry_at(Segment seg, int64_t index) except NULL:
-    cdef HkvSlab* slab = page_list_slab(seg)
-    slab_check_index(seg, slab, index, "sequence page")
-    return <HkvSeqPage*>slab_record(slab, <int32_t>index)
 
 
 cdef inline int32_t* i32(cnp.ndarray arr) noexcept:
@@ -136,236 +112,6 @@ cdef cnp.ndarray raw_token_array(list token_arrays, int64_t i):
     return tokens
 
 
-cdef int32_t new_sequence(Segment seg, int64_t seq_id, uint64_t namespace, int32_t lock_node,
-                          int32_t view, str call, int64_t batch, int64_t still_needed) except -1:
-    """Takes a sequence record for this lease and fills it: no pages yet, holding lock_node
-    (-1: none), stamped with the caller's view number and a new generation. Returns the
-    record's index.
-
-    Raises:
-        CapacityError: every record is in use (the message names the call and its batch).
-    """
-    cdef HkvSlab* slab = sequence_slab(seg)
-    cdef int32_t record
-    cdef int taken = slab_alloc_many(seg, slab, 1, &record)
-    cdef HkvSequence* seq
-    if taken == 0:
-        raise CapacityError(
-            f"segment {seg.name!r}: all {slab.sl_capacity} sequence records "
-            f"are in use; raise max_sequences ({call} of {batch})",
-            resource="sequences", needed=still_needed, available=0)
-    seq = sequence_at(seg, record)
-    if taken == 2:
-        # Free when the mutation began: a rollback frees it again (see slab_alloc_many).
-        seq.sq_lease_slot = seg.lease_slot
-        seq.sq_num_pages = 0
-        seq.sq_lease_generation = seg.lease_generation
-        seq.sq_seq_id = seq_id
-        seq.sq_namespace = namespace
-        seq.sq_first_page = -1
-        seq.sq_last_page = -1
-        seq.sq_lock_node = lock_node
-        seq.sq_view = view
-    else:
-        log_store_i32(seg, &seq.sq_lease_slot, seg.lease_slot)
-        log_store_i32(seg, &seq.sq_num_pages, 0)
-        log_store_i64(seg, <int64_t*>&seq.sq_lease_generation, <int64_t>seg.lease_generation)
-        log_store_i64(seg, &seq.sq_seq_id, seq_id)
-        log_store_i64(seg, <int64_t*>&seq.sq_namespace, <int64_t>namespace)
-        log_store_i32(seg, &seq.sq_first_page, -1)
-        log_store_i32(seg, &seq.sq_last_page, -1)
-        log_store_i32(seg, &seq.sq_lock_node, lock_node)
-        log_store_i32(seg, &seq.sq_view, view)
-    # Logged either way: a rollback gives the record back its generation exactly.
-    log_store_i64(seg, &seq.sq_generation, seq.sq_generation + 1)
-    return record
-
-
-cdef HkvSeqPage* list_entry_at(Segment seg, int64_t index) except NULL:
-    """Entry `index` of a sequence's page list: in use, holding 1..12 pages."""
-    cdef HkvSeqPage* entry = page_entry_at(seg, index)
-    if entry.sp_slab.sr_in_use != 1:
-        seg.corrupt(f"page-list record {index} is listed but free")
-    if entry.sp_count < 1 or entry.sp_count > HKV_SEQ_PAGES_PER_ENTRY:
-        seg.corrupt(f"page-list record {index} holds {entry.sp_count} pages")
-    return entry
-
-
-cdef list listed_pages(Segment seg, HkvSequence* seq, int32_t index):
-    """A sequence's own pages, in order, from its page list (every index checked)."""
-    cdef int32_t entry_index = seq.sq_first_page, k
-    cdef HkvSeqPage* entry
-    cdef list pages = []
-    while entry_index != -1:
-        entry = list_entry_at(seg, entry_index)
-        for k in range(entry.sp_count):
-            check_page_index(seg, entry.sp_pages[k])
-            pages.append(entry.sp_pages[k])
-        if len(pages) > seq.sq_num_pages:
-            seg.corrupt(f"sequence {index}'s page list is longer than its {seq.sq_num_pages} pages")
-        entry_index = entry.sp_next
-    return pages
-
-
-cdef int extend_page_list(Segment seg, HkvSequence* seq, const int32_t* pages,
-                          int64_t count) except -1:
-    """Adds `count` pages (already referenced for this sequence) to the end of its page
-    list: into the room its last entry has, then into new entries taken from the free list
-    in one step.
-
-    Stores into a slot past an entry's count, and into an entry that was free when the
-    mutation began, are not logged: a rollback restores the counts (or frees the entry),
-    and nothing reads past a count. Where the mutation has freed a page-list record (whose
-    rollback would bring its old slots back in use), every store is logged."""
-    cdef HkvSlab* slab = page_list_slab(seg)
-    cdef bint unlogged = not slab_freed_in_mutation(seg, slab)
-    cdef HkvSeqPage* entry
-    cdef int32_t* entries
-    cdef int32_t first_entry
-    cdef int64_t k, j, here, done = 0, new_entries
-    cdef int taken
-    if count <= 0:
-        return 0
-    if seq.sq_last_page != -1:
-        entry = list_entry_at(seg, seq.sq_last_page)
-        done = min(HKV_SEQ_PAGES_PER_ENTRY - entry.sp_count, count)
-        for j in range(done):
-            if unlogged:
-                entry.sp_pages[entry.sp_count + j] = pages[j]
-            else:
-                log_store_i32(seg, &entry.sp_pages[entry.sp_count + j], pages[j])
-        if done:
-            log_store_i32(seg, &entry.sp_count, entry.sp_count + <int32_t>done)
-    if done < count:
-        new_entries = (count - done + HKV_SEQ_PAGES_PER_ENTRY - 1) // HKV_SEQ_PAGES_PER_ENTRY
-        entries = (&first_entry if new_entries == 1
-                   else <int32_t*>malloc(new_entries * sizeof(int32_t)))
-        if entries == NULL:
-            raise MemoryError()
-        try:
-            taken = slab_alloc_many(seg, slab, new_entries, entries)
-            if taken == 0:
-                raise CapacityError(
-                    f"segment {seg.name!r}: every sequence page-list record is in use "
-                    f"(capacity {slab.sl_capacity}); raise sequence_page_node_capacity",
-                    resource="sequence page nodes", needed=new_entries,
-                    available=slab.sl_capacity - slab.sl_used)
-            for k in range(new_entries):
-                entry = <HkvSeqPage*>slab_record(slab, entries[k])
-                here = min(HKV_SEQ_PAGES_PER_ENTRY, count - done)
-                if taken == 2:
-                    # Free when the mutation began: a rollback frees it again.
-                    entry.sp_next = entries[k + 1] if k + 1 < new_entries else -1
-                    entry.sp_count = <int32_t>here
-                    for j in range(here):
-                        entry.sp_pages[j] = pages[done + j]
-                else:
-                    log_store_i32(seg, &entry.sp_next,
-                                  entries[k + 1] if k + 1 < new_entries else -1)
-                    log_store_i32(seg, &entry.sp_count, <int32_t>here)
-                    for j in range(here):
-                        log_store_i32(seg, &entry.sp_pages[j], pages[done + j])
-                done += here
-            if seq.sq_last_page == -1:
-                log_store_i32(seg, &seq.sq_first_page, entries[0])
-            else:
-                log_store_i32(seg, &page_entry_at(seg, seq.sq_last_page).sp_next, entries[0])
-            log_store_i32(seg, &seq.sq_last_page, entries[new_entries - 1])
-        finally:
-            if entries != &first_entry:
-                free(entries)
-    log_store_i32(seg, &seq.sq_num_pages, seq.sq_num_pages + <int32_t>count)
-    return 0
-
-
-cdef int set_lock(Segment seg, Tree* t, HkvSequence* seq, int32_t node) except -1:
-    """Moves the sequence's one tree lock to node (lock first, so nothing is briefly free)."""
-    cdef int32_t old = seq.sq_lock_node
-    if node == old:
-        return 0
-    if node != -1:
-        tree_lock(seg, t, node)
-    log_store_i32(seg, &seq.sq_lock_node, node)
-    if old != -1:
-        tree_unlock(seg, t, old)
-    return 0
-
-
-cdef int release_sequence(Segment seg, Tree* t, int32_t index, const int32_t* adopted=NULL,
-                          int64_t num_adopted=0) except -1:
-    """Drops everything a sequence holds: its lock, its page references (but those of the
-    num_adopted pages listed in adopted, which the tree took over in this mutation: they
-    must be a run of its list, in order), its records."""
-    cdef HkvSequence* seq = sequence_at(seg, index)
-    cdef HkvSlab* list_slab = page_list_slab(seg)
-    cdef int32_t entry_index = seq.sq_first_page, next_index
-    cdef int32_t count = 0
-    cdef int32_t free_head = list_slab.sl_free_head
-    cdef int64_t skipped = 0
-    cdef int32_t freed = 0, k, page
-    cdef HkvSeqPage* entry
-    set_lock(seg, t, seq, -1)
-    if entry_index != -1:
-        slab_note_free(seg, list_slab)
-    while entry_index != -1:
-        entry = list_entry_at(seg, entry_index)
-        for k in range(entry.sp_count):
-            page = entry.sp_pages[k]
-            if skipped < num_adopted and page == adopted[skipped]:
-                skipped += 1                     # the tree holds this reference now
-            else:
-                page_decref(seg, page)
-        count += entry.sp_count
-        if count > seq.sq_num_pages:
-            seg.corrupt(f"sequence {index}'s page list is longer than its {seq.sq_num_pages} pages")
-        next_index = entry.sp_next
-        # Pushed on the free list one by one, its head and count stored once at the end.
-        log_store_i32(seg, &entry.sp_slab.sr_in_use, 0)
-        log_store_i32(seg, &entry.sp_slab.sr_next_free, free_head)
-        free_head = entry_index
-        freed += 1
-        entry_index = next_index
-    if count != seq.sq_num_pages:
-        seg.corrupt(f"sequence {index} lists {count} pages, counts {seq.sq_num_pages}")
-    if skipped != num_adopted:
-        seg.corrupt(f"sequence {index}'s list holds {skipped} of the {num_adopted} pages the "
-                    "tree adopted from it")
-    if freed:
-        log_store_i32(seg, &list_slab.sl_free_head, free_head)
-        log_store_i32(seg, &list_slab.sl_used, list_slab.sl_used - freed)
-    slab_free(seg, sequence_slab(seg), index)
-    return 0
-
-
-cdef int release_dead_lease(Segment seg, int32_t slot) except -1:
-    """The dead-lease hook: releases every sequence of the lease, without committing them.
-
-    Each release is committed on its own (the sweep runs with no other change open), so a
-    process holding more than one undo log's worth is still reclaimed; a death midway
-    leaves the rest for the next sweep.
-    """
-    cdef HkvSlab* slab = sequence_slab(seg)
-    cdef HkvSequence* seq
-    cdef int32_t i
-    cdef Tree t = tree_of(seg)
-    for i in range(slab.sl_capacity):
-        seq = <HkvSequence*>slab_record(slab, i)
-        if seq.sq_slab.sr_in_use == 1 and seq.sq_lease_slot == slot:
-            release_sequence(seg, &t, i)
-            seg.commit()
-    return 0
-
-
-cdef int rederive_sequences(Segment seg) except -1:
-    slab_rederive(seg, sequence_slab(seg))
-    slab_rederive(seg, page_list_slab(seg))
-    return 0
-
-
-add_dead_lease_hook(release_dead_lease)
-add_rederive_hook(rederive_sequences)
-
-
 cdef int count_lookup(Segment seg, Tree* t, const int32_t* tokens, int64_t num_tokens,
                       uint64_t namespace, int64_t reusable, int64_t found, int64_t kept,
                       int32_t min_reuse_pages) except -1:
@@ -427,211 +173,12 @@ cdef HkvNamespaceStats* namespace_slot(Segment seg, uint64_t namespace) except N
 
 # -- the batch entry points --------------------------------------------------------------------------
 
-cdef HkvSequence* owned_sequence(Segment seg, int64_t index, int64_t seq_id,
-                                 int64_t generation) except NULL:
-    """The caller's live sequence record `index`: in use, this process's lease, the caller's
-    sequence id and the record's generation at its allocation. Anything else is a stale
-    handle (released already, the record reused since, or another process's) and a
-    SequenceError, never a change to a record someone else now owns (issue 10, item 3)."""
-    cdef HkvSlab* slab = sequence_slab(seg)
-    cdef HkvSequence* seq
-    if index < 0 or index >= slab.sl_capacity:
-        raise SequenceError(f"sequence record {index} is outside [0, {slab.sl_capacity})")
-    seq = <HkvSequence*>slab_record(slab, <int32_t>index)
-    if seq.sq_slab.sr_in_use != 1:
-        raise SequenceError(
-            f"sequence {seq_id} (record {index}) is not live: released already")
-    if seq.sq_lease_slot != seg.lease_slot or seq.sq_lease_generation != seg.lease_generation:
-        raise SequenceError(
-            f"sequence record {index} belongs to lease slot {seq.sq_lease_slot}, not to this "
-            "process's lease (released already, or a view from another process)")
-    if seq.sq_seq_id != seq_id or seq.sq_generation != generation:
-        raise SequenceError(
-            f"sequence {seq_id} (record {index}, generation {generation}) was released: the "
-            f"record now holds sequence {seq.sq_seq_id}, generation {seq.sq_generation}")
-    return seq
-
-
-# -- the view's side of a sequence -------------------------------------------------------------
-
-@cython.final                     # no subclass can skip filling it
-@cython.auto_pickle(False)        # names a record of this process's view: never pickled
-cdef class ViewSequence:
-    """A WorkerView's own bookkeeping of one live sequence (process-private).
-
-    The segment's record is named by (record, seq_id, generation). Compiled so that the
-    view's calls fill, step and release these without Python per sequence; what to do with
-    them (the view's policy) stays in worker_view.py.
-
-    Attributes:
-        seq_id, record, generation, namespace: the sequence and its segment record (the
-            record's generation at allocation names this use of it).
-        tokens: its token ids (np.int32, the view's own, never the caller's); the first
-            num_tokens are used, the rest is room (grown by doubling).
-        num_tokens: tokens so far; cacheable_tokens: leading tokens with known ids.
-        reused_tokens: prompt tokens borrowed at allocation.
-        committed_pages: leading pages the cache holds for it.
-        pages: its page table (np.int32); the first num_pages are used. The allocation's
-            table is shared with the caller read-only, so a step never writes into it: it
-            grows into an array of the view's own first.
-    """
-
-    cdef readonly int64_t seq_id
-    cdef readonly int64_t record      # checked against the segment at every use
-    cdef readonly int64_t generation
-    cdef uint64_t _namespace
-    cdef readonly cnp.ndarray tokens
-    cdef readonly int64_t num_tokens, cacheable_tokens, reused_tokens, num_pages
-    cdef public int64_t committed_pages
-    cdef readonly cnp.ndarray pages
-    cdef int64_t step_mark            # the last decode step that listed it (see append_tokens)
-
-    def __init__(self, int64_t seq_id, int64_t record, int64_t generation, uint64_t namespace,
-                 cnp.ndarray tokens, int64_t reused_tokens, int64_t reused_pages,
-                 cnp.ndarray pages):
-        if not (plain_int32(tokens) and plain_int32(pages)):
-            raise ValueError("a ViewSequence needs contiguous, aligned, native-order 1-D "
-                             "np.int32 tokens and pages")
-        fill_view_sequence(self, seq_id, record, generation, namespace, tokens, reused_tokens,
-                           reused_pages, pages)
-
-    @property
-    def namespace(self):
-        return self._namespace
-
-
 cdef object TOKEN_LIMIT = 2**31
 cdef int64_t last_step_mark = 0       # numbers append_tokens calls (see ViewSequence.step_mark)
 
 
-cdef bint plain_int32(cnp.ndarray arr) noexcept:
-    """A contiguous, aligned, native-order 1-D np.int32 array (read raw by the C code)."""
-    return (arr is not None and cnp.PyArray_TYPE(arr) == cnp.NPY_INT32
-            and cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(arr)
-            and cnp.PyArray_ISNOTSWAPPED(arr) and cnp.PyArray_ISALIGNED(arr))
-
-
-cdef int check_filled(ViewSequence seq) except -1:
-    """Refuses a ViewSequence made without its __init__ (its arrays are None)."""
-    if seq.tokens is None or seq.pages is None:
-        raise ValueError("this ViewSequence was never filled (made without __init__)")
-    return 0
-
-
-cdef int fill_view_sequence(ViewSequence seq, int64_t seq_id, int64_t record, int64_t generation,
-                            uint64_t namespace, cnp.ndarray tokens, int64_t reused_tokens,
-                            int64_t reused_pages, cnp.ndarray pages) except -1:
-    seq.seq_id = seq_id
-    seq.record = record
-    seq.generation = generation
-    seq._namespace = namespace
-    # Exact-size arrays: the first decode step grows them, so most sequences of a
-    # prefill-heavy load never pay for room they do not use.
-    seq.tokens = tokens
-    seq.num_tokens = seq.cacheable_tokens = tokens.shape[0]
-    seq.reused_tokens = reused_tokens
-    seq.committed_pages = reused_pages
-    seq.pages = pages
-    seq.num_pages = pages.shape[0]
-    return 0
-
-
-cdef cnp.ndarray grown(cnp.ndarray arr, int64_t used, int64_t least):
-    """A new writable int32 array of twice arr's length (at least `least`), holding arr's
-    first `used` ids."""
-    cdef int64_t size = max(2 * arr.shape[0], least)
-    cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, [size], cnp.NPY_INT32, 0)
-    memcpy(cnp.PyArray_DATA(out), cnp.PyArray_DATA(arr), used * sizeof(int32_t))
-    return out
-
-
-cdef int reserve_token(ViewSequence seq) except -1:
-    """Makes room for one more token (may allocate; changes nothing the view can see)."""
-    if seq.num_tokens == seq.tokens.shape[0]:
-        seq.tokens = grown(seq.tokens, seq.num_tokens, 16)
-    return 0
-
-
-cdef int reserve_page(ViewSequence seq) except -1:
-    """Makes room for one more page in an array of the view's own (the allocation's table is
-    the caller's to read: never written)."""
-    if (seq.num_pages == seq.pages.shape[0]
-            or not cnp.PyArray_CHKFLAGS(seq.pages, cnp.NPY_ARRAY_WRITEABLE)):
-        seq.pages = grown(seq.pages, seq.num_pages, 4)
-    return 0
-
-
-cdef inline bint needs_page(ViewSequence seq, int32_t page_size) noexcept:
-    """Its last page is full: its next token takes a new one."""
-    return seq.num_tokens == seq.num_pages * page_size
-
-
-cdef inline void push_page(ViewSequence seq, int32_t page) noexcept:
-    """Appends a page after reserve_page. Cannot fail."""
-    (<int32_t*>cnp.PyArray_DATA(seq.pages))[seq.num_pages] = page
-    seq.num_pages += 1
-
-
-cdef inline void push_token(ViewSequence seq, int64_t token) noexcept:
-    """Appends a token after reserve_token (-1: unknown, stored as 0). Cannot fail."""
-    cdef int32_t* data = <int32_t*>cnp.PyArray_DATA(seq.tokens)
-    if token < 0:
-        data[seq.num_tokens] = 0
-        seq.cacheable_tokens = min(seq.cacheable_tokens, seq.num_tokens)
-    else:
-        data[seq.num_tokens] = <int32_t>token
-        if seq.cacheable_tokens == seq.num_tokens:
-            seq.cacheable_tokens += 1
-    seq.num_tokens += 1
-
-
 cdef int64_t* i64(cnp.ndarray arr) noexcept:
     return <int64_t*>cnp.PyArray_DATA(arr)
-
-
-@cython.final
-@cython.auto_pickle(False)        # names this process's segment handle: never pickled
-cdef class ViewState:
-    """What a WorkerView hands each of its compiled calls as one argument: its segment, its
-    sequences by id, its policy numbers, and its counters, which the calls update in C with
-    the bookkeeping they count.
-
-    Attributes:
-        segment: the view's open segment.
-        live: seq id -> ViewSequence, the view's sequences.
-        page_size, pool_pages: the segment's page size and its pool's size in pages.
-        reuse_enabled, min_reuse_pages, min_store_pages: the view's prefix policy.
-        view: the view's number, stamped on its records.
-        requests, prompt_tokens, reused_tokens, committed_pages: the view's counters.
-    """
-
-    cdef readonly Segment segment
-    cdef readonly dict live
-    cdef readonly int32_t page_size, min_reuse_pages, min_store_pages, view
-    cdef readonly int64_t pool_pages
-    cdef readonly bint reuse_enabled
-    cdef public int64_t requests, prompt_tokens, reused_tokens, committed_pages
-
-    def __init__(self, Segment segment not None, dict live not None, int32_t page_size,
-                 int64_t pool_pages, bint reuse_enabled, int32_t min_reuse_pages,
-                 int32_t min_store_pages, int32_t view):
-        if page_size <= 0:
-            raise ValueError(f"page size must be positive, got {page_size}")
-        self.segment = segment
-        self.live = live
-        self.page_size = page_size
-        self.pool_pages = pool_pages
-        self.reuse_enabled = reuse_enabled
-        self.min_reuse_pages = min_reuse_pages
-        self.min_store_pages = min_store_pages
-        self.view = view
-
-
-cdef int check_state(ViewState state) except -1:
-    """Refuses a ViewState made without its __init__ (its segment and dict are None)."""
-    if state.segment is None or state.live is None:
-        raise ValueError("this ViewState was never filled (made without __init__)")
-    return 0
 
 
 def allocate_requests(ViewState state not None, requests, list seq_ids):
@@ -978,8 +525,8 @@ cdef int64_t commit_one(Segment seg, Tree* t, HkvSequence* seq, const int32_t* t
     Raises:
         CapacityError: the undo log ran out (resource "undo log"). That is not best effort:
             a log too small for the batch is a configuration error that would otherwise
-            show up only as "0 pages cached" (issue 10, item 10); the caller's whole
-            mutation is rolled back, as for any operation too big for the log.
+            show up only as "0 pages cached"; the caller's whole mutation is rolled back,
+            as for any operation too big for the log.
     """
     cdef int32_t node = -1
     cdef int64_t mark = seg.hdr.hdr_undo_count, existing
@@ -1106,15 +653,6 @@ def release(Segment seg, list records, list seq_ids, list generations, list toke
                             num_pages, True)
 
 
-cdef int note_cached(ViewState state, ViewSequence seq, int64_t pages) except -1:
-    """Records that the cache now holds a sequence's first `pages` pages (0: nothing new),
-    counting the newly committed ones in the view's counter."""
-    if pages:
-        state.committed_pages += pages - seq.committed_pages
-        seq.committed_pages = pages
-    return 0
-
-
 def commit_view_sequences(ViewState state not None, list sequences, list num_pages):
     """WorkerView's commit: caches the first num_pages[i] pages of each of its ViewSequences
     (best effort per sequence), then records and counts what each now has committed.
@@ -1157,44 +695,6 @@ def release_sequences(ViewState state not None, list sequences, bint commit):
         note_cached(state, seq, cached[i])
         out.append(seq.committed_pages)
         state.live.pop(seq.seq_id, None)
-    return out
-
-
-def live_of(dict live, seq_ids, str what):
-    """The ViewSequences of seq_ids in live (seq id -> ViewSequence), each once, in order.
-
-    Raises:
-        SequenceError: not a sequence of ids, an id listed twice, or not live (naming the
-            first bad id; `what` names the caller's call).
-    """
-    cdef Py_ssize_t index, n
-    cdef list out = []
-    cdef set seen
-    if type(seq_ids) is list or type(seq_ids) is tuple:
-        n = len(seq_ids)
-        if n == 1 and type(seq_ids[0]) is int:
-            # One request per call, the engines' common case: one dict lookup.
-            seq = live.get(seq_ids[0])
-            if seq is not None:
-                return [seq]
-    elif isinstance(seq_ids, _BYTES_LIKE) or not isinstance(seq_ids, Iterable) or (
-            isinstance(seq_ids, np.ndarray) and seq_ids.ndim != 1):
-        raise SequenceError(f"{what} needs a sequence of ids, got {type(seq_ids).__name__}"
-                            + (f" of {seq_ids.ndim} dimensions" if isinstance(seq_ids, np.ndarray)
-                               else ""))
-    else:
-        seq_ids = list(seq_ids)
-    seen = set()
-    for raw in seq_ids:
-        seq_id = raw if type(raw) is int and INT64_MIN <= raw <= INT64_MAX else as_seq_id(raw)
-        if seq_id in seen:
-            raise SequenceError(f"{what}: sequence {seq_id} is listed twice")
-        seen.add(seq_id)
-        seq = live.get(seq_id)
-        if seq is None:
-            raise SequenceError(f"{what}: sequence {seq_id} is not live in this view "
-                                "(never allocated, or released already)")
-        out.append(seq)
     return out
 
 
@@ -1312,121 +812,3 @@ def view_sequences(Segment seg, int32_t view):
         return owned_by_view(seg, view)
     finally:
         seg.end()
-
-
-cdef list owned_by_view(Segment seg, int32_t view):
-    cdef HkvSlab* slab = sequence_slab(seg)
-    cdef HkvSequence* seq
-    cdef int32_t i, entry_index, count
-    cdef HkvSeqPage* entry
-    out = []
-    for i in range(slab.sl_capacity):
-        seq = <HkvSequence*>slab_record(slab, i)
-        if (seq.sq_slab.sr_in_use != 1 or seq.sq_view != view
-                or seq.sq_lease_slot != seg.lease_slot
-                or seq.sq_lease_generation != seg.lease_generation):
-            continue
-        out.append((i, seq.sq_generation, seq.sq_seq_id, listed_pages(seg, seq, i)))
-    return out
-
-
-# -- checking ------------------------------------------------------------------------------------------
-
-def check_references(Segment seg, bint exact):
-    """Checks the sequences and the reference accounting across layers (lock held).
-
-    Each page's refcount must be its tree reference plus one per sequence listing it, and
-    each node's lock count the number of sequence locks on paths through it. With
-    exact=False (tests holding raw references) both are lower bounds instead.
-    """
-    cdef HkvSlab* slab
-    cdef HkvSlab* list_slab
-    cdef HkvSequence* seq
-    cdef HkvSeqPage* entry
-    cdef HkvLease* lease
-    cdef int32_t i, k, entry_index, count, node, steps
-    cdef Tree t
-    cdef int32_t* refcounts
-    check_open(seg)
-    slab = sequence_slab(seg)
-    list_slab = page_list_slab(seg)
-    t = tree_of(seg)
-    refcounts = page_refcounts(seg)
-    slab_check(seg, slab, "sequence")
-    slab_check(seg, list_slab, "sequence page")
-    expected_refs = np.zeros(t.num_pages, dtype=np.int64)
-    expected_locks = np.zeros(t.node_capacity, dtype=np.int64)
-    listed = np.zeros(list_slab.sl_capacity, dtype=np.uint8)
-    for i in range(slab.sl_capacity):
-        seq = <HkvSequence*>slab_record(slab, i)
-        if seq.sq_slab.sr_in_use != 1:
-            continue
-        lease = seg.lease_at(seq.sq_lease_slot)
-        if lease.ls_state != HKV_LEASE_ACTIVE or lease.ls_generation != seq.sq_lease_generation:
-            seg.corrupt(f"sequence {i} belongs to lease slot {seq.sq_lease_slot}, which is gone")
-        entry_index = seq.sq_first_page
-        count = 0
-        while entry_index != -1:
-            entry = list_entry_at(seg, entry_index)
-            if listed[entry_index]:
-                seg.corrupt(f"sequence {i}'s page list reuses entry {entry_index}")
-            listed[entry_index] = 1
-            for k in range(entry.sp_count):
-                check_page_index(seg, entry.sp_pages[k])
-                expected_refs[entry.sp_pages[k]] += 1
-            count += entry.sp_count
-            if count > seq.sq_num_pages:
-                seg.corrupt(f"sequence {i}'s page list is longer than its {seq.sq_num_pages} pages")
-            if entry.sp_next == -1 and entry_index != seq.sq_last_page:
-                seg.corrupt(f"sequence {i}'s last page entry is not its list's end")
-            entry_index = entry.sp_next
-        if count != seq.sq_num_pages:
-            seg.corrupt(f"sequence {i} lists {count} pages, counts {seq.sq_num_pages}")
-        node = seq.sq_lock_node
-        steps = 0
-        while node != -1:
-            if node < 0 or node >= t.node_capacity:
-                seg.corrupt(f"sequence {i} locks radix node {node}, out of range")
-            expected_locks[node] += 1
-            node = (<HkvRadixNode*>slab_record(t.slab, node)).rn_parent
-            steps += 1
-            if steps > t.node_capacity:
-                seg.corrupt("a cycle in the radix tree's parent links")
-    if int(listed.sum()) != list_slab.sl_used:
-        seg.corrupt(f"{list_slab.sl_used} page-list entries in use, {int(listed.sum())} listed")
-    tree_pages = np.frombuffer(
-        (<char*>t.page_next)[:t.num_pages * 4], dtype=np.int32) != -2
-    expected_refs += tree_pages
-    actual = np.frombuffer((<char*>refcounts)[:t.num_pages * 4], dtype=np.int32)
-    bad = np.nonzero(actual != expected_refs if exact else actual < expected_refs)[0]
-    if bad.size:
-        p = int(bad[0])
-        seg.corrupt(f"page {p} has refcount {actual[p]}, but the tree and the sequences "
-                    f"hold {expected_refs[p]} references")
-    for i in range(t.node_capacity):
-        if (<HkvRadixNode*>slab_record(t.slab, i)).rn_slab.sr_in_use != 1:
-            continue
-        count = (<HkvRadixNode*>slab_record(t.slab, i)).rn_lock_count
-        if (count != expected_locks[i]) if exact else (count < expected_locks[i]):
-            seg.corrupt(f"radix node {i} has lock count {count}, sequences hold "
-                        f"{expected_locks[i]} locks through it")
-
-
-def live_sequences(Segment seg):
-    """(record, lease slot, seq id, namespace, pages) of every live sequence (lock held)."""
-    cdef HkvSlab* slab
-    cdef HkvSequence* seq
-    cdef HkvSeqPage* entry
-    cdef int32_t i, entry_index
-    cdef HkvSlab* list_slab
-    check_open(seg)
-    slab = sequence_slab(seg)
-    list_slab = page_list_slab(seg)
-    out = []
-    for i in range(slab.sl_capacity):
-        seq = <HkvSequence*>slab_record(slab, i)
-        if seq.sq_slab.sr_in_use != 1:
-            continue
-        out.append((i, seq.sq_lease_slot, seq.sq_seq_id, seq.sq_namespace,
-                    tuple(listed_pages(seg, seq, i))))
-    return out

@@ -18,7 +18,7 @@ The engine's loop, and what each step promises:
 
 This module is pure Python: it keeps policy (what to reuse and commit) and the view's
 sequences by id; every step is one call into _sequences, which also fills and steps the
-per-sequence state (tokens, page table: _sequences.ViewSequence) without Python per sequence.
+per-sequence state (tokens, page table: _viewstate.ViewSequence) without Python per sequence.
 SequenceRequest and SequenceAllocation, its value types, are compiled (hostkv._requests) and
 re-exported here: one of each per sequence, filled and read from C.
 
@@ -47,9 +47,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from hostkv import _sequences
+from hostkv import _sequences, _viewstate
 from hostkv._requests import SequenceAllocation, SequenceRequest
-from hostkv._sequences import ViewSequence
+from hostkv._viewstate import ViewSequence
 from hostkv._tokens import BYTES_LIKE
 from hostkv._validate import is_bool, is_int
 from hostkv.cache import HostKVCache
@@ -162,7 +162,7 @@ class WorkerView:
         # the ids an interrupted allocation may have recorded.
         self._in_flight: Optional[Sequence[int]] = None
         # The compiled calls' one argument: segment, sequences, policy, and the counters.
-        self._state = _sequences.ViewState(
+        self._state = _viewstate.ViewState(
             self._segment, self._sequences, self._page_size, cache.config.num_pages,
             cache.config.enable_prefix_reuse, cache.config.prefix_min_reuse_pages,
             cache.config.prefix_min_store_pages, self._number)

@@ -18,7 +18,8 @@ import sys
 import pytest
 
 import hostkv
-from hostkv import SequenceError, SequenceRequest as R, WorkerView, _sequences, worker_view
+from hostkv import (
+    SequenceError, SequenceRequest as R, WorkerView, _sequences, _viewstate, worker_view)
 
 from conftest import small_config
 from rawseg import MetadataSnapshot
@@ -103,7 +104,7 @@ def test_the_compiled_layer_refuses_a_stale_name_and_changes_nothing(icache, ent
         with pytest.raises(SequenceError, match="released|record now holds"):
             if entry == "append_tokens":
                 # 16 tokens in 4 full pages: the step takes a page, under the stale name.
-                stale_seq = _sequences.ViewSequence(seq_id, record, generation, 0,
+                stale_seq = _viewstate.ViewSequence(seq_id, record, generation, 0,
                                                     tokens.copy(), 0, 0, pages.copy())
                 _sequences.append_tokens(seg, [stale_seq], [5], PS)
             else:

@@ -36,7 +36,7 @@ from hostkv import (
     SequenceRequest as R,
     WorkerView,
 )
-from hostkv import _radix, _sequences
+from hostkv import _radix, _sequences, _viewstate
 
 from conftest import fork_quietly
 
@@ -1462,15 +1462,15 @@ def test_a_view_sequence_is_whole_or_refused(make):
     view.allocate_pages_for_sequences_with_prefix([R(1, [1, 2, 3, 4, 5])])
     seq = view._sequences[1]
     # Made without __init__: refused, never a crash.
-    empty = _sequences.ViewSequence.__new__(_sequences.ViewSequence)
+    empty = _viewstate.ViewSequence.__new__(_viewstate.ViewSequence)
     with pytest.raises(ValueError, match="never filled"):
         _sequences.append_tokens(cache._segment, [empty], [1], PS)
     with pytest.raises(ValueError, match="never filled"):
         _sequences.commit_view_sequences(view._state, [empty], [1])
     with pytest.raises(TypeError):
-        type("Sub", (_sequences.ViewSequence,), {})       # nothing can skip filling it
+        type("Sub", (_viewstate.ViewSequence,), {})       # nothing can skip filling it
     # A view's state made without __init__, or without a segment: refused, never a crash.
-    blank = _sequences.ViewState.__new__(_sequences.ViewState)
+    blank = _viewstate.ViewState.__new__(_viewstate.ViewState)
     with pytest.raises(ValueError, match="never filled"):
         _sequences.release_sequences(blank, [], True)
     with pytest.raises(ValueError, match="never filled"):
@@ -1478,12 +1478,12 @@ def test_a_view_sequence_is_whole_or_refused(make):
     with pytest.raises(ValueError, match="never filled"):
         _sequences.commit_view_sequences(blank, [], [])
     with pytest.raises(TypeError):
-        _sequences.ViewState(None, {}, PS, 64, True, 1, 1, 1)
+        _viewstate.ViewState(None, {}, PS, 64, True, 1, 1, 1)
     # Arrays the C code could not read raw are refused.
     for bad in (np.arange(4, dtype=">i4"), np.arange(4, dtype=np.int64),
                 np.arange(8, dtype=np.int32)[::2]):
         with pytest.raises(ValueError, match="native-order"):
-            _sequences.ViewSequence(1, seq.record, seq.generation, 0, bad, 0, 0, seq.pages)
+            _viewstate.ViewSequence(1, seq.record, seq.generation, 0, bad, 0, 0, seq.pages)
     # A sequence listed twice in one step is refused before anything changes.
     before = (seq.num_tokens, seq.num_pages, cache.stats().free_pages)
     with pytest.raises(SequenceError, match="listed twice"):
