@@ -29,8 +29,8 @@ from hostkv._records cimport (
 from hostkv._requests cimport SequenceRequest, new_allocation
 from hostkv._segment cimport Segment
 from hostkv._viewstate cimport (
-    ViewSequence, ViewState, check_filled, check_state, needs_page, note_cached, push_page,
-    push_token, reserve_page, reserve_token)
+    ViewSequence, ViewState, check_filled, check_state, needs_page, note_cached,
+    pages_to_commit, push_page, push_token, reserve_page, reserve_token)
 
 from hostkv._tokens import BYTES_LIKE as _BYTES_LIKE, as_namespace, as_seq_id, as_tokens
 from hostkv.errors import CapacityError, OutOfPagesError, SequenceError
@@ -688,7 +688,7 @@ def release_sequences(ViewState state not None, list sequences, bint commit):
     for i in range(n):
         seq = sequences[i]
         full = seq.cacheable_tokens // page_size if commit else 0
-        counts.append(full if full >= min_store_pages and full > seq.committed_pages else 0)
+        counts.append(pages_to_commit(full, min_store_pages, seq.committed_pages))
     cached = commit_sequences(seg, sequences, counts, True)
     for i in range(n):
         seq = sequences[i]

@@ -1,7 +1,7 @@
 # A WorkerView's compiled bookkeeping (process-private, never in the segment), for the
 # batch calls (_sequences) to cimport: ViewSequence, one live sequence as the view knows it,
 # and ViewState, what the view hands each compiled call; the small steps of a decode step
-# inline here.
+# and the commit rule inline here.
 
 cimport cython
 cimport numpy as cnp
@@ -66,3 +66,12 @@ cdef inline void push_token(ViewSequence seq, int64_t token) noexcept:
         if seq.cacheable_tokens == seq.num_tokens:
             seq.cacheable_tokens += 1
     seq.num_tokens += 1
+
+
+cdef inline int64_t pages_to_commit(int64_t full_pages, int64_t min_store_pages,
+                                    int64_t committed_pages) noexcept:
+    """The commit rule, WorkerView's and release's alike (ViewState.pages_to_commit is it
+    for Python): a sequence whose first full_pages pages are full and known caches them all
+    when they are at least min_store_pages and more than the committed_pages it has cached
+    already; otherwise a commit caches nothing new (0)."""
+    return full_pages if full_pages >= min_store_pages and full_pages > committed_pages else 0

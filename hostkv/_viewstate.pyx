@@ -1,7 +1,8 @@
 # cython: language_level=3, embedsignature=True
 """A WorkerView's compiled bookkeeping, process-private: its sequences (ViewSequence) and
 what it hands each compiled call (ViewState), stepped and filled in C without Python per
-sequence. What to do with them (the view's policy) stays in worker_view.py.
+sequence. What to do with them (the view's policy) stays in worker_view.py; the one rule
+both sides apply, which pages a commit caches, is pages_to_commit (_viewstate.pxd).
 """
 
 from collections.abc import Iterable
@@ -146,6 +147,12 @@ cdef class ViewState:
         self.min_reuse_pages = min_reuse_pages
         self.min_store_pages = min_store_pages
         self.view = view
+
+    def pages_to_commit(self, int64_t full_pages, int64_t committed_pages):
+        """The pages a commit caches for a sequence with full_pages full known pages that
+        has committed_pages cached already (0: nothing new), by this view's min_store_pages:
+        the commit rule (_viewstate.pxd), for WorkerView's commit plan."""
+        return pages_to_commit(full_pages, self.min_store_pages, committed_pages)
 
 
 cdef int check_state(ViewState state) except -1:

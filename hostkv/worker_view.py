@@ -327,8 +327,9 @@ class WorkerView:
         self._in_flight = None
 
     def _commit_plan(self, sequences: List[ViewSequence], num_tokens: Any) -> List[int]:
-        """What commit would cache: per sequence, its full known pages (0: nothing new).
-        (release_sequences applies the same rule, with every known token, in C.)"""
+        """What commit would cache: per sequence, its full known pages (0: nothing new), by
+        the commit rule (_viewstate.pages_to_commit, which release_sequences applies in C
+        with every known token)."""
         limits: List[Optional[int]]
         if num_tokens is None:
             limits = [None] * len(sequences)
@@ -353,12 +354,11 @@ class WorkerView:
         if not self._state.reuse_enabled:
             return [0] * len(sequences)
         page_size = self._page_size
-        min_store = self._state.min_store_pages
+        state = self._state
         counts = []
         for seq, limit in zip(sequences, limits):
             known = seq.cacheable_tokens if limit is None else min(seq.cacheable_tokens, limit)
-            full = known // page_size
-            counts.append(full if full >= min_store and full > seq.committed_pages else 0)
+            counts.append(state.pages_to_commit(known // page_size, seq.committed_pages))
         return counts
 
     def commit(self, seq_ids: Sequence[Any], num_tokens: Union[None, int, Sequence[int]] = None

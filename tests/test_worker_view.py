@@ -1457,6 +1457,16 @@ def test_a_generator_of_tokens_survives_the_retry_after_a_reap(segment_name, pro
         cache.close()
 
 
+def test_the_commit_rule_is_one_for_the_view_and_its_release(make):
+    # What WorkerView's commit plans (in Python) and what release_sequences commits (in C)
+    # come from one definition: at least min_store_pages full pages, more than committed.
+    cache, view = make()
+    state = _viewstate.ViewState(cache._segment, {}, PS, 64, True, 1, 3, 1)
+    assert [state.pages_to_commit(full, 0) for full in range(5)] == [0, 0, 0, 3, 4]
+    assert [state.pages_to_commit(full, 3) for full in range(6)] == [0, 0, 0, 0, 4, 5]
+    assert state.pages_to_commit(7, 9) == 0
+
+
 def test_a_view_sequence_is_whole_or_refused(make):
     cache, view = make()
     view.allocate_pages_for_sequences_with_prefix([R(1, [1, 2, 3, 4, 5])])
