@@ -12,8 +12,9 @@ from setuptools import Extension, setup
 DEBUG = os.environ.get("HOSTKV_DEBUG", "") not in ("", "0")
 
 # Each below the ones after it that cimport it.
-MODULES = ["_crash", "_leases", "_geometry", "_format", "_lock", "_segment", "_pages", "_slab",
-           "_radix", "_requests", "_records", "_viewstate", "_sequences", "_blockcopy"]
+MODULES = ["_tokens", "_crash", "_leases", "_geometry", "_format", "_lock", "_segment", "_pages",
+           "_slab", "_radix", "_introspect", "_requests", "_records", "_viewstate", "_sequences",
+           "_blockcopy"]
 
 extensions = [
     Extension(

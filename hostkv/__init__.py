@@ -14,8 +14,9 @@ from importlib.machinery import PathFinder as _PathFinder
 # editable install of another checkout adds a finder that would otherwise hand this tree
 # that checkout's modules, built from other sources. A module that is present but fails to
 # load (built against another numpy, say) is not caught here: its own ImportError says more.
-_COMPILED = ("_crash", "_leases", "_geometry", "_format", "_lock", "_segment", "_pages", "_slab",
-             "_radix", "_requests", "_records", "_viewstate", "_sequences", "_blockcopy")
+_COMPILED = ("_tokens", "_crash", "_leases", "_geometry", "_format", "_lock", "_segment", "_pages",
+             "_slab", "_radix", "_introspect", "_requests", "_records", "_viewstate", "_sequences",
+             "_blockcopy")
 _missing = [m for m in _COMPILED if _PathFinder.find_spec(f"{__name__}.{m}", __path__) is None]
 if _missing:
     raise ImportError(

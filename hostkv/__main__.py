@@ -22,7 +22,7 @@ import json
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from hostkv import _radix, prometheus
+from hostkv import _introspect, prometheus
 from hostkv._units import parse_size
 from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig, KVLayout
@@ -63,7 +63,7 @@ INSPECT_ATTEMPTS = 3        # walks tried before reporting one the engines chang
 
 
 def tree_summary(seg) -> Tuple[Dict[int, tuple], bool]:
-    """Every tree node as _radix.tree_summary_chunk describes it, read in bounded pieces.
+    """Every tree node as _introspect.tree_summary_chunk describes it, read in bounded pieces.
 
     Returns (nodes by index, consistent): consistent is False when every attempt saw the
     tree change between pieces (then the summary mixes moments; each node is still whole).
@@ -75,7 +75,7 @@ def tree_summary(seg) -> Tuple[Dict[int, tuple], bool]:
         start = 0
         while start != -1:
             chunk, start, generation = seg.run_locked(
-                _radix.tree_summary_chunk, seg, start, INSPECT_CHUNK_NODES)
+                _introspect.tree_summary_chunk, seg, start, INSPECT_CHUNK_NODES)
             generations.add(generation)
             for entry in chunk:
                 nodes[entry[0]] = entry
@@ -98,8 +98,8 @@ def _paths(nodes: Dict[int, tuple]) -> Dict[int, Tuple[int, tuple]]:
         for node in reversed(chain):
             _, _, num_pages, _, _, first = nodes[node]
             pages += num_pages
-            if len(tokens) < _radix.INSPECT_TOKENS:
-                tokens = (tokens + first)[:_radix.INSPECT_TOKENS]
+            if len(tokens) < _introspect.INSPECT_TOKENS:
+                tokens = (tokens + first)[:_introspect.INSPECT_TOKENS]
             out[node] = (pages, tokens)
     return out
 

@@ -8,10 +8,14 @@
 # There are no root records: a node whose rn_parent is -1 is a top-level node of its
 # rn_namespace. Evictable nodes (unlocked leaves) sit in a min-heap by last access.
 
-from libc.stdint cimport int32_t, int64_t, uint64_t
-cimport numpy as cnp
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from hostkv._layout cimport HkvRadixNode, HkvRadixState, HkvSlab
 from hostkv._segment cimport Segment
+from hostkv._slab cimport slab_record
+
+cdef enum:
+    NOT_IN_TREE = -2        # reg_page_next value of a page the tree does not hold
+    END_OF_NODE = -1
 
 
 ctypedef struct Tree:
@@ -35,7 +39,54 @@ ctypedef struct Walk:
     int error               # 0, or a walk found a bad index or a cycle
 
 
+# -- access ----------------------------------------------------------------------------------
+
 cdef Tree tree_of(Segment seg) noexcept
+cdef HkvRadixNode* node_at(Segment seg, Tree* t, int64_t index) except NULL
+cdef int32_t table_find(Tree* t, int32_t parent, uint64_t namespace,
+                        const int32_t* first_tokens) noexcept nogil
+cdef int32_t heap_entry(Segment seg, Tree* t, int64_t pos) except -1
+
+
+# The small accessors every reader of the tree inlines (_radix, and _introspect's walks).
+
+cdef inline HkvRadixNode* node_ptr(Tree* t, int32_t index) noexcept nogil:
+    return <HkvRadixNode*>slab_record(t.slab, index)
+
+
+cdef inline const int32_t* tokens_of(Tree* t, int32_t page) noexcept nogil:
+    return t.page_tokens + <int64_t>page * t.page_size
+
+
+cdef inline uint64_t mix64(uint64_t x) noexcept nogil:
+    # The finaliser of SplitMix64: every input bit affects every output bit.
+    x ^= x >> 30
+    x *= 0xBF58476D1CE4E5B9ULL
+    x ^= x >> 27
+    x *= 0x94D049BB133111EBULL
+    x ^= x >> 31
+    return x
+
+
+cdef inline uint64_t page_hash(Tree* t, const int32_t* tokens) noexcept nogil:
+    """A hash of one page's token ids. It only finds candidates: matches compare tokens."""
+    cdef uint64_t h = 0x9E3779B97F4A7C15ULL
+    cdef int32_t i
+    for i in range(t.page_size):
+        h = (h ^ <uint32_t>tokens[i]) * 0x100000001B3ULL
+        h ^= h >> 29
+    return mix64(h) & t.hash_mask
+
+
+cdef inline bint heap_before(Tree* t, int32_t a, int32_t b) noexcept nogil:
+    cdef HkvRadixNode* na = node_ptr(t, a)
+    cdef HkvRadixNode* nb = node_ptr(t, b)
+    return na.rn_last_access < nb.rn_last_access or (
+        na.rn_last_access == nb.rn_last_access and a < b)
+
+
+# -- the operations ------------------------------------------------------------------------------
+
 cdef int tree_walk(Tree* t, const int32_t* tokens, int64_t num_pages, uint64_t namespace,
                    int32_t* out_pages, Walk* walk) noexcept nogil
 # tree_borrow's flags: a borrow that is a use refreshes recency; one that may evict a leaf
@@ -55,9 +106,3 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
                          int64_t num_pages, uint64_t namespace, int32_t* out_tree_pages,
                          int32_t* out_node, int32_t below=*, bint adopt=*) except -1
 cdef int64_t tree_evict_pages(Segment seg, Tree* t, int64_t want) except -1
-cdef int tree_check(Segment seg) except -1
-cdef uint64_t tree_page_hash(Tree* t, const int32_t* tokens) noexcept nogil
-# Token input read in C (see tokens_from_sequence and checked_copy): a new int32 array, or
-# None when the general path must decide.
-cdef object sequence_tokens(object seq, str what, Py_ssize_t request)
-cdef object checked_i32_copy(cnp.ndarray tokens)

@@ -1,35 +1,29 @@
 # cython: language_level=3, embedsignature=True
-"""The radix-tree prefix cache in the segment: match, borrow (lock), insert, evict, check.
+"""The radix-tree prefix cache in the segment: match, borrow (lock), insert, evict.
 
 Every function that changes the tree runs inside an open mutation and changes shared state
 only through logged stores, so an exception or a death at any step rolls back whole. The
-memory map is in _layout.pxd, the structure in _radix.pxd.
+memory map is in _layout.pxd, the structure and its small accessors in _radix.pxd; the walks
+that read the tree without changing it (its check, its dumps, the eviction order) are
+_introspect's, and the token input both read is _tokens'.
 """
-
-import heapq
 
 import numpy as np
 cimport numpy as cnp
 
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from libc.string cimport memcmp, memcpy
-from cpython.object cimport PyObject
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.string cimport memcmp
 
-from hostkv._layout cimport (
-    HkvHeader, HkvMetrics, HkvRadixNode, HkvRadixState, HkvSlab, HkvSlabRecord, HKV_HINT_SLOTS)
+from hostkv._layout cimport HkvHeader, HkvRadixNode, HkvSlab, HKV_HINT_SLOTS
 from hostkv._lock cimport check_open, log_store_i32, log_store_i64
-from hostkv._segment cimport Segment, add_rederive_hook
-from hostkv._slab cimport (
-    slab_alloc, slab_check, slab_check_index, slab_free, slab_record, slab_rederive)
 from hostkv._pages cimport check_page_index, page_decref, page_incref, page_refcounts
+from hostkv._segment cimport Segment, add_rederive_hook
+from hostkv._slab cimport slab_alloc, slab_free, slab_rederive
+from hostkv._tokens cimport check_i32
 
-from hostkv.errors import CapacityError, CorruptionError
+from hostkv.errors import CapacityError
 
 cnp.import_array()
-
-cdef enum:
-    NOT_IN_TREE = -2        # reg_page_next value of a page the tree does not hold
-    END_OF_NODE = -1
 
 
 # -- access ------------------------------------------------------------------------------------
@@ -51,10 +45,6 @@ cdef Tree tree_of(Segment seg) noexcept:
     return t
 
 
-cdef inline HkvRadixNode* node_ptr(Tree* t, int32_t index) noexcept nogil:
-    return <HkvRadixNode*>slab_record(t.slab, index)
-
-
 cdef HkvRadixNode* node_at(Segment seg, Tree* t, int64_t index) except NULL:
     """The in-use node at index, bounds-checked."""
     cdef HkvRadixNode* node
@@ -66,35 +56,7 @@ cdef HkvRadixNode* node_at(Segment seg, Tree* t, int64_t index) except NULL:
     return node
 
 
-cdef inline const int32_t* tokens_of(Tree* t, int32_t page) noexcept nogil:
-    return t.page_tokens + <int64_t>page * t.page_size
-
-
 # -- hashing -----------------------------------------------------------------------------------
-
-cdef inline uint64_t mix64(uint64_t x) noexcept nogil:
-    # The finaliser of SplitMix64: every input bit affects every output bit.
-    x ^= x >> 30
-    x *= 0xBF58476D1CE4E5B9ULL
-    x ^= x >> 27
-    x *= 0x94D049BB133111EBULL
-    x ^= x >> 31
-    return x
-
-
-cdef inline uint64_t page_hash(Tree* t, const int32_t* tokens) noexcept nogil:
-    """A hash of one page's token ids. It only finds candidates: matches compare tokens."""
-    cdef uint64_t h = 0x9E3779B97F4A7C15ULL
-    cdef int32_t i
-    for i in range(t.page_size):
-        h = (h ^ <uint32_t>tokens[i]) * 0x100000001B3ULL
-        h ^= h >> 29
-    return mix64(h) & t.hash_mask
-
-
-cdef uint64_t tree_page_hash(Tree* t, const int32_t* tokens) noexcept nogil:
-    return page_hash(t, tokens)
-
 
 cdef inline void hint_evicted(Segment seg, uint64_t key_hash) noexcept nogil:
     # Metrics only (not logged): lets a later miss on this page be told apart as "evicted".
@@ -191,13 +153,6 @@ cdef int table_remove(Segment seg, Tree* t, int32_t index) except -1:
 
 
 # -- the eviction heap: evictable leaves by (last access, index) --------------------------------
-
-cdef inline bint heap_before(Tree* t, int32_t a, int32_t b) noexcept nogil:
-    cdef HkvRadixNode* na = node_ptr(t, a)
-    cdef HkvRadixNode* nb = node_ptr(t, b)
-    return na.rn_last_access < nb.rn_last_access or (
-        na.rn_last_access == nb.rn_last_access and a < b)
-
 
 cdef int heap_put(Segment seg, Tree* t, int32_t pos, int32_t index) except -1:
     cdef HkvRadixNode* node = node_at(seg, t, index)
@@ -751,7 +706,7 @@ cdef int write_tokens(Segment seg, Tree* t, int32_t page, const int32_t* tokens)
     return 0
 
 
-# -- recovery and checking -------------------------------------------------------------------------
+# -- recovery ------------------------------------------------------------------------------------
 
 cdef int rederive_tree(Segment seg) except -1:
     """Rebuilds the node free list, the eviction heap and the page counts from the nodes."""
@@ -806,114 +761,10 @@ cdef void sift_down_unlogged(Tree* t, int32_t pos) noexcept nogil:
 add_rederive_hook(rederive_tree)
 
 
-cdef int tree_check(Segment seg) except -1:
-    """Checks every invariant of the tree (the lock is held). Raises CorruptionError."""
-    cdef Tree t = tree_of(seg)
-    cdef int32_t i, j, page, steps, parent
-    cdef int64_t cached = 0, protected = 0, evictable = 0, in_table = 0, heap_entries = 0
-    cdef HkvRadixNode* node
-    cdef HkvRadixNode* up
-    cdef int32_t* refcounts = page_refcounts(seg)
-    slab_check(seg, t.slab, "radix node")
-    if t.state.rt_heap_size < 0 or t.state.rt_heap_size > t.node_capacity:
-        seg.corrupt(f"eviction heap size {t.state.rt_heap_size} outside [0, {t.node_capacity}]")
-    owner = np.full(t.num_pages, -1, dtype=np.int64)
-    children = np.zeros(t.node_capacity, dtype=np.int64)
-    child_locks = np.zeros(t.node_capacity, dtype=np.int64)
-    for i in range(t.node_capacity):
-        node = node_ptr(&t, i)
-        if node.rn_slab.sr_in_use != 1:
-            continue
-        if node.rn_num_pages < 1:
-            seg.corrupt(f"radix node {i} covers {node.rn_num_pages} pages")
-        if node.rn_lock_count < 0:
-            seg.corrupt(f"radix node {i} has lock count {node.rn_lock_count}")
-        parent = node.rn_parent
-        if parent != -1:
-            up = node_at(seg, &t, parent)
-            if up.rn_namespace != node.rn_namespace:
-                seg.corrupt(f"radix node {i} is in another namespace than its parent {parent}")
-            children[parent] += 1
-            child_locks[parent] += node.rn_lock_count
-        # Every node reaches a top-level node: no cycles, no orphans.
-        steps = 0
-        j = parent
-        while j != -1:
-            j = node_at(seg, &t, j).rn_parent
-            steps += 1
-            if steps > t.node_capacity:
-                seg.corrupt(f"radix node {i}: a cycle in its parent links")
-        # Its pages: in range, held, each in exactly one node, the last one ends the node.
-        page = node.rn_first_page
-        for j in range(node.rn_num_pages):
-            check_page_index(seg, page)
-            if owner[page] != -1:
-                seg.corrupt(f"page {page} is in radix nodes {owner[page]} and {i}")
-            owner[page] = i
-            if refcounts[page] < 1:
-                seg.corrupt(f"page {page} of radix node {i} has refcount {refcounts[page]}")
-            if j == node.rn_num_pages - 1:
-                if t.page_next[page] != END_OF_NODE:
-                    seg.corrupt(f"radix node {i}'s last page {page} links on to {t.page_next[page]}")
-            page = t.page_next[page]
-        if node.rn_key_hash != page_hash(&t, tokens_of(&t, node.rn_first_page)):
-            seg.corrupt(f"radix node {i}'s key hash does not match its first page")
-        if table_find(&t, node.rn_parent, node.rn_namespace, tokens_of(&t, node.rn_first_page)) != i:
-            seg.corrupt(f"radix node {i} is not found by a lookup of its first page")
-        cached += node.rn_num_pages
-        if node.rn_lock_count > 0:
-            protected += node.rn_num_pages
-        if node.rn_lock_count == 0 and node.rn_num_children == 0:
-            evictable += node.rn_num_pages
-            if node.rn_heap_pos < 0 or node.rn_heap_pos >= t.state.rt_heap_size or t.heap[node.rn_heap_pos] != i:
-                seg.corrupt(f"radix node {i} is an unlocked leaf but not in the eviction heap")
-        elif node.rn_heap_pos != -1:
-            seg.corrupt(f"radix node {i} is in the eviction heap but not evictable")
-    for i in range(t.node_capacity):
-        node = node_ptr(&t, i)
-        if node.rn_slab.sr_in_use != 1:
-            continue
-        if children[i] != node.rn_num_children:
-            seg.corrupt(f"radix node {i} counts {node.rn_num_children} children, has {children[i]}")
-        if child_locks[i] > node.rn_lock_count:
-            seg.corrupt(f"radix node {i} has lock count {node.rn_lock_count} below its "
-                        f"children's {child_locks[i]}")
-    for page in range(t.num_pages):
-        if (owner[page] == -1) != (t.page_next[page] == NOT_IN_TREE):
-            seg.corrupt(f"page {page}: tree link {t.page_next[page]} but owner {owner[page]}")
-    for j in range(t.table_mask + 1):
-        if t.table[j] != -1:
-            node_at(seg, &t, t.table[j])
-            in_table += 1
-    if in_table != t.slab.sl_used:
-        seg.corrupt(f"the child table holds {in_table} nodes, {t.slab.sl_used} are in use")
-    for j in range(t.state.rt_heap_size):
-        if j > 0 and heap_before(&t, heap_entry(seg, &t, j), heap_entry(seg, &t, (j - 1) // 2)):
-            seg.corrupt(f"the eviction heap is out of order at {j}")
-    if (cached != t.state.rt_cached_pages or protected != t.state.rt_protected_pages
-            or evictable != t.state.rt_evictable_leaf_pages):
-        seg.corrupt(
-            f"tree counts: cached {t.state.rt_cached_pages} (walked {cached}), protected "
-            f"{t.state.rt_protected_pages} (walked {protected}), evictable leaf pages "
-            f"{t.state.rt_evictable_leaf_pages} (walked {evictable})")
-    return 0
-
-
 # -- Python entry points (each one lock, one mutation) -----------------------------------------------
 
 cdef inline int32_t* i32_data(cnp.ndarray arr) noexcept:
     return <int32_t*>cnp.PyArray_DATA(arr)
-
-
-cdef int check_i32(cnp.ndarray arr, str what) except -1:
-    """The compiled entry points read arrays raw: they must be 1-D, int32 and contiguous."""
-    if (arr.ndim != 1 or cnp.PyArray_TYPE(arr) != cnp.NPY_INT32
-            or not cnp.PyArray_IS_C_CONTIGUOUS(arr) or not cnp.PyArray_ISNOTSWAPPED(arr)
-            or not cnp.PyArray_ISALIGNED(arr)):
-        # (A big-endian '>i4' array is NPY_INT32 too: read raw, its ids would be others.)
-        raise ValueError(f"{what} must be a contiguous 1-D np.int32 array, got {arr.dtype} "
-                         f"with shape {(<object>arr).shape}")
-    return 0
 
 
 cdef int64_t full_pages(Segment seg, cnp.ndarray tokens) except -1:
@@ -1036,214 +887,6 @@ def evict(Segment seg, int64_t num_pages):
     return evicted
 
 
-cdef tuple path_of(Segment seg, Tree* t, int32_t index):
-    """(namespace, tokens, pages) of the whole path from the top of the tree to the end of
-    node `index`: the token ids are copied (the KV bytes are not). C loops into two fresh
-    arrays: this runs under the lock, once per listed node."""
-    cdef HkvRadixNode* node
-    cdef int32_t steps = 0, page, j, current = index
-    cdef int64_t total = 0, at
-    cdef cnp.ndarray pages, tokens
-    cdef int32_t* out_pages
-    cdef int32_t* out_tokens
-    # First pass: the path's length (bounded: a cycle is corruption, not a hang).
-    while current != -1:
-        node = node_at(seg, t, current)
-        if node.rn_num_pages < 1:
-            seg.corrupt(f"radix node {current} covers {node.rn_num_pages} pages")
-        total += node.rn_num_pages
-        if total > t.num_pages:
-            seg.corrupt(f"radix node {index}'s path holds more pages than the pool")
-        current = node.rn_parent
-        steps += 1
-        if steps > t.node_capacity:
-            seg.corrupt("a cycle in the radix tree's parent links")
-    pages = np.empty(total, dtype=np.int32)
-    tokens = np.empty(total * t.page_size, dtype=np.int32)
-    out_pages = <int32_t*>cnp.PyArray_DATA(pages)
-    out_tokens = <int32_t*>cnp.PyArray_DATA(tokens)
-    # Second pass, from the node up: each node's pages fill the path from its end backwards.
-    at = total
-    current = index
-    while current != -1:
-        node = node_at(seg, t, current)
-        at -= node.rn_num_pages
-        page = node.rn_first_page
-        for j in range(node.rn_num_pages):
-            check_page_index(seg, page)
-            out_pages[at + j] = page
-            memcpy(out_tokens + (at + j) * t.page_size, tokens_of(t, page),
-                   <size_t>t.page_size * sizeof(int32_t))
-            page = t.page_next[page]
-        current = node.rn_parent
-    return node_at(seg, t, index).rn_namespace, tokens, pages
-
-
-def eviction_candidates(Segment seg, int64_t max_pages, int64_t skip_pages=0):
-    """The nodes the next evictions would take, in that order, until they cover max_pages
-    pages (or every evictable page): a list of (namespace, path tokens, path pages, node
-    pages, position), the node's own pages being the last `node pages` of its path, and
-    position the pages eviction would take before them. With skip_pages,
-    the nodes eviction would take first, as long as they fit in skip_pages pages, are
-    passed over unlisted (and uncopied): a caller reads a long order in short holds.
-
-    Reads only, under one lock: nothing changes, no recency is refreshed. Eviction takes
-    the least recently used unlocked leaf, and a node whose children all went becomes a
-    leaf in its turn; this replays that order on a best-first walk of the heap (O(k log k)
-    for k nodes listed, not O(heap)) and the parent links, without changing either. Ties
-    fall as in the heap, by node index. Eviction may trim the last node from its tail
-    instead of taking it whole; it is listed whole. Only token ids and page indices are
-    copied under the lock, never KV bytes.
-
-    Raises:
-        ValueError: max_pages < 0.
-        CorruptionError: a bad index or a cycle in the tree.
-    """
-    cdef Tree t
-    cdef int64_t taken = 0, skipped = 0, rounds = 0
-    cdef int32_t index, pos, child, parent, size, left
-    cdef HkvRadixNode* node
-    cdef HkvRadixNode* up
-    check_open(seg)
-    if max_pages < 0 or skip_pages < 0:
-        raise ValueError(f"max_pages and skip_pages must be >= 0, got {max_pages}, {skip_pages}")
-    out = []
-    seg.begin()
-    try:
-        t = tree_of(seg)
-        size = t.state.rt_heap_size
-        if size < 0 or size > t.node_capacity:
-            seg.corrupt(f"eviction heap size {size} outside [0, {t.node_capacity}]")
-        frontier = []       # (last access, node, heap position or -1 for a node made a leaf)
-        if size > 0 and max_pages > 0:
-            index = heap_entry(seg, &t, 0)
-            frontier.append((node_at(seg, &t, index).rn_last_access, index, 0))
-        remaining = {}      # parent -> its children not listed yet
-        listed = set()
-        while frontier and taken < max_pages:
-            rounds += 1
-            if rounds > 2 * <int64_t>t.node_capacity + 2:
-                seg.corrupt("the eviction heap or the parent links loop")
-            _, index, pos = heapq.heappop(frontier)
-            if pos >= 0:
-                # The heap's order puts each entry's children after it: walk them lazily.
-                for child in (2 * pos + 1, 2 * pos + 2):
-                    if child < size:
-                        parent = heap_entry(seg, &t, child)
-                        heapq.heappush(frontier,
-                                       (node_at(seg, &t, parent).rn_last_access, parent, child))
-            if index in listed:
-                seg.corrupt(f"radix node {index} is both in the eviction heap and a parent")
-            listed.add(index)
-            node = node_at(seg, &t, index)
-            if node.rn_lock_count != 0:
-                seg.corrupt(f"radix node {index} is in the eviction heap but locked")
-            if not taken and skipped + node.rn_num_pages <= skip_pages:
-                # Skipping stops at the first node listed: a later, smaller node that would
-                # still fit the budget is next in the order, not to be left out.
-                skipped += node.rn_num_pages
-            else:
-                namespace, tokens, pages = path_of(seg, &t, index)
-                out.append((namespace, tokens, pages, node.rn_num_pages, skipped + taken))
-                taken += node.rn_num_pages
-            parent = node.rn_parent
-            if parent != -1:
-                up = node_at(seg, &t, parent)
-                left = remaining.get(parent, up.rn_num_children) - 1
-                remaining[parent] = left
-                if left == 0 and up.rn_lock_count == 0:
-                    heapq.heappush(frontier, (up.rn_last_access, parent, -1))
-    finally:
-        seg.end()
-    return out
-
-
-def check_tree(Segment seg):
-    """Checks the tree's invariants; call with the lock held."""
-    check_open(seg)
-    tree_check(seg)
-
-
-def tree_contents(Segment seg):
-    """Every cached node as (namespace, tokens of its whole path, pages of its whole path,
-    lock count): a set, for tests and inspect. Call with the lock held."""
-    cdef Tree t
-    cdef int32_t i, j, k, page, index, steps
-    cdef HkvRadixNode* node
-    check_open(seg)
-    t = tree_of(seg)
-    out = set()
-    for i in range(t.node_capacity):
-        node = node_ptr(&t, i)
-        if node.rn_slab.sr_in_use != 1:
-            continue
-        chain = []
-        index = i
-        steps = 0
-        while index != -1:
-            chain.append(index)
-            index = node_at(seg, &t, index).rn_parent
-            steps += 1
-            if steps > t.node_capacity:
-                seg.corrupt("a cycle in the radix tree's parent links")
-        tokens = []
-        pages = []
-        for index in reversed(chain):
-            node = node_at(seg, &t, index)
-            page = node.rn_first_page
-            for j in range(node.rn_num_pages):
-                check_page_index(seg, page)
-                for k in range(t.page_size):
-                    tokens.append(t.page_tokens[<int64_t>page * t.page_size + k])
-                pages.append(page)
-                page = t.page_next[page]
-                if len(pages) > t.num_pages:
-                    # Each page is in one node at most: a longer path loops (a cycle of
-                    # page links, or a corrupt page count).
-                    seg.corrupt(f"radix node {i}'s path holds more pages than the pool")
-        node = node_ptr(&t, i)
-        out.add((node.rn_namespace, tuple(tokens), tuple(pages), node.rn_lock_count))
-    return out
-
-
-INSPECT_TOKENS = 8          # leading tokens of each node that inspect shows
-
-
-def tree_summary_chunk(Segment seg, int32_t start, int32_t max_nodes):
-    """A bounded piece of the tree for inspect: the nodes in use among records [start,
-    start + max_nodes), each as (index, parent, num_pages, namespace, lock_count, its first
-    INSPECT_TOKENS token ids). Returns (nodes, next start, generation); next start is -1
-    after the last record. Call with the lock held; the cost is O(max_nodes), so an observer
-    walks a big tree in many short holds instead of one long one (issue 10)."""
-    cdef Tree t
-    cdef int32_t i, end, page, k, steps
-    cdef HkvRadixNode* node
-    check_open(seg)
-    if max_nodes <= 0:
-        raise ValueError(f"max_nodes must be positive, got {max_nodes}")
-    t = tree_of(seg)
-    if start < 0 or start > t.node_capacity:
-        raise ValueError(f"start must be in [0, {t.node_capacity}], got {start}")
-    end = start + max_nodes if max_nodes < t.node_capacity - start else t.node_capacity
-    out = []
-    for i in range(start, end):
-        node = node_ptr(&t, i)
-        if node.rn_slab.sr_in_use != 1:
-            continue
-        tokens = []
-        page = node.rn_first_page
-        steps = 0
-        while len(tokens) < INSPECT_TOKENS and steps < node.rn_num_pages:
-            check_page_index(seg, page)
-            for k in range(min(t.page_size, INSPECT_TOKENS - len(tokens))):
-                tokens.append(t.page_tokens[<int64_t>page * t.page_size + k])
-            page = t.page_next[page]
-            steps += 1
-        out.append((i, node.rn_parent, node.rn_num_pages, node.rn_namespace,
-                    node.rn_lock_count, tuple(tokens)))
-    return out, (end if end < t.node_capacity else -1), seg.hdr.hdr_generation
-
-
 def _compare_ceiling(cnp.ndarray a, cnp.ndarray b, int64_t page_size, int64_t repeats):
     """Benchmark helper: compares two int32 token arrays page by page with memcmp, as a match
     does, `repeats` times; returns how many pages compared equal (so the loop is not elided)."""
@@ -1256,129 +899,3 @@ def _compare_ceiling(cnp.ndarray a, cnp.ndarray b, int64_t page_size, int64_t re
                 if memcmp(pa + i * page_size, pb + i * page_size, <size_t>page_size * 4) == 0:
                     equal += 1
     return equal
-
-
-cdef int64_t first_negative(const int32_t* data, int64_t n) noexcept nogil:
-    """The index of the first negative id of data[:n], or -1. It ORs blocks of ids (a loop
-    without a branch, which the compiler vectorizes: ~0.05 ns an id, where a loop that
-    stops at the first negative id costs ~0.8) and looks for the index only in a block
-    whose OR is negative."""
-    cdef int64_t i = 0, j, end
-    cdef int32_t acc
-    while i < n:
-        end = min(i + 4096, n)
-        acc = 0
-        for j in range(i, end):
-            acc = acc | data[j]
-        if acc < 0:
-            for j in range(i, end):
-                if data[j] < 0:
-                    return j
-        i = end
-    return -1
-
-
-def first_bad_token(cnp.ndarray tokens):
-    """The index of the first token id outside [0, 2**31) in a contiguous int32 array, or -1.
-
-    (For int32 only negative ids can be out of range.) A C loop: validating a prompt costs
-    a fraction of a microsecond, not a numpy reduction's call overhead."""
-    cdef int64_t found
-    check_i32(tokens, "tokens")
-    with nogil:
-        found = first_negative(<const int32_t*>cnp.PyArray_DATA(tokens), tokens.shape[0])
-    return found
-
-
-def checked_copy(cnp.ndarray tokens):
-    """A new array holding a copy of a contiguous int32 token array, or None when an id is
-    outside [0, 2**31) (first_bad_token says which): one C call where a check and a numpy
-    copy would be two, for a caller that must not keep the caller's own memory."""
-    check_i32(tokens, "tokens")
-    return checked_i32_copy(tokens)
-
-
-cdef object checked_i32_copy(cnp.ndarray tokens):
-    """checked_copy of an array already known to be contiguous, aligned, native int32."""
-    cdef int64_t n = tokens.shape[0], found
-    cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
-    with nogil:
-        memcpy(cnp.PyArray_DATA(out), cnp.PyArray_DATA(tokens), <size_t>n * 4)
-        found = first_negative(<const int32_t*>cnp.PyArray_DATA(out), n)
-    return out if found < 0 else None
-
-
-cdef extern from "Python.h":
-    bint PyLong_CheckExact(PyObject* obj) noexcept
-    PyObject** PySequence_Fast_ITEMS(object seq) noexcept
-    Py_ssize_t PySequence_Fast_GET_SIZE(object seq) noexcept
-
-cdef extern from *:
-    """
-    #if PY_VERSION_HEX < 0x030B0000
-    #include "longintrepr.h"
-    #endif
-    /* An exact int's value when it lies in [0, 2**31), else -1. Reads a small int's digits
-       directly, as Cython's own conversions do: a token costs a load, not a call. */
-    static inline long long hkv_token_value(PyObject* obj) {
-    #if PY_VERSION_HEX >= 0x030C0000
-        if (PyUnstable_Long_IsCompact((PyLongObject*)obj)) {
-            Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject*)obj);
-            return (v >= 0 && v < 2147483648LL) ? (long long)v : -1;
-        }
-        return -1;
-    #else
-        /* ob_size is the digit count, negative for negative ints. */
-        Py_ssize_t size = Py_SIZE(obj), i;
-        const digit* d = ((PyLongObject*)obj)->ob_digit;
-        long long v = 0;
-        if (__builtin_expect(size == 1, 1)) return (long long)d[0];      /* < 2**PyLong_SHIFT <= 2**30 */
-        if (size < 0 || size > (31 + PyLong_SHIFT - 1) / PyLong_SHIFT) return -1;
-        for (i = size - 1; i >= 0; i--) v = (v << PyLong_SHIFT) | (long long)d[i];
-        return v < 2147483648LL ? v : -1;
-    #endif
-    }
-    """
-    long long hkv_token_value(PyObject* obj) noexcept
-
-
-def tokens_from_sequence(object seq, str what):
-    """Reads a list or tuple of Python ints as a new contiguous np.int32 array, or None.
-
-    The engines' own format (vLLM and SGLang hold prompts as Python lists) read in one C
-    loop, with no intermediate numpy conversion: a few ns per token. Returns None when an
-    item is not exactly an int (a bool, a numpy integer, anything else), so the caller's
-    general path decides; no Python code runs while the items are read, so the sequence
-    cannot change under the loop.
-
-    Raises:
-        ValueError: an id outside [0, 2**31), naming its index and value.
-    """
-    if type(seq) is not list and type(seq) is not tuple:
-        raise TypeError(f"tokens_from_sequence needs a list or tuple, got {type(seq).__name__}")
-    return sequence_tokens(seq, what, -1)
-
-
-cdef object sequence_tokens(object seq, str what, Py_ssize_t request):
-    """tokens_from_sequence for a list or tuple. The sequence is named `what` in errors, or,
-    with request >= 0, `what[request].tokens`: a batch's caller then formats no name for
-    the requests that have no error."""
-    cdef Py_ssize_t i, n = PySequence_Fast_GET_SIZE(seq)
-    cdef PyObject** items
-    cdef PyObject* item
-    cdef long long value
-    cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, [n], cnp.NPY_INT32, 0)
-    cdef int32_t* dst = <int32_t*>cnp.PyArray_DATA(out)
-    # The items are read only now, after the one allocation, with nothing in between that
-    # could run Python code (a list's item array moves when the list grows).
-    items = PySequence_Fast_ITEMS(seq)
-    for i in range(n):
-        item = items[i]
-        if not PyLong_CheckExact(item):
-            return None
-        value = hkv_token_value(item)
-        if value < 0:
-            name = what if request < 0 else f"{what}[{request}].tokens"
-            raise ValueError(f"{name}[{i}] = {<object>item} is outside [0, 2**31)")
-        dst[i] = <int32_t>value
-    return out

@@ -21,13 +21,14 @@ from hostkv._layout cimport (
 from hostkv._lock cimport check_open, log_store_i64
 from hostkv._pages cimport pages_alloc
 from hostkv._radix cimport (
-    BORROW_MAY_EVICT, BORROW_REFRESH, Tree, checked_i32_copy, node_depth, sequence_tokens,
-    tree_borrow, tree_evict_pages, tree_insert, tree_of, tree_page_hash)
+    BORROW_MAY_EVICT, BORROW_REFRESH, Tree, node_depth, page_hash, tree_borrow, tree_evict_pages,
+    tree_insert, tree_of)
 from hostkv._records cimport (
     extend_page_list, new_sequence, owned_by_view, owned_sequence, release_sequence,
     sequence_at, set_lock)
 from hostkv._requests cimport SequenceRequest, new_allocation
 from hostkv._segment cimport Segment
+from hostkv._tokens cimport checked_i32_copy, sequence_tokens
 from hostkv._viewstate cimport (
     ViewSequence, ViewState, check_filled, check_state, needs_page, note_cached,
     pages_to_commit, push_page, push_token, reserve_page, reserve_token)
@@ -138,7 +139,7 @@ cdef int count_lookup(Segment seg, Tree* t, const int32_t* tokens, int64_t num_t
     else:
         # Why did the match stop at page `found`? The hint tables remember recently evicted
         # pages and top-level pages of every namespace (best effort, see HkvMetrics).
-        next_hash = tree_page_hash(t, tokens + found * page_size)
+        next_hash = page_hash(t, tokens + found * page_size)
         at = next_hash & (HKV_HINT_SLOTS - 1)
         if m.mt_evicted_hashes[at] == next_hash:
             reason = &m.mt_miss_evicted

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import posix_ipc
 
-from hostkv import _histogram, _pages, _radix, _segment, _sequences
+from hostkv import _histogram, _introspect, _pages, _radix, _segment, _sequences
 from hostkv._tokens import as_namespace, as_tokens
 from hostkv._validate import int_in
 from hostkv.config import KV_KINDS, HostKVConfig, KVLayout, dtype_from_code
@@ -401,7 +401,7 @@ class HostKVCache:
     def _check_locked(self, exact_references: bool) -> None:
         self._segment.check_header()
         _pages.check_pages(self._segment)
-        _radix.check_tree(self._segment)
+        _introspect.check_tree(self._segment)
         _sequences.check_references(self._segment, exact_references)
 
     def match_prefix(self, tokens: Any, namespace: int = 0) -> PrefixMatch:
@@ -444,7 +444,7 @@ class HostKVCache:
         skip_pages = _page_count(skip_pages, "skip_pages")
         return [EvictionCandidate(int(namespace), tokens, pages, int(num_pages), int(position))
                 for namespace, tokens, pages, num_pages, position
-                in _radix.eviction_candidates(self._segment, max_pages, skip_pages)]
+                in _introspect.eviction_candidates(self._segment, max_pages, skip_pages)]
 
     def evict(self, num_pages: int) -> int:
         """Evicts up to num_pages cached pages that no borrower holds, least recently used

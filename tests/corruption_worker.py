@@ -27,7 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import hostkv  # noqa: E402
-from hostkv import HostKVCache, SequenceRequest as R, WorkerView, _radix, _sequences  # noqa: E402
+from hostkv import (  # noqa: E402
+    HostKVCache, SequenceRequest as R, WorkerView, _introspect, _sequences)
 from hostkv.errors import HostKVError, LockTimeoutError  # noqa: E402
 
 import rawseg  # noqa: E402
@@ -291,7 +292,7 @@ def run_case(prefix: str, seed: int) -> dict:
         def contents():
             # What `python -m hostkv inspect` and the crash tests read under the lock.
             seg = cache._segment
-            tree, live = seg.run_locked(lambda: (_radix.tree_contents(seg),
+            tree, live = seg.run_locked(lambda: (_introspect.tree_contents(seg),
                                                  _sequences.live_sequences(seg)))
             for _namespace, tokens, pages, _locks in tree:
                 expect(len(tokens) == PAGE * len(pages), "tree_contents: tokens and pages differ")

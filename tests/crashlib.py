@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 import hostkv
-from hostkv import _pages, _radix, _segment, _sequences
+from hostkv import _introspect, _pages, _segment, _sequences
 
 from conftest import run_in_fork
 from rawseg import LAYOUT, RawSegment
@@ -145,7 +145,7 @@ def capture_unreaped(cache: hostkv.HostKVCache) -> tuple:
     info = seg.header_info()
     sequences = frozenset((s[2], s[3], len(s[4])) for s in _sequences.live_sequences(seg))
     return (tuple(sorted(_pages.refcounts(seg).tolist())), info["free_pages"],
-            len(seg.leases()), frozenset(_radix.tree_contents(seg)), lru_state(seg), sequences)
+            len(seg.leases()), frozenset(_introspect.tree_contents(seg)), lru_state(seg), sequences)
 
 
 def run_in_child(name: str, op: Optional[Callable], ctx, crash_at: int, env_crash: bool = False,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import hostkv
-from hostkv import _radix, _sequences
+from hostkv import _introspect, _sequences
 from hostkv.errors import CapacityError, SequenceError
 
 import crashlib
@@ -27,7 +27,7 @@ PAGE = 4
 
 
 def cached_tree(cache):
-    return cache._segment.run_locked(_radix.tree_contents, cache._segment)
+    return cache._segment.run_locked(_introspect.tree_contents, cache._segment)
 
 
 def lru(cache):
@@ -194,7 +194,7 @@ def rolled_back_state(cache):
     leases (crashlib), the tree and every live sequence."""
     seg = cache._segment
     return (snapshot(cache), seg.run_locked(_sequences.live_sequences, seg),
-            frozenset(_radix.tree_contents(seg)))
+            frozenset(_introspect.tree_contents(seg)))
 
 
 def metadata(cache):
@@ -285,7 +285,7 @@ def crash_snapshots(monkeypatch):
     monkeypatch.setitem(crashlib.OPTIONS, "exact_references", True)
     monkeypatch.setitem(crashlib.OPTIONS, "counters", False)
     monkeypatch.setitem(crashlib.EXTRA_STATE, "tree",
-                        lambda seg: frozenset(_radix.tree_contents(seg)))
+                        lambda seg: frozenset(_introspect.tree_contents(seg)))
     monkeypatch.setitem(crashlib.EXTRA_STATE, "sequences", lambda seg: frozenset(
         (s[2], s[3], s[4]) for s in _sequences.live_sequences(seg)))
     monkeypatch.setitem(crashlib.EXTRA_STATE, "lru", crashlib.lru_state)

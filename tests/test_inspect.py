@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 import hostkv
-from hostkv import _pages, _radix
+from hostkv import _introspect, _pages, _radix
 from hostkv import __main__ as cli
 
 from conftest import small_config
@@ -69,10 +69,10 @@ def test_inspect_reports_a_big_tree(segment_name):
         assert tree["consistent"] is True
         top = tree["largest_prefixes"][0]
         assert top["tokens"] == DEEP * PAGE
-        assert top["first_tokens"] == deep[:_radix.INSPECT_TOKENS]
+        assert top["first_tokens"] == deep[:_introspect.INSPECT_TOKENS]
         # The summary's path lengths are those of the full copy (tree_contents).
         seg = cache._segment
-        contents = seg.run_locked(_radix.tree_contents, seg)
+        contents = seg.run_locked(_introspect.tree_contents, seg)
         nodes, consistent = cli.tree_summary(seg)
         assert consistent
         by_length = sorted(len(pages) for _, _, pages, _ in contents)
@@ -94,7 +94,7 @@ def test_inspect_holds_the_lock_for_bounded_pieces(segment_name):
         assert sum(counting.holds) == WIDE + DEEP
         # The piece itself is bounded by its argument.
         seg = cache._segment
-        chunk, next_start, _ = seg.run_locked(_radix.tree_summary_chunk, seg, 0, 100)
+        chunk, next_start, _ = seg.run_locked(_introspect.tree_summary_chunk, seg, 0, 100)
         assert len(chunk) <= 100 and next_start == 100
     finally:
         cache.close()

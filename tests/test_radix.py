@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import hostkv
-from hostkv import _pages, _radix
+from hostkv import _introspect, _pages, _radix, _tokens
 
 from conftest import small_config
 
@@ -66,7 +66,7 @@ def match(cache, tokens, namespace=0):
 
 def contents(cache):
     seg = cache._segment
-    return seg.run_locked(_radix.tree_contents, seg)
+    return seg.run_locked(_introspect.tree_contents, seg)
 
 
 def refcounts(cache):
@@ -740,14 +740,14 @@ def test_match_prefix_rejects_bad_namespaces(tree, namespace):
 def test_first_bad_token_finds_the_first_negative_id_in_any_block(length):
     """The check ORs blocks of 4,096 ids: a negative id must be found, and named by its
     first index, at a block's first and last id and wherever the array ends."""
-    assert _radix.first_bad_token(np.zeros(0, dtype=np.int32)) == -1
+    assert _tokens.first_bad_token(np.zeros(0, dtype=np.int32)) == -1
     clean = np.full(length, 2**31 - 1, dtype=np.int32)
-    assert _radix.first_bad_token(clean) == -1
+    assert _tokens.first_bad_token(clean) == -1
     for at in sorted({0, length // 2, 4095 % length, 4096 % length, length - 1}):
         tokens = clean.copy()
         tokens[at] = -(2**31)
         tokens[-1] = -1                   # a later bad id never hides the first
-        assert _radix.first_bad_token(tokens) == at
+        assert _tokens.first_bad_token(tokens) == at
 
 
 @pytest.mark.parametrize("length", [0, 1, 4095, 4096, 4097, 9000])
@@ -755,15 +755,15 @@ def test_checked_copy_is_a_private_copy_or_none_when_any_id_is_bad(length):
     """One C call for a caller that keeps the ids: a copy that shares no memory with the
     input, or None when an id anywhere is negative (first_bad_token then says where)."""
     clean = np.arange(length, dtype=np.int32) + (2**31 - 1 - length)
-    copy = _radix.checked_copy(clean)
+    copy = _tokens.checked_copy(clean)
     np.testing.assert_array_equal(copy, clean)
     assert copy.dtype == np.int32 and copy.flags.c_contiguous and copy.flags.writeable
     assert not np.shares_memory(copy, clean)
     for at in sorted({0, length // 2, 4095 % max(length, 1), length - 1}) if length else ():
         tokens = clean.copy()
         tokens[at] = -1
-        assert _radix.checked_copy(tokens) is None
+        assert _tokens.checked_copy(tokens) is None
     with pytest.raises(ValueError, match="contiguous 1-D np.int32"):
-        _radix.checked_copy(np.zeros(4, dtype=np.int64))
+        _tokens.checked_copy(np.zeros(4, dtype=np.int64))
     with pytest.raises(ValueError, match="contiguous 1-D np.int32"):
-        _radix.checked_copy(np.zeros(8, dtype=np.int32)[::2])
+        _tokens.checked_copy(np.zeros(8, dtype=np.int32)[::2])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hostkv
-from hostkv import _pages, _radix
+from hostkv import _introspect, _pages, _radix
 
 import crashlib
 from conftest import small_config
@@ -19,7 +19,7 @@ PAGE = 4
 def tree_in_snapshots(monkeypatch):
     """Crash snapshots include the whole tree: every path, its pages and its locks, the
     header's radix state (the LRU clock among it) and the order of the last-access stamps."""
-    monkeypatch.setitem(crashlib.EXTRA_STATE, "tree", lambda seg: frozenset(_radix.tree_contents(seg)))
+    monkeypatch.setitem(crashlib.EXTRA_STATE, "tree", lambda seg: frozenset(_introspect.tree_contents(seg)))
     monkeypatch.setitem(crashlib.EXTRA_STATE, "radix",
                         lambda seg: tuple(sorted(seg.header_info()["radix"].items())))
     monkeypatch.setitem(crashlib.EXTRA_STATE, "lru", crashlib.lru_state)   # last-access stamps

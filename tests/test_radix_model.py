@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import hostkv
 
 from conftest import unlink_quietly
-from hostkv import _pages, _radix
+from hostkv import _introspect, _pages, _radix
 from reference_model import ModelCapacityError, RadixModel
 
 PAGE_SIZE = 2
@@ -174,7 +174,7 @@ class Twin:
         # these locks, so the cross-layer reference check must not require exact counts.
         self.cache.check(exact_references=False)
         self.model.check()
-        got = self.seg.run_locked(_radix.tree_contents, self.seg)
+        got = self.seg.run_locked(_introspect.tree_contents, self.seg)
         want = self.model.contents()
         assert got == want, f"only in tree: {got - want}; only in model: {want - got}"
         s = self.cache.stats()

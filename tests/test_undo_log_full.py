@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import hostkv
-from hostkv import CapacityError, SequenceRequest as R, WorkerView, _radix, _sequences
+from hostkv import CapacityError, SequenceRequest as R, WorkerView, _introspect, _sequences
 
 PS = 4
 SEQS = list(range(5))   # five 40-page sequences: together too big for the log, each fits
@@ -24,7 +24,7 @@ def semantic_state(cache):
 
     def capture():
         info = seg.header_info()
-        return (frozenset(_radix.tree_contents(seg)), tuple(sorted(_sequences.live_sequences(seg))),
+        return (frozenset(_introspect.tree_contents(seg)), tuple(sorted(_sequences.live_sequences(seg))),
                 info["free_pages"], info["stats"]["st_inserted_pages"])
 
     return seg.run_locked(capture)

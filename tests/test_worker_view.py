@@ -36,7 +36,7 @@ from hostkv import (
     SequenceRequest as R,
     WorkerView,
 )
-from hostkv import _radix, _sequences, _viewstate
+from hostkv import _introspect, _sequences, _tokens, _viewstate
 
 from conftest import fork_quietly
 
@@ -119,7 +119,7 @@ def snapshot(cache: HostKVCache, view: WorkerView = None, quiet: bool = False) -
     return Snapshot(
         taken_at=taken_at,
         stats=cache.stats(),
-        tree=seg.run_locked(_radix.tree_contents, seg),
+        tree=seg.run_locked(_introspect.tree_contents, seg),
         records=sorted(seg.run_locked(_sequences.live_sequences, seg)),
         view=view_state(view) if view is not None else None,
     )
@@ -150,7 +150,7 @@ def cache_prefix(view: WorkerView, tokens, namespace: int = 0, seq_id: int = 999
 
 def tree_pages(cache: HostKVCache) -> set:
     seg = cache._segment
-    return {p for _, _, pages, _ in seg.run_locked(_radix.tree_contents, seg) for p in pages}
+    return {p for _, _, pages, _ in seg.run_locked(_introspect.tree_contents, seg) for p in pages}
 
 
 # -- input validation --------------------------------------------------------------------------
@@ -1131,10 +1131,10 @@ def test_list_input_reads_exactly_like_numpy(make):
         assert (got.page_table[:shared] == want.page_table[:shared]).all()
         assert view.state(seq_id).tokens.tolist() == prompt
         assert cache.match_prefix(tokens).num_tokens == cache.match_prefix(arr).num_tokens
-    assert _radix.tokens_from_sequence(prompt, "t").tolist() == prompt
-    assert _radix.tokens_from_sequence([], "t").dtype == np.int32
+    assert _tokens.tokens_from_sequence(prompt, "t").tolist() == prompt
+    assert _tokens.tokens_from_sequence([], "t").dtype == np.int32
     # Not all plain ints: the general path decides (numpy integers are accepted there).
-    assert _radix.tokens_from_sequence([1, np.int64(2)], "t") is None
+    assert _tokens.tokens_from_sequence([1, np.int64(2)], "t") is None
     with pytest.raises(ValueError, match=r"^requests\[0\]\.tokens\[3\] = 2147483648 is outside"):
         view.allocate_pages_for_sequences_with_prefix([R(50, [1, 2, 3, 2**31])])
     # The request is named by its place in the batch, whatever its input type.
@@ -1406,7 +1406,7 @@ def test_big_endian_int32_prompts_are_read_as_their_ids(make):
     assert again.reused_tokens == 8
     view.release([2])
     with pytest.raises(ValueError, match="contiguous 1-D np.int32"):
-        _radix.checked_copy(big)
+        _tokens.checked_copy(big)
     with pytest.raises(ValueError, match="native-order"):
         _sequences.hold(cache._segment, [big], np.array([3], dtype=np.int64), [0], view._number)
     cache.check(exact_references=True)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import hostkv
-from hostkv import _radix, _sequences
+from hostkv import _introspect, _sequences
 
 import crashlib
 from conftest import small_config
@@ -33,7 +33,7 @@ def sequence_snapshots(monkeypatch):
     cumulative counters (every round's setup allocates afresh)."""
     monkeypatch.setitem(crashlib.OPTIONS, "exact_references", True)
     monkeypatch.setitem(crashlib.OPTIONS, "counters", False)
-    monkeypatch.setitem(crashlib.EXTRA_STATE, "tree", lambda seg: frozenset(_radix.tree_contents(seg)))
+    monkeypatch.setitem(crashlib.EXTRA_STATE, "tree", lambda seg: frozenset(_introspect.tree_contents(seg)))
     monkeypatch.setitem(crashlib.EXTRA_STATE, "sequences",
                         lambda seg: frozenset((s[2], s[3], s[4]) for s in _sequences.live_sequences(seg)))
     monkeypatch.setitem(crashlib.EXTRA_STATE, "lru", crashlib.lru_state)

@@ -34,7 +34,7 @@ import hostkv
 
 from conftest import unlink_quietly
 from hostkv import SequenceRequest, WorkerView
-from hostkv import _radix
+from hostkv import _introspect
 
 PS = 4
 POOL = 1024                 # never short in these runs: the machine asserts nothing is evicted
@@ -311,7 +311,7 @@ class ViewMachine(RuleBasedStateMachine):
     def agrees_with_model(self):
         m = self.model
         self.cache.check()
-        contents = self.seg.run_locked(_radix.tree_contents, self.seg)
+        contents = self.seg.run_locked(_introspect.tree_contents, self.seg)
         assert prefixes_of_tree(contents) == m.tree
         tree_values = set(m.tree.values())
         private = []

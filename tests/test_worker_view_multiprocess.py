@@ -19,7 +19,7 @@ import pytest
 
 import hostkv
 from hostkv import HostKVCache, SequenceRequest as R, WorkerView
-from hostkv import _radix
+from hostkv import _introspect
 
 CHILD_TIMEOUT = 60
 PS = 4
@@ -55,7 +55,7 @@ def prefix_map(cache: HostKVCache) -> dict:
     """The tree as {(namespace, token prefix of k pages): k-th page}, and no locks left."""
     seg = cache._segment
     out = {}
-    for namespace, tokens, pages, locks in seg.run_locked(_radix.tree_contents, seg):
+    for namespace, tokens, pages, locks in seg.run_locked(_introspect.tree_contents, seg):
         assert locks == 0
         for k in range(1, len(pages) + 1):
             out[(namespace, tuple(tokens[:k * PS]))] = pages[k - 1]

@@ -1,6 +1,7 @@
 /* hostkv's own inline C: what C itself does not say, and where libcs, kernels, compilers,
    CPUs and CPython versions differ. Declared for Cython in system.pxd and python.pxd; every
-   function here is static inline, so a module that does not use one pays nothing for it. */
+   function here is static inline, so a module that does not use one pays nothing for it.
+   Cython includes Python.h (and with it the feature macros, _GNU_SOURCE) first. */
 
 #ifndef HOSTKV_COMPAT_H
 #define HOSTKV_COMPAT_H
@@ -104,5 +105,32 @@ static inline int hkv_mutex_kind(pthread_mutex_t* m) {
 static inline int hkv_mutex_kind(pthread_mutex_t* m) { (void)m; return -1; }
 #define HKV_MUTEX_KIND_OFFSET (-1)
 #endif
+
+/* -- CPython ---------------------------------------------------------------------------------- */
+
+#if PY_VERSION_HEX < 0x030B0000
+#include "longintrepr.h"
+#endif
+
+/* An exact int's value when it lies in [0, 2**31), else -1. Reads a small int's digits
+   directly, as Cython's own conversions do: a token costs a load, not a call. */
+static inline long long hkv_token_value(PyObject* obj) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject*)obj)) {
+        Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject*)obj);
+        return (v >= 0 && v < 2147483648LL) ? (long long)v : -1;
+    }
+    return -1;
+#else
+    /* ob_size is the digit count, negative for negative ints. */
+    Py_ssize_t size = Py_SIZE(obj), i;
+    const digit* d = ((PyLongObject*)obj)->ob_digit;
+    long long v = 0;
+    if (__builtin_expect(size == 1, 1)) return (long long)d[0];      /* < 2**PyLong_SHIFT <= 2**30 */
+    if (size < 0 || size > (31 + PyLong_SHIFT - 1) / PyLong_SHIFT) return -1;
+    for (i = size - 1; i >= 0; i--) v = (v << PyLong_SHIFT) | (long long)d[i];
+    return v < 2147483648LL ? v : -1;
+#endif
+}
 
 #endif /* HOSTKV_COMPAT_H */
