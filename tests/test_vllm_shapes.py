@@ -25,7 +25,7 @@ import pytest
 
 import hostkv
 from conftest import unlink_quietly
-from vllm_engine import BLOCK_SIZE, Engine, write_model
+from vllm_engine import BLOCK_SIZE, Engine, unlink_vllm_shm, vllm_shm, write_model
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: ./scripts/test.sh installs it (see README)",
@@ -56,6 +56,7 @@ def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int =
     rng = random.Random(len(name))
     first, second = _prompts(rng, 3), _prompts(rng, 3)
     engines = []
+    shm_before = vllm_shm()
     try:
         base = Engine(model, None, str(tmp_path / "base.log"), tp=tp_a, **llm_kwargs)
         a = Engine(model, extra, str(tmp_path / "a.log"), tp=tp_a, **llm_kwargs)
@@ -93,6 +94,7 @@ def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int =
         for engine in engines:
             engine.stop()
         unlink_quietly(segment)
+        unlink_vllm_shm(shm_before)
 
 
 @pytest.mark.parametrize("kv_heads,head_dim", [(1, 64), (2, 128), (4, 64), (8, 128)],
@@ -151,6 +153,7 @@ def test_a_tp_rank_killed_mid_save_commits_nothing_half_written(tmp_path):
     extra = {"segment": segment, "size": "64MiB"}
     prompts = _prompts(random.Random(11), 3)
     engines = []
+    shm_before = vllm_shm()
     try:
         base = Engine(model, None, str(tmp_path / "base.log"))
         victim = Engine(model, extra, str(tmp_path / "victim.log"), tp=2)
@@ -190,3 +193,4 @@ def test_a_tp_rank_killed_mid_save_commits_nothing_half_written(tmp_path):
         for engine in engines:
             engine.stop()
         unlink_quietly(segment)
+        unlink_vllm_shm(shm_before)

@@ -264,3 +264,21 @@ def open_segment_at_once(name: str, barrier: Any, results: Any, num_layers: int)
     results.put((os.getpid(), "ok"))
     barrier.wait(120)                            # all attached at the same time
     cache.close()
+
+
+def vllm_shm() -> set:
+    """The shared-memory segments vLLM's CPU tensor-parallel ranks made (/dev/shm/vllm_dist_*)."""
+    try:
+        return {name for name in os.listdir("/dev/shm") if name.startswith("vllm_dist_")}
+    except OSError:
+        return set()
+
+
+def unlink_vllm_shm(before: set) -> None:
+    """Removes those that appeared since `before`: a TP engine that was killed, or that
+    exited without its ranks' clean shutdown, leaves them behind (4 MiB each)."""
+    for name in vllm_shm() - before:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
