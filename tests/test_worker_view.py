@@ -20,7 +20,6 @@ import dataclasses
 import multiprocessing
 import os
 import pickle
-import time
 import weakref
 from unittest import mock
 
@@ -28,21 +27,22 @@ import numpy as np
 import pytest
 
 import hostkv
-from hostkv import (
-    CapacityError,
-    HostKVCache,
-    OutOfPagesError,
-    SequenceError,
-    SequenceRequest as R,
-    WorkerView,
-)
-from hostkv import _introspect, _sequences, _tokens, _viewstate
+from hostkv import HostKVCache, SequenceError, SequenceRequest as R, WorkerView
+from hostkv import _sequences, _tokens, _viewstate
 
 from conftest import fork_quietly
-
-from worker_view_lib import (LIVE, P, POOL, PS, QUIET_S, Q, Z, Snapshot,  # noqa: F401
-                             _torch, assert_unchanged, busy, cache_prefix, config, make,
-                             pages_for, snapshot, tree_pages, view_state)
+from worker_view_lib import (
+    P,
+    POOL,
+    PS,
+    Q,
+    Z,
+    assert_unchanged,
+    cache_prefix,
+    config,
+    make,  # noqa: F401 - a fixture
+    snapshot,
+)
 
 
 # -- the rest of the view's surface ---------------------------------------------------------------

@@ -2,34 +2,23 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import multiprocessing
-import os
-import pickle
-import time
-import weakref
-from unittest import mock
 
 import numpy as np
 import pytest
 
-import hostkv
-from hostkv import (
-    CapacityError,
-    HostKVCache,
-    OutOfPagesError,
-    SequenceError,
-    SequenceRequest as R,
-    WorkerView,
+from hostkv import OutOfPagesError, SequenceError, SequenceRequest as R
+
+from worker_view_lib import (
+    P,
+    POOL,
+    PS,
+    Z,
+    assert_unchanged,
+    cache_prefix,
+    make,  # noqa: F401 - a fixture
+    pages_for,
+    snapshot,
 )
-from hostkv import _introspect, _sequences, _tokens, _viewstate
-
-from conftest import fork_quietly
-
-from worker_view_lib import (LIVE, P, POOL, PS, QUIET_S, Q, Z, Snapshot,  # noqa: F401
-                             _torch, assert_unchanged, busy, cache_prefix, config, make,
-                             pages_for, snapshot, tree_pages, view_state)
 
 
 # -- decode ------------------------------------------------------------------------------------

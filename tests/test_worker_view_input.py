@@ -3,34 +3,13 @@ the segment (the exact-rollback snapshots of worker_view_lib)."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import multiprocessing
-import os
-import pickle
-import time
-import weakref
-from unittest import mock
-
 import numpy as np
 import pytest
 
-import hostkv
-from hostkv import (
-    CapacityError,
-    HostKVCache,
-    OutOfPagesError,
-    SequenceError,
-    SequenceRequest as R,
-    WorkerView,
-)
-from hostkv import _introspect, _sequences, _tokens, _viewstate
+from hostkv import SequenceError, SequenceRequest as R
 
-from conftest import fork_quietly
-
-from worker_view_lib import (LIVE, P, POOL, PS, QUIET_S, Q, Z, Snapshot,  # noqa: F401
-                             _torch, assert_unchanged, busy, cache_prefix, config, make,
-                             pages_for, snapshot, tree_pages, view_state)
+# make: the fixture busy is built on.
+from worker_view_lib import LIVE, P, _torch, assert_unchanged, busy, make, snapshot  # noqa: F401
 
 
 # -- input validation --------------------------------------------------------------------------

@@ -3,30 +3,15 @@ everything a failed mutation must leave as it was (see test_worker_view.py)."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import multiprocessing
-import os
-import pickle
 import time
-import weakref
-from unittest import mock
 
-import numpy as np
 import pytest
 
 import hostkv
-from hostkv import (
-    CapacityError,
-    HostKVCache,
-    OutOfPagesError,
-    SequenceError,
-    SequenceRequest as R,
-    WorkerView,
-)
-from hostkv import _introspect, _sequences, _tokens, _viewstate
+from hostkv import HostKVCache, SequenceRequest as R, WorkerView
+from hostkv import _introspect, _sequences
 
-from conftest import fork_quietly
 
 PS = 4                      # tokens per page in these tests
 POOL = 32                   # pages in the default pool
