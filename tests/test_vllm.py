@@ -949,7 +949,7 @@ def test_worker_copies_its_slice_and_nothing_once_unregistered(segment_name):
     from hostkv.copy_engine import VLLM
 
     layout = hostkv.KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float32")
-    kv = hv.EngineKV(layout, BLOCK_SIZE, ("l0", "l1"), VLLM, tp_world=2, local_kv_heads=2,
+    kv = hv.EngineKV(layout, BLOCK_SIZE, ("l0", "l1"), VLLM, tp_world=2,
                      backend="test")
     cache = hv.open_segment(hv.HostKVSettings(segment=segment_name, num_pages=8), layout,
                             BLOCK_SIZE)

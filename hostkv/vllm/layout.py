@@ -54,7 +54,6 @@ class EngineKV:
     layer_names: Tuple[str, ...]
     block_layout: BlockLayout
     tp_world: int
-    local_kv_heads: int
     backend: str
 
     def heads_of_rank(self, rank: int) -> Tuple[int, int, bool]:
@@ -148,7 +147,7 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
     if block_size & (block_size - 1):
         raise ValueError(f"hostkv pages hold a power-of-two number of tokens; vLLM's block "
                          f"size is {block_size}")
-    return EngineKV(layout, block_size, tuple(layers), block_layout, tp, local_heads, backend)
+    return EngineKV(layout, block_size, tuple(layers), block_layout, tp, backend)
 
 
 def describe_layout(layout: Optional[KVLayout], page_size: int) -> str:
