@@ -14,7 +14,7 @@ DEBUG = os.environ.get("HOSTKV_DEBUG", "") not in ("", "0")
 # Each below the ones after it that cimport it.
 MODULES = ["_tokens", "_crash", "_leases", "_geometry", "_format", "_lock", "_segment", "_pages",
            "_slab", "_radix", "_introspect", "_requests", "_records", "_viewstate", "_sequences",
-           "_blockcopy"]
+           "_blockcopy", "_cudacopy"]
 
 extensions = [
     Extension(

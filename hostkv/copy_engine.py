@@ -19,6 +19,7 @@ Needs torch; never an engine. Integrations (``hostkv.vllm``, the example engine 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -27,6 +28,7 @@ import torch
 
 from hostkv._blockcopy import copy_blocks
 from hostkv.config import KVLayout
+from hostkv.transfers import CopyThread, Transfer
 
 __all__ = ["BlockLayout", "CopyEngine", "CopyPlan", "head_slice_for_rank"]
 
@@ -228,6 +230,8 @@ class CopyEngine:
             tensor-parallel rank's slice); None: all of them.
         writes: False for a rank whose heads another rank also holds and writes: its
             saves move nothing.
+        asynchronous: On a CPU, run :meth:`submit_save`'s copies on a copy thread
+            instead of inline (on a GPU they always run on a side stream).
 
     Raises:
         ValueError: a tensor whose shape, dtype or device does not fit the layout (the
@@ -236,7 +240,8 @@ class CopyEngine:
 
     def __init__(self, pool: torch.Tensor, layout: KVLayout, page_size: int,
                  kv_tensors: Sequence[torch.Tensor] | torch.Tensor, block_layout: BlockLayout,
-                 *, heads: Optional[Tuple[int, int]] = None, writes: bool = True) -> None:
+                 *, heads: Optional[Tuple[int, int]] = None, writes: bool = True,
+                 asynchronous: bool = False) -> None:
         self.layout = layout
         self.page_size = page_size
         self.writes = writes
@@ -247,6 +252,7 @@ class CopyEngine:
         self.heads = (first, stop)
         dtype = getattr(torch, layout.dtype)
         pool_bytes = pool.reshape(-1).view(torch.uint8) if pool.dtype != torch.uint8 else pool.reshape(-1)
+        self.pool_bytes = pool_bytes
         num_pages = pool_bytes.numel() // layout.page_bytes(page_size)
         # [pages, layers, kv, tokens, heads, dim] with this rank's heads.
         pool6 = pool_bytes.view(dtype).view(num_pages, layout.num_layers, layout.kv_planes,
@@ -281,6 +287,17 @@ class CopyEngine:
                       for view in views]
         self.bytes_per_page = (layout.kv_planes * page_size * (stop - first) * layout.head_dim
                                * itemsize * layout.num_layers)
+        self._thread: Optional[CopyThread] = None
+        self._cuda = None
+        if self.device.type == "cuda":
+            from hostkv.cuda_copy import CudaCopier
+
+            self._cuda = CudaCopier(self)
+        elif self.device.type != "cpu":
+            raise ValueError(f"hostkv: KV tensors on {self.device}: the copy engine moves "
+                             "blocks of CPU and CUDA tensors")
+        elif asynchronous:
+            self._thread = CopyThread()
 
     @staticmethod
     def _check_tensor(tensor: torch.Tensor, dtype: torch.dtype, block_layout: BlockLayout) -> None:
@@ -298,6 +315,67 @@ class CopyEngine:
             raise ValueError(f"hostkv: {block_index.size} blocks for {page_index.size} pages")
         return block_index, page_index
 
+    def _check_range(self, block_index: np.ndarray, page_index: np.ndarray) -> None:
+        if block_index.size and (block_index.min() < 0 or block_index.max() >= self.num_blocks):
+            raise ValueError(f"hostkv: a block outside [0, {self.num_blocks}) in "
+                             f"{block_index.tolist()[:16]}")
+        if page_index.size and (page_index.min() < 0
+                                or page_index.max() >= self.pool.shape[0]):
+            raise ValueError(f"hostkv: a page outside [0, {self.pool.shape[0]}) in "
+                             f"{page_index.tolist()[:16]}")
+
+    def submit_save(self, blocks: Sequence[int], pages: Sequence[int]) -> Transfer:
+        """Starts copying engine block ``blocks[i]`` of every layer into page ``pages[i]``.
+
+        Answers at once. The blocks must keep their KV, and the pages their reservation,
+        until the transfer is done: poll :meth:`Transfer.done` at a later step. On a GPU
+        the copies wait for the work already on the current stream (the forward that
+        wrote the KV); on a CPU they run on the copy thread (``asynchronous``) or inline.
+
+        Raises:
+            ValueError: unequal lengths or an index out of range; nothing was copied.
+        """
+        block_index, page_index = self._indices(blocks, pages)
+        self._check_range(block_index, page_index)
+        if not self.writes or block_index.size == 0:
+            return Transfer.finished(0)
+        nbytes = block_index.size * self.bytes_per_page
+        if self._cuda is not None:
+            return self._cuda.save(block_index, page_index, nbytes)
+        if self._thread is not None:
+            return self._thread.submit(
+                functools.partial(self._copy, block_index, page_index, to_pool=True), nbytes)
+        self._copy(block_index, page_index, to_pool=True)
+        return Transfer.finished(nbytes)
+
+    def submit_load(self, pages: Sequence[int], blocks: Sequence[int]) -> Transfer:
+        """Starts copying page ``pages[i]`` into engine block ``blocks[i]`` of every layer.
+
+        On a CPU the copy is over when this returns (the forward needs it next). On a GPU
+        it runs on the load stream, layer by layer: before a layer's attention reads its
+        KV, call the transfer's ``wait_layer(layer)`` (or ``wait_all_layers()``), which
+        orders the current stream after that layer's copy without blocking the host.
+
+        Raises:
+            ValueError: unequal lengths or an index out of range; nothing was copied.
+        """
+        block_index, page_index = self._indices(blocks, pages)
+        self._check_range(block_index, page_index)
+        nbytes = block_index.size * self.bytes_per_page
+        if self._cuda is not None and block_index.size:
+            return self._cuda.load(page_index, block_index, nbytes)
+        if block_index.size:
+            self._copy(block_index, page_index, to_pool=False)
+        return Transfer.finished(nbytes)
+
+    def close(self) -> None:
+        """Lets submitted copies finish, stops the copy thread and unregisters the pool
+        from CUDA; the engine copies nothing afterwards."""
+        if self._thread is not None:
+            self._thread.close()
+        if self._cuda is not None:
+            self._cuda.close()
+
     def save(self, blocks: Sequence[int], pages: Sequence[int]) -> int:
         """Copies engine block ``blocks[i]`` of every layer into page ``pages[i]``.
 
@@ -307,11 +385,11 @@ class CopyEngine:
         Raises:
             ValueError: unequal lengths or an index out of range; nothing was copied.
         """
-        block_index, page_index = self._indices(blocks, pages)
-        if not self.writes or block_index.size == 0:
-            return 0
-        self._copy(block_index, page_index, to_pool=True)
-        return block_index.size * self.bytes_per_page
+        transfer = self.submit_save(blocks, pages)
+        transfer.wait()
+        if transfer.error is not None:
+            raise transfer.error
+        return transfer.nbytes
 
     def load(self, pages: Sequence[int], blocks: Sequence[int]) -> int:
         """Copies page ``pages[i]`` into engine block ``blocks[i]`` of every layer.
@@ -322,17 +400,12 @@ class CopyEngine:
         Raises:
             ValueError: unequal lengths or an index out of range; nothing was copied.
         """
-        block_index, page_index = self._indices(blocks, pages)
-        if block_index.size == 0:
-            return 0
-        self._copy(block_index, page_index, to_pool=False)
-        return block_index.size * self.bytes_per_page
+        transfer = self.submit_load(pages, blocks)
+        transfer.wait()
+        return transfer.nbytes
 
     def _copy(self, block_index: np.ndarray, page_index: np.ndarray, to_pool: bool) -> None:
         num_pages = self.pool.shape[0]
-        if self.device.type != "cpu":
-            self._copy_device(block_index, page_index, to_pool)
-            return
         page_stride = self.pool.stride(0) * self.layout.itemsize
         for layer, (view, plan) in enumerate(zip(self.engine_views, self.plans)):
             pool_layer = self.pool[:, layer]
@@ -345,18 +418,3 @@ class CopyEngine:
             else:
                 copy_blocks(*engine_args, *pool_args, plan.shape, plan.engine_strides,
                             plan.pool_strides, plan.run)
-
-    def _copy_device(self, block_index: np.ndarray, page_index: np.ndarray, to_pool: bool) -> None:
-        """An accelerator's blocks: one gather per layer on the device, one transfer."""
-        if (block_index.min() < 0 or block_index.max() >= self.num_blocks
-                or page_index.min() < 0 or page_index.max() >= self.pool.shape[0]):
-            raise ValueError(f"hostkv: a block outside [0, {self.num_blocks}) or a page "
-                             f"outside [0, {self.pool.shape[0]})")
-        blocks_t = torch.from_numpy(block_index).to(self.device)
-        pages_t = torch.from_numpy(page_index)
-        for layer, view in enumerate(self.engine_views):
-            pool_layer = self.pool[:, layer]
-            if to_pool:
-                pool_layer[pages_t] = view.index_select(0, blocks_t).cpu()
-            else:
-                view[blocks_t] = pool_layer.index_select(0, pages_t).to(self.device)

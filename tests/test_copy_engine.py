@@ -221,9 +221,9 @@ def test_unknown_and_mismatched_layouts_are_refused(make_cache):
         CopyEngine(pool, layout, TOKENS, good[:2], copy_engine.VLLM)
     engine = CopyEngine(pool, layout, TOKENS, good, copy_engine.VLLM)
     before = pool.clone()
-    with pytest.raises(ValueError, match=r"destination block 10 outside \[0, 10\)"):
+    with pytest.raises(ValueError, match=r"a page outside \[0, 10\) in \[3, 10\]"):
         engine.save([0, 1], [3, 10])
-    with pytest.raises(ValueError, match=r"source block 12 outside \[0, 12\)"):
+    with pytest.raises(ValueError, match=r"a block outside \[0, 12\) in \[12\]"):
         engine.save([12], [0])
     with pytest.raises(ValueError, match="2 blocks for 1 pages"):
         engine.save([0, 1], [3])

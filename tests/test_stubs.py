@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILED = ["hostkv._tokens", "hostkv._crash", "hostkv._leases", "hostkv._geometry",
             "hostkv._format", "hostkv._lock", "hostkv._segment", "hostkv._pages", "hostkv._slab",
             "hostkv._radix", "hostkv._introspect", "hostkv._requests", "hostkv._records",
-            "hostkv._viewstate", "hostkv._sequences", "hostkv._blockcopy"]
+            "hostkv._viewstate", "hostkv._sequences", "hostkv._blockcopy",
+            "hostkv._cudacopy"]
 
 
 def test_stubs_match_the_compiled_modules():

@@ -129,7 +129,8 @@ class HostKVConnector(KVConnectorBase_V1):
                                         tier, tp_world=kv.tp_world)
         else:
             self._worker = WorkerSide(self._cache, kv, _tensor_parallel_rank(),
-                                      self._failures, self._counters)
+                                      self._failures, self._counters,
+                                      async_saves=self._settings.async_saves)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -197,8 +198,19 @@ class HostKVConnector(KVConnectorBase_V1):
             self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: start_load_kv copies every layer before the forward."""
-        return
+        """Orders the layer's attention after its KV's load (on a CPU the loads are over
+        before the forward starts)."""
+        if self._worker is not None:
+            try:
+                self._worker.wait_for_layer_load(layer_name)
+            except Exception as exc:      # noqa: BLE001 - start_load_kv already waited
+                self._fail("wait_for_layer_load", exc)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Finishes the saves of requests vLLM preempted before their blocks are reused."""
+        if self._worker is not None and isinstance(kv_connector_metadata,
+                                                   HostKVConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: Any, **kwargs: Any) -> None:
@@ -206,7 +218,8 @@ class HostKVConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        """Copies this step's computed blocks into their reserved pages."""
+        """Submits this step's saves of computed blocks into their reserved pages (they
+        finish beside the next steps unless ``async_saves`` is off)."""
         if self._worker is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -223,9 +236,27 @@ class HostKVConnector(KVConnectorBase_V1):
         bad, self._worker.bad_blocks = self._worker.bad_blocks, set()
         return bad
 
+    def get_finished(self, finished_req_ids: Set[str]
+                     ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """Finished requests whose blocks vLLM kept for hostkv's saves, now over."""
+        if self._worker is None:
+            return None, None
+        try:
+            over = self._worker.take_finished_sending()
+        except Exception as exc:          # noqa: BLE001 - reported at a later step
+            self._fail("get_finished", exc)
+            return None, None
+        return (over or None), None
+
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         """The steps whose copies finished since the last report, and what failed."""
-        if self._worker is None or not self._worker.done:
+        if self._worker is None:
+            return None
+        try:
+            self._worker.poll()
+        except Exception as exc:          # noqa: BLE001 - reported at a later step
+            self._fail("poll", exc)
+        if not self._worker.done:
             return None
         done, self._worker.done = self._worker.done, []
         return HostKVWorkerMetadata(done=done)
@@ -265,10 +296,19 @@ class HostKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        """Releases the request once its last saves are confirmed; vLLM may free its
-        blocks now (every save was copied during the step that scheduled it)."""
-        self._guarded("request_finished", None, lambda sched: sched.request_finished(request))
-        return False, None
+        """Releases the request once its last saves are confirmed. True (vLLM keeps its
+        blocks) while a save may still read them; the workers report it finished
+        sending once those saves are over."""
+        sched = self._sched
+        if sched is None:
+            return False, None
+        delay = self._guarded("request_finished", None,
+                              lambda s: s.request_finished(request))
+        if delay is None:
+            # The lock was not had, or the call failed: whether a save still reads the
+            # blocks is unknown, so vLLM keeps them until the workers say.
+            delay = sched.finish_later(request)
+        return delay, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """BlockStored for pages this engine put in the cache, BlockRemoved for those it

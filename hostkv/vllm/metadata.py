@@ -24,12 +24,18 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
         saves: (req_id, vLLM blocks, hostkv pages) to copy blocks -> pool after the forward.
         bad_blocks: Blocks promised as external hits that hostkv could not hold (evicted
             between lookup and borrow); the workers report them as load errors.
+        finishing: Requests that finished while their saves ran: vLLM keeps their blocks
+            until every worker reports them finished sending (its saves are over).
+        preempted: Requests vLLM preempted this step: their blocks go to other requests,
+            so a worker finishes their saves before this step's forward.
     """
 
     step: int = 0
     loads: List[Tuple[str, List[int], List[int]]] = dataclasses.field(default_factory=list)
     saves: List[Tuple[str, List[int], List[int]]] = dataclasses.field(default_factory=list)
     bad_blocks: List[int] = dataclasses.field(default_factory=list)
+    finishing: List[str] = dataclasses.field(default_factory=list)
+    preempted: List[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -32,8 +32,11 @@ class Failures:
         count = self.counts.get(cause, 0)
         self.counts[cause] = count + 1
         if count == 0:
+            # The text, not the exception: a handler that keeps records (pytest's, a
+            # memory handler) would otherwise keep its traceback's frames, and with them
+            # views of the pool that block the segment's close.
             logger.warning("hostkv: %s (%s); the request goes on without the cache (logged "
-                           "once per cause, counted in the connector stats)", cause, exc)
+                           "once per cause, counted in the connector stats)", cause, str(exc))
 
 
 

@@ -7,11 +7,12 @@ after every tensor-parallel rank confirmed its save.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -112,6 +113,11 @@ class SchedulerSide:
         # Block hashes this engine stored, oldest first (a dict as an ordered set), capped:
         # a forgotten hash only means no BlockRemoved for it later.
         self.stored_hashes: Dict[Any, None] = {}
+        # Finished requests whose blocks vLLM keeps until the workers' saves are over:
+        # the next step's metadata names them.
+        self.finishing: List[str] = []
+        # Requests that finished while the lock was busy (appended without it).
+        self.finished_late: Deque[Any] = collections.deque()
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -306,9 +312,14 @@ class SchedulerSide:
     def build_connector_meta(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
         self.step += 1
         step = self.step
+        while self.finished_late:
+            late = self.finished_late.popleft()
+            if not self.request_finished(late):
+                # vLLM was told to keep its blocks: the workers must report it.
+                self.finishing.append(late.request_id)
         meta = HostKVConnectorMetadata(step=step, loads=self.pending_loads,
-                                       bad_blocks=self.pending_bad)
-        self.pending_loads, self.pending_bad = [], []
+                                       bad_blocks=self.pending_bad, finishing=self.finishing)
+        self.pending_loads, self.pending_bad, self.finishing = [], [], []
         involved: Dict[str, _Req] = {}
         for req_id, _, _ in meta.loads:
             st = self.reqs.get(req_id)
@@ -344,6 +355,7 @@ class SchedulerSide:
             st.inflight[step] = end
             involved[st.req_id] = st
         for req_id in getattr(out, "preempted_req_ids", None) or ():
+            meta.preempted.append(req_id)
             st = self.reqs.pop(req_id, None)
             if st is not None:
                 # vLLM freed its blocks; it comes back through update_state_after_alloc.
@@ -463,13 +475,31 @@ class SchedulerSide:
         released = {st.seq_id for st in states}
         self.retiring = [st for st in self.retiring if st.seq_id not in released]
 
-    def request_finished(self, request: "Request") -> None:
-        self.lookups.pop(request.request_id, None)
-        self.remote_pending.pop(request.request_id, None)
-        self.remote_done.pop(request.request_id, None)
-        st = self.reqs.pop(request.request_id, None)
-        if st is not None:
-            self._retire(st)
+    def request_finished(self, request: "Request") -> bool:
+        """Retires the request; True if a save of its blocks may still run (vLLM must
+        keep them until the workers report the request finished sending)."""
+        req_id = request.request_id
+        self.lookups.pop(req_id, None)
+        self.remote_pending.pop(req_id, None)
+        self.remote_done.pop(req_id, None)
+        st = self.reqs.pop(req_id, None)
+        if st is None:
+            return False
+        saving = self.settings.async_saves and any(
+            end is not None for end in st.inflight.values())
+        self._retire(st)
+        if saving:
+            self.finishing.append(req_id)
+        return saving
+
+    def finish_later(self, request: "Request") -> bool:
+        """A request that finished while this side could not look (lock busy, error):
+        retired at the next step, and vLLM keeps its blocks until the workers report it
+        (they do at once if no save of it runs). Safe without the lock."""
+        if not self.settings.async_saves:
+            return False
+        self.finished_late.append(request)
+        return True
 
     def take_events(self) -> List[KVCacheEvent]:
         events, self.events = self.events, []

@@ -45,6 +45,10 @@ class HostKVSettings:
             or hostkv version that no live process holds (an operator changed the model,
             or upgraded hostkv): True unlinks it and creates its own (logged); False
             refuses to start. A segment that live engines hold is always refused.
+        async_saves: Saves run beside the engine's next steps (on a GPU, a side stream;
+            on a CPU, a copy thread per worker) and are confirmed to the scheduler at a
+            later step; vLLM keeps a finished request's blocks until its last save is
+            over. False: a step's saves are copied before the step ends.
     """
 
     segment: str
@@ -57,6 +61,7 @@ class HostKVSettings:
     remote: Optional[RemoteConfig] = None
     remote_wait: float = 0.5
     replace_incompatible: bool = True
+    async_saves: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Optional[Dict[str, Any]]) -> "HostKVSettings":
@@ -94,11 +99,12 @@ class HostKVSettings:
                 values[key] = float(value)
         if "namespace" in extra:
             values["namespace"] = str(extra["namespace"])
-        if "replace_incompatible" in extra:
-            if not isinstance(extra["replace_incompatible"], bool):
-                raise ValueError(f"hostkv: replace_incompatible must be true or false, got "
-                                 f"{extra['replace_incompatible']!r}")
-            values["replace_incompatible"] = extra["replace_incompatible"]
+        for key in ("replace_incompatible", "async_saves"):
+            if key in extra:
+                if not isinstance(extra[key], bool):
+                    raise ValueError(f"hostkv: {key} must be true or false, got "
+                                     f"{extra[key]!r}")
+                values[key] = extra[key]
         url = extra.get("remote")
         options = {field: extra[key] for key, field in remote_fields.items() if key in extra}
         if url is None or url == "":

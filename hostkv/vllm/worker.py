@@ -4,22 +4,42 @@ One runs in every vLLM worker process (one per tensor-parallel rank). It maps th
 per-layer KV tensors onto the pool once (a :class:`hostkv.copy_engine.CopyEngine`, its
 slice of the heads), copies what the scheduler's metadata says, and reports each step back
 with its rank, so the scheduler commits a page only after every rank saved its slice.
+
+Saves are submitted after the forward and finish beside the next steps (``async_saves``):
+a step is reported once its copies are over, steps in order. A finished request whose
+saves still run keeps its blocks (the scheduler told vLLM so) until this worker reports
+it finished sending; a preempted one's saves are waited for before the blocks are reused.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from hostkv.cache import HostKVCache
 from hostkv.copy_engine import CopyEngine
+from hostkv.transfers import Transfer
 from hostkv.vllm.layout import EngineKV, describe_layout
 from hostkv.vllm.metadata import HostKVConnectorMetadata
 from hostkv.vllm.metrics import Counters, Failures
 
 __all__ = ["WorkerSide"]
+
+
+@dataclasses.dataclass
+class _StepCopies:
+    """One step's copies on this worker, until they are over and reported."""
+
+    step: int
+    save: Optional[Transfer]
+    load: Optional[Transfer]
+    failed: Set[str]               # requests whose copies failed
+    saving: List[str]              # requests whose blocks the save reads
+    pages: int
 
 
 class WorkerSide:
@@ -33,7 +53,7 @@ class WorkerSide:
     """
 
     def __init__(self, cache: HostKVCache, kv: EngineKV, rank: int, failures: Failures,
-                 counters: Counters) -> None:
+                 counters: Counters, async_saves: bool = False) -> None:
         self.cache = cache
         self.kv = kv
         self.rank = rank
@@ -45,6 +65,20 @@ class WorkerSide:
         self.done: List[Tuple[int, int, List[str]]] = []
         self.load_failed: Set[str] = set()
         self.prefaulted = 0
+        self.async_saves = async_saves
+        # Steps whose copies are submitted and not yet reported, oldest first.
+        self.inflight: Deque[_StepCopies] = collections.deque()
+        # req_id -> steps in flight whose save reads its blocks.
+        self.saving: Dict[str, int] = {}
+        # Requests vLLM keeps the blocks of until their saves are over; then reported.
+        self.finishing: Set[str] = set()
+        self.finished_sending: Set[str] = set()
+        self.loading: Optional[Transfer] = None
+        self.layer_index = {name: i for i, name in enumerate(kv.layer_names)}
+        # Layers whose wait_for_layer_load vLLM called in the step being loaded; once
+        # every layer's was, the forward is known to wait per layer.
+        self.layer_waits: Set[str] = set()
+        self.per_layer_waits = False
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         """Maps vLLM's per-layer KV tensors onto the pages (start-up: raises, naming the
@@ -59,7 +93,8 @@ class WorkerSide:
         tensors = [kv_caches[name] for name in kv.layer_names]
         try:
             engine = CopyEngine(self.cache.pages_tensor(), kv.layout, kv.page_size, tensors,
-                                kv.block_layout, heads=(first, stop), writes=writes)
+                                kv.block_layout, heads=(first, stop), writes=writes,
+                                asynchronous=self.async_saves)
         except ValueError as exc:
             raise ValueError(
                 f"hostkv: {kv.backend}'s KV cache (layer {kv.layer_names[0]!r}: shape "
@@ -81,6 +116,9 @@ class WorkerSide:
 
     def unregister_kv_caches(self) -> None:
         """vLLM is remapping its KV tensors (sleep mode): no copy may touch the old ones."""
+        self.drain()
+        if self.engine is not None:
+            self.engine.close()
         self.engine = None
 
     def _engine(self) -> CopyEngine:
@@ -89,50 +127,135 @@ class WorkerSide:
         return self.engine
 
     def start_load_kv(self, meta: HostKVConnectorMetadata) -> None:
-        """Copies this step's borrowed pages into their blocks (before the forward)."""
+        """Copies this step's borrowed pages into their blocks (before the forward; on a
+        GPU they are enqueued, and each layer's attention waits for its own)."""
         self.bad_blocks.update(meta.bad_blocks)
+        self.finishing.update(meta.finishing)
         self.load_failed = set()
+        self.loading = None
         if not meta.loads:
             return
         pages = [p for _, ps, _ in meta.loads for p in ps]
         blocks = [b for _, _, bs in meta.loads for b in bs]
         start = time.perf_counter()
         try:
-            moved = self._engine().load(pages, blocks)
+            transfer = self._engine().submit_load(pages, blocks)
         except Exception as exc:          # noqa: BLE001 - fail open: vLLM recomputes
             self.failures.note("load", exc)
             self.counters.add("failures", 1)
             self.bad_blocks.update(blocks)
             self.load_failed = {req_id for req_id, _, _ in meta.loads}
             return
+        self.loading = transfer
+        if not self.per_layer_waits:
+            # Until this engine has shown it waits layer by layer, its forward waits for
+            # every layer before it starts.
+            transfer.wait_all_layers()
+        self.layer_waits = set()
         self.counters.add("load_s", time.perf_counter() - start)
         if self.rank == 0:                # pages once per engine; bytes as every rank moved
             self.counters.add("loaded_pages", len(pages))
-        self.counters.add("loaded_bytes", moved)
+        self.counters.add("loaded_bytes", transfer.nbytes)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Orders the layer's attention after its KV's load (no host wait)."""
+        if self.loading is None:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is not None:
+            self.loading.wait_layer(layer)
+            self.layer_waits.add(layer_name)
 
     def wait_for_save(self, meta: HostKVConnectorMetadata) -> None:
-        """Copies this step's computed blocks into their reserved pages, and reports."""
+        """Submits this step's saves of computed blocks into their reserved pages; the
+        step is reported once its copies are over (:meth:`poll`)."""
+        if self.loading is not None and not self.per_layer_waits:
+            self.per_layer_waits = len(self.layer_waits) == len(self.layer_index)
         failed = set(self.load_failed)
         saves = [s for s in meta.saves if s[0] not in self.load_failed]
+        transfer: Optional[Transfer] = None
+        saving: List[str] = []
+        pages = 0
         if saves:
             blocks = [b for _, bs, _ in saves for b in bs]
-            pages = [p for _, _, ps in saves for p in ps]
-            start = time.perf_counter()
+            page_ids = [p for _, _, ps in saves for p in ps]
             try:
-                moved = self._engine().save(blocks, pages)
-                self.counters.add("save_s", time.perf_counter() - start)
-                if self.rank == 0:
-                    self.counters.add("saved_pages", len(pages))
-                self.counters.add("saved_bytes", moved)
+                transfer = self._engine().submit_save(blocks, page_ids)
             except Exception as exc:      # noqa: BLE001 - fail open: nothing is committed
                 self.failures.note("save", exc)
                 self.counters.add("failures", 1)
                 failed |= {req_id for req_id, _, _ in saves}
+            else:
+                saving = sorted({req_id for req_id, _, _ in saves})
+                pages = len(page_ids)
+                for req_id in saving:
+                    self.saving[req_id] = self.saving.get(req_id, 0) + 1
         if meta.loads or meta.saves:
-            self.done.append((meta.step, self.rank, sorted(failed)))
+            self.inflight.append(_StepCopies(meta.step, transfer, self.loading, failed,
+                                             saving, pages))
+        self.loading = None
         self.load_failed = set()
+        if not self.async_saves:
+            self.drain()
+        self.poll()
+
+    def poll(self) -> None:
+        """Reports the steps whose copies are over, oldest first, and the finishing
+        requests whose saves are all over."""
+        while self.inflight:
+            head = self.inflight[0]
+            if head.save is not None and not head.save.done():
+                break
+            if head.load is not None and not head.load.done():
+                break
+            self.inflight.popleft()
+            save = head.save
+            if save is not None:
+                if save.error is not None:
+                    self.failures.note("save", save.error)
+                    self.counters.add("failures", 1)
+                    head.failed |= set(head.saving)
+                else:
+                    self.counters.add("save_s", save.seconds)
+                    if self.rank == 0:
+                        self.counters.add("saved_pages", head.pages)
+                    self.counters.add("saved_bytes", save.nbytes)
+            for req_id in head.saving:
+                left = self.saving[req_id] - 1
+                if left:
+                    self.saving[req_id] = left
+                else:
+                    del self.saving[req_id]
+            self.done.append((head.step, self.rank, sorted(head.failed)))
+        over = {req_id for req_id in self.finishing if req_id not in self.saving}
+        if over:
+            self.finishing -= over
+            self.finished_sending |= over
+
+    def drain(self) -> None:
+        """Waits for every copy in flight, then reports (preemption, sleep, shutdown)."""
+        for steps in self.inflight:
+            for transfer in (steps.save, steps.load):
+                if transfer is not None:
+                    transfer.wait()
+        self.poll()
+
+    def handle_preemptions(self, meta: HostKVConnectorMetadata) -> None:
+        """vLLM gives preempted requests' blocks to others in this step: their saves
+        must be over before the forward writes those blocks."""
+        if any(req_id in self.saving for req_id in meta.preempted):
+            self.drain()
+
+    def take_finished_sending(self) -> Set[str]:
+        """The finishing requests whose saves are over since the last call."""
+        self.poll()
+        over, self.finished_sending = self.finished_sending, set()
+        return over
 
     def shutdown(self) -> None:
-        """Drops the views of the pool and detaches."""
+        """Lets the copies in flight finish, drops the views of the pool and detaches."""
+        if self.engine is not None:
+            self.drain()
+            self.engine.close()
         self.engine = None
         self.cache.close()

@@ -1,0 +1,155 @@
+"""hostkv.cuda_copy: the copy engine's GPU path gives the CPU path's page bytes.
+
+The GPU path's address arithmetic (the runs of a page-layer, per layout and per
+tensor-parallel head slice) runs here on every machine: ``host_memcpy_function`` stands in
+for ``cuMemcpyAsync``, and the result must equal what the CPU copy engine writes and reads,
+byte for byte. The tests marked ``cuda`` run the whole path (side streams, events, the
+pool registered) on a CUDA device and skip only where none exists.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import hostkv  # noqa: E402
+from hostkv import copy_engine  # noqa: E402
+from hostkv._cudacopy import host_memcpy_function, memcpy_batch  # noqa: E402
+from hostkv.copy_engine import CopyEngine  # noqa: E402
+from hostkv.cuda_copy import CudaCopier, run_offsets  # noqa: E402
+
+LAYERS, HEADS, DIM, TOKENS, BLOCKS, PAGES = 3, 4, 8, 16, 12, 10
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+
+
+def _reference(kv=2, heads=HEADS, dim=DIM, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, kv, TOKENS, heads, dim, generator=g).to(dtype)
+            for _ in range(LAYERS)]
+
+
+def _vllm(ref):        # [B, H, T, (kv D)]
+    b, kv, t, h, d = ref.shape
+    return ref.permute(0, 3, 2, 1, 4).reshape(b, h, t, kv * d).contiguous()
+
+
+def _flash(ref):       # [2, B, T, H, D]
+    return ref.permute(1, 0, 2, 3, 4).contiguous()
+
+
+def _hnd(ref):         # [B, 2, H, T, D]
+    return ref.permute(0, 1, 3, 2, 4).contiguous()
+
+
+def _mla(ref):         # [B, 1, T, latent]
+    return ref[:, 0].permute(0, 2, 1, 3).contiguous()
+
+
+LAYOUTS = [(copy_engine.VLLM, _vllm, "mha"), (copy_engine.FLASH_ATTN, _flash, "mha"),
+           (copy_engine.FLASHINFER_HND, _hnd, "mha"), (copy_engine.VLLM_MLA, _mla, "mla")]
+
+
+@pytest.fixture
+def make_cache(new_name):
+    caches = []
+
+    def make(layout):
+        cfg = hostkv.HostKVConfig(num_pages=PAGES, page_size=TOKENS, kv_layout=layout)
+        cache = hostkv.HostKVCache.create(new_name(), cfg.apply_runtime_defaults())
+        caches.append(cache)
+        return cache
+
+    yield make
+    for cache in caches:
+        cache.close()
+        cache.unlink()
+
+
+def test_run_offsets_walk_the_grid_row_major():
+    assert run_offsets((), ()).tolist() == [0]
+    assert run_offsets((2, 3), (100, 10)).tolist() == [0, 10, 20, 100, 110, 120]
+
+
+def test_memcpy_batch_copies_every_run_and_refuses_unequal_arrays():
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    base_s, base_d = src.ctypes.data, dst.ctypes.data
+    d = np.array([base_d + 32, base_d], dtype=np.uint64)
+    s = np.array([base_s, base_s + 40], dtype=np.uint64)
+    memcpy_batch(host_memcpy_function(), d, s, np.array([8, 4], dtype=np.uint64), 0)
+    assert dst[32:40].tolist() == list(range(8)) and dst[:4].tolist() == [40, 41, 42, 43]
+    with pytest.raises(ValueError, match="2 destinations, 1 sources"):
+        memcpy_batch(host_memcpy_function(), d, s[:1], np.array([8, 4], dtype=np.uint64), 0)
+    with pytest.raises(ValueError, match="no copy function"):
+        memcpy_batch(0, d, s, np.array([8, 4], dtype=np.uint64), 0)
+
+
+@pytest.mark.parametrize("block_layout,build,kind", LAYOUTS,
+                         ids=["vllm", "flash-attn", "flashinfer-HND", "mla"])
+@pytest.mark.parametrize("heads", [None, (0, 2), (2, 4)], ids=["all", "rank0of2", "rank1of2"])
+def test_gpu_path_runs_give_the_cpu_paths_bytes(make_cache, block_layout, build, kind, heads):
+    if kind == "mla" and heads is not None:
+        pytest.skip("MLA pages have one latent per token: no head slices")
+    total = 1 if kind == "mla" else HEADS
+    dim = 24 if kind == "mla" else DIM
+    layout = hostkv.KVLayout(LAYERS, total, dim, "bfloat16", kind=kind)
+    first, stop = heads or (0, total)
+    ref = _reference(kv=layout.kv_planes, heads=stop - first, dim=dim, dtype=torch.bfloat16)
+    tensors = [build(kv) for kv in ref]
+    blocks, pages = np.array([7, 0, 3, 11], dtype=np.int64), np.array([2, 9, 0, 4],
+                                                                     dtype=np.int64)
+    cpu_cache, gpu_cache = make_cache(layout), make_cache(layout)
+    cpu_pool, gpu_pool = cpu_cache.pages_tensor(), gpu_cache.pages_tensor()
+    CopyEngine(cpu_pool, layout, TOKENS, tensors, block_layout, heads=heads).save(blocks, pages)
+    engine = CopyEngine(gpu_pool, layout, TOKENS, tensors, block_layout, heads=heads)
+    copier = CudaCopier(engine, memcpy=host_memcpy_function(), register=False)
+    keep = copier.enqueue_save(blocks, pages, 0)
+    assert torch.equal(gpu_pool, cpu_pool)
+    # And back: each layer's pages into zeroed blocks.
+    back = [torch.zeros_like(t) for t in tensors]
+    loader = CopyEngine(gpu_pool, layout, TOKENS, back, block_layout, heads=heads)
+    load = CudaCopier(loader, memcpy=host_memcpy_function(), register=False)
+    targets = torch.tensor([1, 5, 6, 10])
+    for layer in range(LAYERS):
+        keep.append(load.enqueue_load_layer(layer, pages, targets, 0))
+    for layer in range(LAYERS):
+        want = torch.zeros_like(ref[layer])
+        want[targets] = ref[layer][torch.from_numpy(blocks)]
+        assert torch.equal(back[layer], build(want))
+    del keep, copier, engine, load, loader, cpu_pool, gpu_pool
+
+
+@cuda
+@pytest.mark.parametrize("block_layout,build,kind", LAYOUTS,
+                         ids=["vllm", "flash-attn", "flashinfer-HND", "mla"])
+def test_cuda_saves_and_loads_are_byte_exact(make_cache, block_layout, build, kind):
+    total = 1 if kind == "mla" else HEADS
+    dim = 24 if kind == "mla" else DIM
+    layout = hostkv.KVLayout(LAYERS, total, dim, "bfloat16", kind=kind)
+    ref = _reference(kv=layout.kv_planes, heads=total, dim=dim, dtype=torch.bfloat16)
+    cpu_tensors = [build(kv) for kv in ref]
+    gpu_tensors = [t.cuda() for t in cpu_tensors]
+    blocks, pages = [7, 0, 3, 11], [2, 9, 0, 4]
+    cpu_cache, gpu_cache = make_cache(layout), make_cache(layout)
+    cpu_pool, gpu_pool = cpu_cache.pages_tensor(), gpu_cache.pages_tensor()
+    CopyEngine(cpu_pool, layout, TOKENS, cpu_tensors, block_layout).save(blocks, pages)
+    engine = CopyEngine(gpu_pool, layout, TOKENS, gpu_tensors, block_layout)
+    transfer = engine.submit_save(blocks, pages)
+    assert transfer.wait() and transfer.error is None
+    assert torch.equal(gpu_pool, cpu_pool)
+    back = [torch.zeros_like(t) for t in gpu_tensors]
+    loader = CopyEngine(gpu_pool, layout, TOKENS, back, block_layout)
+    load = loader.submit_load(pages, [1, 5, 6, 10])
+    for layer in range(LAYERS):
+        load.wait_layer(layer)
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        want = torch.zeros_like(ref[layer])
+        want[[1, 5, 6, 10]] = ref[layer][blocks]
+        assert torch.equal(back[layer].cpu(), build(want))
+    engine.close()
+    loader.close()
+    del engine, loader, transfer, load, cpu_pool, gpu_pool
