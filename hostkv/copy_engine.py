@@ -368,6 +368,11 @@ class CopyEngine:
             self._copy(block_index, page_index, to_pool=False)
         return Transfer.finished(nbytes)
 
+    def registration(self):
+        """On a GPU, the pool's registration with CUDA (``registered_bytes``,
+        ``failed``); None on a CPU."""
+        return self._cuda.registration if self._cuda is not None else None
+
     def close(self) -> None:
         """Lets submitted copies finish, stops the copy thread and unregisters the pool
         from CUDA; the engine copies nothing afterwards."""

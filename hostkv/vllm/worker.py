@@ -65,6 +65,8 @@ class WorkerSide:
         self.done: List[Tuple[int, int, List[str]]] = []
         self.load_failed: Set[str] = set()
         self.prefaulted = 0
+        self.registered = 0
+        self.register_failed = False
         self.async_saves = async_saves
         # Steps whose copies are submitted and not yet reported, oldest first.
         self.inflight: Deque[_StepCopies] = collections.deque()
@@ -108,11 +110,21 @@ class WorkerSide:
         self.cache.start_prefault()
 
     def take_prefault_progress(self) -> None:
-        """Adds the pool bytes pre-faulted since the last call to ``prefaulted_bytes``."""
+        """Adds the pool bytes pre-faulted (and, on a GPU, registered for DMA) since the
+        last call to ``prefaulted_bytes`` (``registered_bytes``, ``register_failures``)."""
         done = self.cache.prefault_status().done_bytes
         if done > self.prefaulted:
             self.counters.add("prefaulted_bytes", done - self.prefaulted)
             self.prefaulted = done
+        registration = self.engine.registration() if self.engine is not None else None
+        if registration is not None:
+            if registration.registered_bytes > self.registered:
+                self.counters.add("registered_bytes",
+                                  registration.registered_bytes - self.registered)
+                self.registered = registration.registered_bytes
+            if registration.failed and not self.register_failed:
+                self.register_failed = True
+                self.counters.add("register_failures", 1)
 
     def unregister_kv_caches(self) -> None:
         """vLLM is remapping its KV tensors (sleep mode): no copy may touch the old ones."""
