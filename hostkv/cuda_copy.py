@@ -41,6 +41,9 @@ logger = logging.getLogger("hostkv.cuda")
 
 # cudaHostRegister pins at most this much per call (large calls fail on some drivers).
 MAX_REGISTER_CHUNK = 64 << 30
+# cudaHostRegisterPortable: pinned for every CUDA context of the process, not only the
+# registering thread's.
+_REGISTER_PORTABLE = 1
 
 
 def run_offsets(shape: Sequence[int], strides: Sequence[int]) -> np.ndarray:
@@ -70,7 +73,8 @@ class HostRegistration:
         failed: The first failure's message, if any (the rest of the buffer stays pageable).
     """
 
-    def __init__(self, address: int, nbytes: int) -> None:
+    def __init__(self, address: int, nbytes: int, device: "torch.device") -> None:
+        self.device = device
         self.address = address
         self.nbytes = nbytes
         self.registered_bytes = 0
@@ -82,11 +86,13 @@ class HostRegistration:
         self._thread.start()
 
     def _run(self) -> None:
+        # A new thread's runtime would otherwise use device 0 (and make a context there).
+        torch.cuda.set_device(self.device)
         cudart = torch.cuda.cudart()
         offset = 0
         while offset < self.nbytes and not self._stop:
             size = min(MAX_REGISTER_CHUNK, self.nbytes - offset)
-            err = cudart.cudaHostRegister(self.address + offset, size, 0)
+            err = cudart.cudaHostRegister(self.address + offset, size, _REGISTER_PORTABLE)
             code = getattr(err, "value", err)
             if code != 0:
                 self.failed = f"cudaHostRegister of {size} bytes failed: {err}"
@@ -187,7 +193,8 @@ class CudaCopier:
             self.load_stream = torch.cuda.Stream(device=engine.device, priority=low)
             if register:
                 whole = engine.pool_bytes
-                self.registration = HostRegistration(whole.data_ptr(), whole.numel())
+                self.registration = HostRegistration(whole.data_ptr(), whole.numel(),
+                                                     engine.device)
 
     def runs(self, layer: int, pages: np.ndarray, staging: int) -> Tuple[np.ndarray, np.ndarray]:
         """The pool and staging addresses of every run of one layer's pages (page ``i``
