@@ -18,10 +18,10 @@ import hostkv
 from hostkv import _introspect, _sequences
 from hostkv.errors import CapacityError, SequenceError
 
-import crashlib
+from lib import crashlib
 from conftest import small_config
-from rawseg import MetadataSnapshot
-from crashlib import crash_every_step, snapshot
+from lib.rawseg import MetadataSnapshot
+from lib.crashlib import crash_every_step, snapshot
 
 PAGE = 4
 

@@ -26,8 +26,8 @@ import pytest
 
 import hostkv
 from conftest import unlink_quietly
-from redislib import redis_server  # noqa: F401  (a fixture)
-from vllm_engine import BLOCK_SIZE, Engine, write_model
+from lib.redislib import redis_server  # noqa: F401  (a fixture)
+from lib.vllm_engine import BLOCK_SIZE, Engine, write_model
 
 if importlib.util.find_spec("vllm") is None:
     # CI installs it (README, "Test it"); a checkout without it skips, saying how.
@@ -613,7 +613,7 @@ def test_engines_starting_at_once_create_or_attach(segment_name):
     it, every one ends up attached; then one of another layout is refused, by name."""
     import multiprocessing
 
-    from vllm_engine import open_segment_at_once
+    from workers.vllm_engine_child import open_segment_at_once
 
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(4)

@@ -31,7 +31,7 @@ from hostkv import HostKVCache, SequenceError, SequenceRequest as R, WorkerView
 from hostkv import _sequences, _tokens, _viewstate
 
 from conftest import fork_quietly
-from worker_view_lib import (
+from lib.worker_view_lib import (
     P,
     POOL,
     PS,

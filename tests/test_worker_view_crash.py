@@ -19,9 +19,9 @@ import pytest
 import hostkv
 from hostkv import _introspect, _sequences
 
-import crashlib
+from lib import crashlib
 from conftest import small_config
-from crashlib import crash_every_step
+from lib.crashlib import crash_every_step
 
 PAGE = 4
 SYSTEM = list(range(100, 112))          # three full pages shared by every request
