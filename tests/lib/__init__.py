@@ -9,7 +9,7 @@ children inherit the parent's sys.path), so these are imported as ``lib.<module>
 * worker_view_lib: the WorkerView tests' pool, ``make`` fixture and exact-rollback snapshots;
 * redislib, remotelib: real redis-server processes, and two-"host" set-ups of the remote tier;
 * vllm_engine: real vLLM engines in spawned children, driven over a pipe;
-* vllm_connector: hostkv.vllm's connector halves driven without an engine.
+* vllm_helpers: hostkv.vllm imported quietly, random prompts, vLLM requests and blocks.
 
 Code that runs in another process lives in tests/workers/ instead.
 """
