@@ -1,9 +1,9 @@
 """A corrupted segment is an error, never a crash: seeded random bytes of the metadata are
 flipped through a raw mmap, then every kind of operation runs on it.
 
-Each case runs in a subprocess (tests/workers/corruption_worker.py, several cases per process), so
-that a segfault is a test failure with a clear exit status instead of a dead pytest, and a
-hang is a timeout. An operation must raise a hostkv error (CorruptionError, mostly) or a
+Each case runs in a subprocess (tests/workers/corruption_worker.py, several cases per
+process), so that a segfault is a test failure with a clear exit status instead of a dead
+pytest, and a hang is a timeout. An operation must raise a hostkv error (CorruptionError, mostly) or a
 ValueError, or return a correct-looking answer; anything else (IndexError, OverflowError,
 SystemError, MemoryError, a death by signal, a hang) fails the test, naming the seed.
 

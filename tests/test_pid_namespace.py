@@ -4,9 +4,9 @@ seen alive while it runs and dead once it is gone, by a process outside it.
 pids mean nothing across namespaces (the worker is pid 1 in its own), which is why a lease
 is a robust mutex that the worker's lease thread holds: the kernel marks it owner-dead when
 the worker dies, whatever namespace either side is in. The worker is a small script,
-tests/workers/pidns_child.py, run with this interpreter under `unshare --pid --fork --mount-proc`
-(`unshare -Upf --map-root-user` when not root); the tests skip, saying why, on a machine
-that forbids new namespaces.
+tests/workers/pidns_child.py, run with this interpreter under `unshare --pid --fork
+--mount-proc` (`unshare -Upf --map-root-user` when not root); the tests skip, saying why, on
+a machine that forbids new namespaces.
 """
 
 from __future__ import annotations
