@@ -77,6 +77,7 @@ def test_candidates_are_what_eviction_takes_in_order(segment_name, seed):
         assert snapshot(cache) == before and lru(cache) == lru_before      # a pure lookup
         assert sum(c.num_pages for c in candidates) == cache.stats().cached_pages == evictable
         for c in candidates:
+            assert type(c) is hostkv.EvictionCandidate          # a public name
             assert len(c.tokens) == len(c.pages) * PAGE and 1 <= c.num_pages <= len(c.pages)
             assert list(cache.match_prefix(c.tokens, c.namespace).pages) == list(c.pages)
         # Positions run on without gaps; reading the order in pieces gives the same nodes.
