@@ -91,7 +91,7 @@ def _paths(nodes: Dict[int, tuple]) -> Dict[int, Tuple[int, tuple]]:
     missing from a summary taken while the tree changed ends the path there."""
     out: Dict[int, Tuple[int, tuple]] = {}
     for index in nodes:
-        chain = []
+        chain: List[int] = []
         at = index
         while at in nodes and at not in out and len(chain) <= len(nodes):
             chain.append(at)
