@@ -135,8 +135,8 @@ cdef int slab_check(Segment seg, HkvSlab* slab, str what) except -1:
 
 
 # -- test hooks ------------------------------------------------------------------------------
-# Every caller of the allocator is a cdef function of another module, so it has no
-# Python-level names of its own. These three let tests/test_slab.py drive it directly, as
+# The allocator's callers are all cdef functions of other modules, so it needs no
+# Python-level names. These three let tests/test_slab.py drive it directly, as
 # tests/test_pages.py drives _pages through its entry points. A record they take belongs to
 # no structure: take records of the sequence-page slab (only the sequences' page lists reach
 # it; the tree and the lease sweep walk the other two slabs' records in use) and give them

@@ -1,7 +1,9 @@
 """Helpers the tests import: segment snapshots, crash loops, servers, models, fixtures.
 
-tests/ is on sys.path (pytest puts a rootdir-less conftest's directory there, and spawned
-children inherit the parent's sys.path), so these are imported as ``lib.<module>``:
+tests/ is on sys.path (tests/ is not a package, so pytest's default import mode puts the
+directory of its conftest.py and test modules there; spawned children inherit the parent's
+sys.path), so these are imported as ``lib.<module>``, as conftest's helpers are as
+``conftest``:
 
 * crashlib: crash a mutation at every logged store, in forked children, and compare states;
 * rawseg: a segment's bytes through a plain mmap, behind hostkv's back;
