@@ -28,7 +28,14 @@ if _missing:
         name=__name__, path=__file__)
 del _os, _PathFinder, _missing
 
-from hostkv.cache import CacheMetrics, CacheStats, HostKVCache, PrefaultStatus, PrefixMatch
+from hostkv.cache import (
+    CacheMetrics,
+    CacheStats,
+    EvictionCandidate,
+    HostKVCache,
+    PrefaultStatus,
+    PrefixMatch,
+)
 from hostkv.config import HostKVConfig, KVLayout
 from hostkv.errors import (
     CapacityError,
@@ -63,6 +70,7 @@ __all__ = [
     "CapacityError",
     "ConfigError",
     "CorruptionError",
+    "EvictionCandidate",
     "ForeignSegmentError",
     "HostKVCache",
     "HostKVConfig",

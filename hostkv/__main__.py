@@ -7,6 +7,8 @@
     python -m hostkv unlink NAME              removes the segment's name
     python -m hostkv create NAME --size 8GiB --page-size 16 --layers 32 --kv-heads 8 \
         --head-dim 128 --dtype bfloat16      sizes a segment up front (engines attach it)
+    python -m hostkv create NAME --size 8GiB --page-size 64 --kind mla --layers 61 \
+        --head-dim 576 --dtype bfloat16      the same for an MLA model (one latent a token)
     python -m hostkv bench [--quick] [--json PATH] [--section NAME]...
     python -m hostkv bench --remote URL [--quick]   the remote tier against plain redis-py
 
@@ -89,7 +91,7 @@ def _paths(nodes: Dict[int, tuple]) -> Dict[int, Tuple[int, tuple]]:
     missing from a summary taken while the tree changed ends the path there."""
     out: Dict[int, Tuple[int, tuple]] = {}
     for index in nodes:
-        chain = []
+        chain: List[int] = []
         at = index
         while at in nodes and at not in out and len(chain) <= len(nodes):
             chain.append(at)
@@ -188,13 +190,19 @@ def _print_mapping(title: str, mapping: dict) -> None:
 
 
 def _create(args: argparse.Namespace) -> int:
-    layout_args = (args.layers, args.kv_heads, args.head_dim)
+    kind = args.kind or "mha"
+    # An MLA page holds one latent vector a token and layer: there are no KV heads to give.
+    kv_heads = 1 if kind == "mla" and args.kv_heads is None else args.kv_heads
+    layout_args = (args.layers, kv_heads, args.head_dim)
     layout = None
-    if any(value is not None for value in layout_args):
+    if args.kind is not None or any(
+            value is not None for value in (args.layers, args.kv_heads, args.head_dim)):
         if any(value is None for value in layout_args):
-            raise ValueError("a KV layout needs --layers, --kv-heads and --head-dim")
-        layout = KVLayout(num_layers=args.layers, num_kv_heads=args.kv_heads,
-                          head_dim=args.head_dim, dtype=args.dtype)
+            raise ValueError("a KV layout needs --layers, --kv-heads and --head-dim"
+                             if kind == "mha" else
+                             "an MLA KV layout needs --layers and --head-dim (the latent's size)")
+        layout = KVLayout(num_layers=args.layers, num_kv_heads=kv_heads,
+                          head_dim=args.head_dim, dtype=args.dtype, kind=kind)
         page_bytes = layout.page_bytes(args.page_size)
     elif args.page_bytes > 0:
         page_bytes = args.page_bytes
@@ -242,6 +250,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     create.add_argument("--kv-heads", type=int, help="KV layout: KV heads per layer")
     create.add_argument("--head-dim", type=int, help="KV layout: elements per head")
     create.add_argument("--dtype", default="bfloat16", help="KV layout: dtype; default bfloat16")
+    create.add_argument("--kind", choices=("mha", "mla"),
+                        help="KV layout: mha (K and V per KV head: multi-head, grouped-query, "
+                             "multi-query attention; the default) or mla (one latent vector a "
+                             "token: multi-head latent attention, --head-dim its size, "
+                             "--kv-heads 1)")
     create.add_argument("--page-bytes", type=int, default=0,
                         help="bytes a page, instead of a KV layout")
     create.add_argument("--max-processes", type=int, default=0,

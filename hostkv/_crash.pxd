@@ -1,4 +1,4 @@
-# Crash points, the tests' kill-at-step-N (tests/crashlib.py): an armed Segment counts every
+# Crash points, the tests' kill-at-step-N (tests/lib/crashlib.py): an armed Segment counts every
 # logged store and commit of a mutation as a step, and at the armed step dies or raises.
 # Nothing here arms anything on its own: only a call in the process itself does.
 

@@ -1,10 +1,12 @@
 # cython: language_level=3, embedsignature=True
-"""Fixed-size record pools with free lists; see _slab.pxd."""
+"""Fixed-size record pools with free lists; see _slab.pxd. Its Python-level names are test
+hooks (tests/test_slab.py)."""
 
 from libc.stdint cimport int32_t, int64_t
+from libc.stdlib cimport free, malloc
 
 from hostkv._layout cimport HkvSlab, HkvSlabRecord
-from hostkv._lock cimport log_store_i32
+from hostkv._lock cimport check_open, log_store_i32
 from hostkv._segment cimport Segment
 
 
@@ -130,3 +132,100 @@ cdef int slab_check(Segment seg, HkvSlab* slab, str what) except -1:
         seg.corrupt(f"{what}: {used} records in use, {free_count} free, header says "
                     f"{slab.sl_used} used of {slab.sl_capacity}")
     return 0
+
+
+# -- test hooks ------------------------------------------------------------------------------
+# The allocator's callers are all cdef functions of other modules, so it needs no
+# Python-level names. These three let tests/test_slab.py drive it directly, as
+# tests/test_pages.py drives _pages through its entry points. A record they take belongs to
+# no structure: take records of the sequence-page slab (only the sequences' page lists reach
+# it; the tree and the lease sweep walk the other two slabs' records in use) and give them
+# back before cache.check(), which counts every page-list record in use.
+
+cdef HkvSlab* slab_of(Segment seg, str region) except NULL:
+    """The slab at the header's region `region`, or ValueError."""
+    cdef int64_t offset
+    check_open(seg)
+    if region == "reg_radix_nodes":
+        offset = seg.hdr.hdr_regions.reg_radix_nodes
+    elif region == "reg_sequences":
+        offset = seg.hdr.hdr_regions.reg_sequences
+    elif region == "reg_sequence_pages":
+        offset = seg.hdr.hdr_regions.reg_sequence_pages
+    else:
+        raise ValueError("slab region must be reg_radix_nodes, reg_sequences or "
+                         f"reg_sequence_pages, got {region!r}")
+    return <HkvSlab*>(seg.base + offset)
+
+
+def _mutate(Segment seg, str region, ops, bint commit=True):
+    """Test hook: runs ops on the slab at `region` in one mutation; returns their results.
+
+    Each op is ("alloc",): slab_alloc, whose result is the index taken, or -1 when none is
+    free; ("alloc_many", count): slab_alloc_many, whose result is (indexes, 1 or 2), or
+    None when fewer than count are free (then it takes none); ("free", index): slab_free,
+    whose result is None. commit=False ends the mutation without committing it: a rollback,
+    as after an exception.
+
+    Raises:
+        CorruptionError: an index outside the slab, or a record freed twice (the mutation
+            is rolled back).
+    """
+    cdef HkvSlab* slab = slab_of(seg, region)
+    cdef int32_t* out
+    cdef int64_t count, k
+    cdef int taken
+    results = []
+    seg.begin()
+    try:
+        for op in ops:
+            if op[0] == "alloc":
+                results.append(slab_alloc(seg, slab))
+            elif op[0] == "alloc_many":
+                count = op[1]
+                out = <int32_t*>malloc(max(count, 1) * sizeof(int32_t))
+                if out == NULL:
+                    raise MemoryError()
+                try:
+                    taken = slab_alloc_many(seg, slab, count, out)
+                    results.append(None if taken == 0 else ([out[k] for k in range(count)], taken))
+                finally:
+                    free(out)
+            elif op[0] == "free":
+                slab_free(seg, slab, op[1])
+                results.append(None)
+            else:
+                raise ValueError(f"slab op must be alloc, alloc_many or free, got {op[0]!r}")
+        if commit:
+            seg.commit()
+    finally:
+        seg.end()
+    return results
+
+
+def _state(Segment seg, str region):
+    """Test hook: the slab at `region` as a dict: capacity, record_size, free_head, used, and
+    per record in_use (its flag) and next_free (its free-list link). It reads without the
+    lock: call it through seg.run_locked for a consistent view."""
+    cdef HkvSlab* slab = slab_of(seg, region)
+    cdef HkvSlabRecord* record
+    cdef int32_t i
+    in_use = []
+    next_free = []
+    for i in range(slab.sl_capacity):
+        record = slab_record(slab, i)
+        in_use.append(record.sr_in_use)
+        next_free.append(record.sr_next_free)
+    return {"capacity": slab.sl_capacity, "record_size": slab.sl_record_size,
+            "free_head": slab.sl_free_head, "used": slab.sl_used, "in_use": in_use,
+            "next_free": next_free}
+
+
+def _check(Segment seg, str region):
+    """Test hook: slab_check of the slab at `region`; call it with the lock held.
+
+    Raises:
+        CorruptionError: the free list is not exactly the records not in use, each once, or
+            the used count disagrees.
+    """
+    slab_check(seg, slab_of(seg, region), region)

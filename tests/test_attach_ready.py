@@ -20,7 +20,7 @@ import pytest
 from hostkv import HostKVCache, IncompatibleSegmentError, _segment
 
 from conftest import small_config
-from rawseg import RawSegment
+from lib.rawseg import RawSegment
 
 LAYOUT = _segment.layout_info()
 HEADER = LAYOUT["header"]

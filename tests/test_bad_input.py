@@ -2,9 +2,9 @@
 
 Each case must raise exactly its exception class AND leave the segment's metadata byte for
 byte as it was: every byte before the page pool is read through a raw mmap before and after
-the call (tests/rawseg.py), except the fields that change on any lock (the mutexes, the lock
-timing metrics, the sweep clock and the generation; cache.reap() just before the snapshot
-makes sure no periodic sweep is due). Refusing bad input must happen before anything shared
+the call (tests/lib/rawseg.py), except the fields that change on any lock (the mutexes, the
+lock timing metrics, the sweep clock and the generation; cache.reap() just before the
+snapshot makes sure no periodic sweep is due). Refusing bad input must happen before anything shared
 is touched, so even a mutation that is rolled back (its undo log entries, st_rollbacks)
 counts as a change.
 
@@ -34,7 +34,7 @@ from hostkv import (
 )
 
 from conftest import report_counts, small_config
-from rawseg import MetadataSnapshot
+from lib.rawseg import MetadataSnapshot
 
 try:
     import torch

@@ -1,4 +1,5 @@
-"""`python -m hostkv create`: an operator sizes a segment up front; engines attach it."""
+"""`python -m hostkv create`: an operator sizes a segment up front, for a KV layout of either
+kind (mha, mla) or a number of bytes a page, and engines attach it."""
 
 from __future__ import annotations
 
@@ -43,6 +44,33 @@ def test_create_with_page_bytes_and_bad_arguments(segment_name):
         assert bad.returncode == 2, (args, bad.stdout)
     with pytest.raises(hostkv.SegmentNotFoundError):
         hostkv.HostKVCache.attach(segment_name + "-x")
+
+
+def test_create_an_mla_segment(new_name):
+    """--kind mla: a page holds one latent vector of --head-dim elements a token and layer;
+    --kv-heads may be left out (it is 1). A layout that is not MLA's, or half of one, is
+    refused and creates nothing."""
+    name = new_name()
+    done = run_cli("create", name, "--num-pages", "4", "--page-size", "64", "--kind", "mla",
+                   "--layers", "3", "--head-dim", "576", "--dtype", "bfloat16")
+    assert done.returncode == 0, done.stderr
+    assert "4 pages of 221184 bytes" in done.stdout             # 3 layers x 64 x 576 x 2
+    with hostkv.HostKVCache.attach(name) as cache:
+        assert cache.config.kv_layout == hostkv.KVLayout(3, 1, 576, "bfloat16", kind="mla")
+    for args, said in (
+            (["--kind", "mla", "--kv-heads", "2", "--layers", "3", "--head-dim", "576"],
+             "num_kv_heads must be 1"),
+            (["--kind", "mla", "--head-dim", "576"],
+             "an MLA KV layout needs --layers and --head-dim"),
+            (["--kind", "mla", "--page-bytes", "256"],
+             "an MLA KV layout needs --layers and --head-dim"),
+            (["--kind", "gqa", "--layers", "3", "--kv-heads", "2", "--head-dim", "64"],
+             "invalid choice: 'gqa'")):
+        refused = new_name()
+        bad = run_cli("create", refused, "--num-pages", "4", *args)
+        assert bad.returncode == 2 and said in bad.stderr, (args, bad.stderr)
+        with pytest.raises(hostkv.SegmentNotFoundError):
+            hostkv.HostKVCache.attach(refused)
 
 
 def test_parse_size():

@@ -16,7 +16,7 @@ import time
 
 from hostkv import _segment
 
-from rawseg import RawSegment
+from lib.rawseg import RawSegment
 from test_multiprocess import _attach_and_vanish, finished
 
 LAYOUT = _segment.layout_info()

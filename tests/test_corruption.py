@@ -1,13 +1,13 @@
 """A corrupted segment is an error, never a crash: seeded random bytes of the metadata are
 flipped through a raw mmap, then every kind of operation runs on it.
 
-Each case runs in a subprocess (tests/corruption_worker.py, several cases per process), so
-that a segfault is a test failure with a clear exit status instead of a dead pytest, and a
-hang is a timeout. An operation must raise a hostkv error (CorruptionError, mostly) or a
+Each case runs in a subprocess (tests/workers/corruption_worker.py, several cases per
+process), so that a segfault is a test failure with a clear exit status instead of a dead
+pytest, and a hang is a timeout. An operation must raise a hostkv error (CorruptionError, mostly) or a
 ValueError, or return a correct-looking answer; anything else (IndexError, OverflowError,
 SystemError, MemoryError, a death by signal, a hang) fails the test, naming the seed.
 
-Reproduce one case with `python tests/corruption_worker.py some-name SEED`.
+Reproduce one case with `python tests/workers/corruption_worker.py some-name SEED`.
 HOSTKV_LONG=1 runs 20000 cases instead of 400.
 """
 
@@ -29,13 +29,13 @@ import pytest
 from hostkv import CorruptionError, HostKVCache, SequenceRequest as R, WorkerView
 
 from conftest import report_counts, small_config
-from rawseg import RawSegment
+from lib.rawseg import RawSegment
 
 LONG = os.environ.get("HOSTKV_LONG") == "1"
 CASES = 20000 if LONG else 400
 BATCH = 25                      # cases per subprocess
 TIMEOUT = 20                    # seconds per subprocess (a batch takes well under 5)
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corruption_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "corruption_worker.py")
 
 
 def _cleanup(prefix: str) -> None:

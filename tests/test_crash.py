@@ -10,8 +10,8 @@ import hostkv
 from hostkv import _pages
 
 from conftest import small_config
-from rawseg import LAYOUT, RawSegment
-from crashlib import (CRASH_STATUS, crash_every_step, raise_every_step, run_in_child,
+from lib.rawseg import LAYOUT, RawSegment
+from lib.crashlib import (CRASH_STATUS, crash_every_step, raise_every_step, run_in_child,
                       run_observer_in_child, snapshot)
 
 

@@ -18,10 +18,10 @@ import hostkv
 from hostkv import _introspect, _sequences
 from hostkv.errors import CapacityError, SequenceError
 
-import crashlib
+from lib import crashlib
 from conftest import small_config
-from rawseg import MetadataSnapshot
-from crashlib import crash_every_step, snapshot
+from lib.rawseg import MetadataSnapshot
+from lib.crashlib import crash_every_step, snapshot
 
 PAGE = 4
 
@@ -77,6 +77,7 @@ def test_candidates_are_what_eviction_takes_in_order(segment_name, seed):
         assert snapshot(cache) == before and lru(cache) == lru_before      # a pure lookup
         assert sum(c.num_pages for c in candidates) == cache.stats().cached_pages == evictable
         for c in candidates:
+            assert type(c) is hostkv.EvictionCandidate          # a public name
             assert len(c.tokens) == len(c.pages) * PAGE and 1 <= c.num_pages <= len(c.pages)
             assert list(cache.match_prefix(c.tokens, c.namespace).pages) == list(c.pages)
         # Positions run on without gaps; reading the order in pieces gives the same nodes.

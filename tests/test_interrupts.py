@@ -22,7 +22,7 @@ from hostkv import (
     SequenceError, SequenceRequest as R, WorkerView, _sequences, _viewstate, worker_view)
 
 from conftest import small_config
-from rawseg import MetadataSnapshot
+from lib.rawseg import MetadataSnapshot
 
 PS = 4
 SYS = list(range(100, 112))             # three full pages, cached by the fixture

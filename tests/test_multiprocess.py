@@ -20,7 +20,7 @@ from hostkv import HostKVCache, LockTimeoutError
 from hostkv import _pages, _segment
 
 from conftest import small_config, fork_quietly
-from rawseg import RawSegment
+from lib.rawseg import RawSegment
 
 CHILD_TIMEOUT = 60
 CRASH_STATUS = 77          # _segment's CRASH_EXIT_STATUS: a crash point's _exit code

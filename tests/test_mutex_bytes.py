@@ -19,7 +19,7 @@ import pytest
 from hostkv import CorruptionError, HostKVCache, _segment
 
 from conftest import run_in_fork, small_config
-from rawseg import RawSegment
+from lib.rawseg import RawSegment
 
 LAYOUT = _segment.layout_info()
 LEASE_SIZE = LAYOUT["sizes"]["HkvLease"]

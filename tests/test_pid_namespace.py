@@ -4,9 +4,9 @@ seen alive while it runs and dead once it is gone, by a process outside it.
 pids mean nothing across namespaces (the worker is pid 1 in its own), which is why a lease
 is a robust mutex that the worker's lease thread holds: the kernel marks it owner-dead when
 the worker dies, whatever namespace either side is in. The worker is a small script,
-tests/pidns_child.py, run with this interpreter under `unshare --pid --fork --mount-proc`
-(`unshare -Upf --map-root-user` when not root); the tests skip, saying why, on a machine
-that forbids new namespaces.
+tests/workers/pidns_child.py, run with this interpreter under `unshare --pid --fork
+--mount-proc` (`unshare -Upf --map-root-user` when not root); the tests skip, saying why, on
+a machine that forbids new namespaces.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hostkv import HostKVCache, SequenceRequest as R, WorkerView
 from conftest import small_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHILD = os.path.join(HERE, "pidns_child.py")
+CHILD = os.path.join(HERE, "workers", "pidns_child.py")
 TIMEOUT = 20.0
 PREFIX = list(range(100, 112))
 
@@ -59,7 +59,7 @@ def unshare():
 
 
 class NamespacedWorker:
-    """tests/pidns_child.py in a new PID namespace; killed in close() if still there."""
+    """tests/workers/pidns_child.py in a new PID namespace; killed in close() if still there."""
 
     def __init__(self, unshare, name: str, parent_slot: int) -> None:
         self.proc = subprocess.Popen(unshare + [sys.executable, CHILD, name, str(parent_slot)],

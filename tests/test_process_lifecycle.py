@@ -1,6 +1,6 @@
-"""A process's start and end around a segment: no environment
-variable can make it _exit, a failed create leaves no thread behind, and exiting with a
-handle open never waits out the lock timeout."""
+"""A process's start and end around a segment: no environment variable can make it _exit, a
+failed create leaves no thread behind, and exiting with a handle open never waits out the
+lock timeout."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ import pytest
 import hostkv
 from hostkv import _introspect, _pages, _radix
 
-import crashlib
+from lib import crashlib
 from conftest import small_config
-from crashlib import crash_every_step, raise_every_step
+from lib.crashlib import crash_every_step, raise_every_step
 
 PAGE = 4
 

@@ -1,7 +1,7 @@
 """The compiled radix tree against the pure-Python reference model, step by step.
 
 A hypothesis RuleBasedStateMachine drives a small cache (8 node records, 48 pages of 2
-tokens) and tests/reference_model.RadixModel with the same calls: insert, match, borrow,
+tokens) and tests/lib/reference_model.RadixModel with the same calls: insert, match, borrow,
 unlock and evict, in namespaces 0, 1 and 2**64-1, with token pages drawn from three patterns
 so that prefixes are shared, nodes split and the node records run out. After every step the
 tree's contents, its counters and cache.check() must agree with the model. A second machine
@@ -30,7 +30,7 @@ import hostkv
 
 from conftest import unlink_quietly
 from hostkv import _introspect, _pages, _radix
-from reference_model import ModelCapacityError, RadixModel
+from lib.reference_model import ModelCapacityError, RadixModel
 
 PAGE_SIZE = 2
 NUM_PAGES = 48

@@ -28,9 +28,8 @@ from hostkv.remote import (
     parse_url,
 )
 
-import remote_worker
-from redislib import RedisServer, TLSFiles, redis_server  # noqa: F401  (a fixture)
-from remotelib import (  # noqa: F401  (make_host is a fixture)
+from lib.redislib import RedisServer, TLSFiles, redis_server  # noqa: F401  (a fixture)
+from lib.remotelib import (  # noqa: F401  (make_host is a fixture)
     PAGE_BYTES,
     PAGE_SIZE,
     WAIT,
@@ -40,6 +39,8 @@ from remotelib import (  # noqa: F401  (make_host is a fixture)
     prompt,
     wait_until,
 )
+from workers import remote_worker
+
 
 def commandstat(server: RedisServer, command: str) -> int:
     """How many times the server ran `command` (INFO commandstats)."""

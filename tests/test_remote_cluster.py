@@ -9,8 +9,8 @@ import redis
 
 import hostkv
 from hostkv.remote import chain_keys, layout_fingerprint
-from redislib import redis_cluster, redis_cluster_module  # noqa: F401  (a fixture)
-from remotelib import (  # noqa: F401  (make_host is a fixture)
+from lib.redislib import redis_cluster, redis_cluster_module  # noqa: F401  (a fixture)
+from lib.remotelib import (  # noqa: F401  (make_host is a fixture)
     PAGE_SIZE,
     WAIT,
     fast_config,

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from redislib import redis_server  # noqa: F401  (a fixture)
+from lib.redislib import redis_server  # noqa: F401  (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,8 +15,8 @@ import pytest
 import hostkv
 from hostkv.remote import RemoteConfig, chain_keys, layout_fingerprint
 
-from redislib import redis_server  # noqa: F401  (a fixture)
-from remotelib import (  # noqa: F401  (make_host is a fixture)
+from lib.redislib import redis_server  # noqa: F401  (a fixture)
+from lib.remotelib import (  # noqa: F401  (make_host is a fixture)
     PAGE_SIZE,
     WAIT,
     fast_config,

@@ -15,11 +15,10 @@ import subprocess
 import sys
 
 import hostkv
-import remote_stats_worker
 from hostkv.remote import RemoteTier
 from hostkv.remote.tier import SHARED_COUNTERS
-from redislib import redis_server  # noqa: F401  (a fixture)
-from remotelib import (  # noqa: F401  (make_host is a fixture)
+from lib.redislib import redis_server  # noqa: F401  (a fixture)
+from lib.remotelib import (  # noqa: F401  (make_host is a fixture)
     PAGE_SIZE,
     WAIT,
     fast_config,
@@ -28,6 +27,7 @@ from remotelib import (  # noqa: F401  (make_host is a fixture)
     prompt,
     wait_until,
 )
+from workers import remote_stats_worker
 
 SAMPLE = re.compile(r'^hostkv_[a-z_]+\{segment="[^"]+"(,[a-z]+="[^"]*")*\} [0-9.e+-]+$')
 

@@ -35,7 +35,7 @@ from hostkv import (
 from hostkv import _pages, _segment
 
 from conftest import small_config
-from rawseg import RawSegment
+from lib.rawseg import RawSegment
 
 LAYOUT = _segment.layout_info()
 HEADER = LAYOUT["header"]

@@ -22,8 +22,8 @@ import pytest
 
 from hostkv import HostKVCache, SequenceRequest as R, WorkerView
 
-import soak_worker
 from conftest import report_counts
+from workers import soak_worker
 
 LONG = os.environ.get("HOSTKV_LONG") == "1"
 WORKERS = 3

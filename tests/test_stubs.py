@@ -1,5 +1,5 @@
-"""The .pyi stubs of the compiled modules match what the modules export (mypy's stubtest),
-and the pure-Python package type-checks. Unchecked stubs drift."""
+"""The .pyi stubs of the compiled modules match what the modules export (mypy's stubtest):
+unchecked stubs drift."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import pytest
 
 import hostkv
 from conftest import unlink_quietly
-from vllm_engine import BLOCK_SIZE, Engine, unlink_vllm_shm, vllm_shm, write_model
+from lib.vllm_engine import BLOCK_SIZE, Engine, unlink_vllm_shm, vllm_shm, write_model
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: ./scripts/test.sh installs it (see README)",

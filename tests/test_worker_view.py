@@ -31,7 +31,7 @@ from hostkv import HostKVCache, SequenceError, SequenceRequest as R, WorkerView
 from hostkv import _sequences, _tokens, _viewstate
 
 from conftest import fork_quietly
-from worker_view_lib import (
+from lib.worker_view_lib import (
     P,
     POOL,
     PS,
@@ -542,7 +542,7 @@ def test_big_endian_int32_prompts_are_read_as_their_ids(make):
 
 def test_a_closed_cache_still_names_the_bad_request_first(segment_name):
     """The view's documented errors come before "closed", as they did when the view checked
-    requests in Python (a regression found in review)."""
+    requests in Python: a caller that passes a bad request learns what is wrong with it."""
     cache = hostkv.HostKVCache.create(segment_name, hostkv.HostKVConfig(
         num_pages=32, page_size=PS, page_bytes=64))
     view = WorkerView(cache)

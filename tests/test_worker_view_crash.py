@@ -3,10 +3,10 @@ release, and the reaping of a dead process's sequences.
 
 Every state compared includes the tree, the live sequences, the LRU clock and every node's
 last-access stamp; a crashed process's state is compared before it is reaped too (see
-crashlib.crash_every_step's `unreaped`). So are the cases a review found untested: allocation
-under eviction pressure, below prefix_min_reuse_pages (a savepoint rollback), a borrow
-that evicts for its split, a commit whose insert finds no node record, lease registration
-when every slot is taken and after fork, and a death holding the lock after a commit."""
+crashlib.crash_every_step's `unreaped`). The cases include allocation under eviction
+pressure, below prefix_min_reuse_pages (a savepoint rollback), a borrow that evicts for its
+split, a commit whose insert finds no node record, lease registration when every slot is
+taken and after fork, and a death holding the lock after a commit."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import pytest
 import hostkv
 from hostkv import _introspect, _sequences
 
-import crashlib
+from lib import crashlib
 from conftest import small_config
-from crashlib import crash_every_step
+from lib.crashlib import crash_every_step
 
 PAGE = 4
 SYSTEM = list(range(100, 112))          # three full pages shared by every request

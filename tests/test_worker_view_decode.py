@@ -8,7 +8,7 @@ import pytest
 
 from hostkv import OutOfPagesError, SequenceError, SequenceRequest as R
 
-from worker_view_lib import (
+from lib.worker_view_lib import (
     P,
     POOL,
     PS,

@@ -9,7 +9,7 @@ import pytest
 from hostkv import SequenceError, SequenceRequest as R
 
 # make: the fixture busy is built on.
-from worker_view_lib import LIVE, P, _torch, assert_unchanged, busy, make, snapshot  # noqa: F401
+from lib.worker_view_lib import LIVE, P, _torch, assert_unchanged, busy, make, snapshot  # noqa: F401
 
 
 # -- input validation --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 
 from hostkv import HostKVCache, SequenceRequest as R, WorkerView
 
-from worker_view_lib import (
+from lib.worker_view_lib import (
     P,
     POOL,
     PS,

@@ -8,7 +8,7 @@ import pytest
 import hostkv
 from hostkv import CapacityError, HostKVCache, OutOfPagesError, SequenceRequest as R, WorkerView
 
-from worker_view_lib import (
+from lib.worker_view_lib import (
     LIVE,
     P,
     POOL,

@@ -4,7 +4,7 @@ Sections of the report:
 
 * engine: each workload replayed through a WorkerView as an engine would run it (allocate
   with prefix reuse, then release with commit), beside the same flow on the pure-Python
-  reference model (tests/reference_model.py, when run from a source checkout) and the C-level
+  reference model (tests/lib/reference_model.py, when run from a source checkout) and the C-level
   ceilings (token comparison with memcmp, copying pages of the pool);
 * eviction: the cost of `cache.evict` per evicted token on a filled tree;
 * decode: `append_tokens` per sequence per step at batch 1 to 128, beside a Python

@@ -20,7 +20,7 @@ def _load_reference_model() -> Any:
     """The pure-Python reference model from a source checkout's tests/, or None."""
     # This file is hostkv/bench/machine.py: the checkout's root is three levels up.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, "tests", "reference_model.py")
+    path = os.path.join(root, "tests", "lib", "reference_model.py")
     if not os.path.exists(path):
         return None
     spec = importlib.util.spec_from_file_location("hostkv_reference_model", path)

@@ -310,7 +310,9 @@ def _host_a(url: str, policy: str, prefix: str, pool_pages: int, page_bytes: int
                     local.update(keys[:len(a.match_prefix(tokens).pages)])
                 evicted = sorted(every - local)
                 present = tier._backend.touch_many(evicted, 600) if evicted else []
-                row.update(evicted_distinct=len(evicted), evicted_in_store=sum(present))
+                # None: the key's node did not answer (a cluster's); not known to be there.
+                row.update(evicted_distinct=len(evicted),
+                           evicted_in_store=sum(1 for there in present if there))
         finally:
             if tier is not None:
                 tier.close()

@@ -1,6 +1,6 @@
 """Run by tests/test_pid_namespace.py inside a new PID namespace (`unshare --pid --fork`):
 
-    python pidns_child.py SEGMENT_NAME PARENT_LEASE_SLOT
+    python tests/workers/pidns_child.py SEGMENT_NAME PARENT_LEASE_SLOT
 
 Attaches, allocates two sequences (one borrowing the prefix the parent committed), decodes a
 step, and reports on stdout "READY <lease slot> <pid as seen here> <parent alive?>". Then it

