@@ -14,8 +14,6 @@ from __future__ import annotations
 import importlib.util
 import random
 import threading
-import warnings
-from typing import List, Sequence
 
 import pytest
 
@@ -27,15 +25,10 @@ if importlib.util.find_spec("vllm") is None:
 
 torch = pytest.importorskip("torch")
 
-BLOCK_SIZE = 16
+from lib.vllm_engine import BLOCK_SIZE  # noqa: E402
+from lib.vllm_helpers import random_tokens, vllm_module, vllm_request  # noqa: E402
+
 LAYERS, HEADS, DIM = 2, 2, 64
-
-
-def _vllm_module():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")      # torch/vllm deprecation warnings on import
-        import hostkv.vllm as module
-    return module
 
 
 def _layout() -> hostkv.KVLayout:
@@ -78,7 +71,7 @@ def _page_equals_block(cache, tensors, page: int, block: int) -> bool:
 
 
 def test_a_step_is_reported_only_once_its_save_is_over(segment_name):
-    hv = _vllm_module()
+    hv = vllm_module()
     worker, cache, tensors = _worker(hv, segment_name)
     try:
         release = _hold_copies(worker)
@@ -108,7 +101,7 @@ def test_a_step_is_reported_only_once_its_save_is_over(segment_name):
 
 
 def test_a_finishing_request_without_saves_in_flight_is_reported_at_once(segment_name):
-    hv = _vllm_module()
+    hv = vllm_module()
     worker, cache, _ = _worker(hv, segment_name)
     try:
         meta = hv.HostKVConnectorMetadata(step=1, finishing=["gone"])
@@ -120,7 +113,7 @@ def test_a_finishing_request_without_saves_in_flight_is_reported_at_once(segment
 
 
 def test_steps_are_reported_in_order_and_a_failed_save_names_its_request(segment_name):
-    hv = _vllm_module()
+    hv = vllm_module()
     worker, cache, _ = _worker(hv, segment_name)
     try:
         release = _hold_copies(worker)
@@ -149,7 +142,7 @@ def test_steps_are_reported_in_order_and_a_failed_save_names_its_request(segment
 
 
 def test_bad_indices_fail_the_step_at_once_and_copy_nothing(segment_name):
-    hv = _vllm_module()
+    hv = vllm_module()
     worker, cache, _ = _worker(hv, segment_name)
     try:
         before = cache.pages_tensor().clone()
@@ -166,7 +159,7 @@ def test_bad_indices_fail_the_step_at_once_and_copy_nothing(segment_name):
 
 
 def test_preemption_waits_for_the_preempted_requests_saves(segment_name):
-    hv = _vllm_module()
+    hv = vllm_module()
     worker, cache, tensors = _worker(hv, segment_name)
     try:
         release = _hold_copies(worker)
@@ -186,7 +179,7 @@ def test_preemption_waits_for_the_preempted_requests_saves(segment_name):
 
 
 def test_synchronous_saves_are_over_when_the_step_ends(segment_name):
-    hv = _vllm_module()
+    hv = vllm_module()
     worker, cache, tensors = _worker(hv, segment_name, async_saves=False)
     try:
         assert worker.engine._thread is None
@@ -200,21 +193,6 @@ def test_synchronous_saves_are_over_when_the_step_ends(segment_name):
 
 
 # -- the scheduler side --------------------------------------------------------------------------
-
-def _tokens(rng: random.Random, n: int) -> List[int]:
-    return [rng.randrange(1, 1000) for _ in range(n)]
-
-
-def _vllm_request(req_id: str, tokens: Sequence[int]):
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(req_id, list(tokens), SamplingParams(max_tokens=4), None,
-                   block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
-
 
 def _scheduler(hv, segment: str, async_saves: bool = True):
     settings = hv.HostKVSettings(segment=segment, num_pages=64, async_saves=async_saves)
@@ -249,10 +227,10 @@ def test_a_request_finished_mid_save_keeps_its_blocks_until_the_save_is_confirme
         segment_name):
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    hv = _vllm_module()
+    hv = vllm_module()
     sched = _scheduler(hv, segment_name)
     try:
-        request = _vllm_request("r", _tokens(random.Random(1), 3 * BLOCK_SIZE + 5))
+        request = vllm_request("r", random_tokens(random.Random(1), 3 * BLOCK_SIZE + 5))
         meta = _schedule(sched, request, [7, 8, 9, 10])
         assert [pages for _, _, pages in meta.saves] and meta.saves[0][1] == [7, 8, 9]
         # It finishes before its save is confirmed: vLLM must keep the blocks.
@@ -271,12 +249,12 @@ def test_a_request_finished_mid_save_keeps_its_blocks_until_the_save_is_confirme
 
 
 def test_a_confirmed_or_synchronous_request_frees_its_blocks_at_once(new_name):
-    hv = _vllm_module()
+    hv = vllm_module()
     for async_saves in (True, False):
         name = new_name()
         sched = _scheduler(hv, name, async_saves=async_saves)
         try:
-            request = _vllm_request("r", _tokens(random.Random(2), 2 * BLOCK_SIZE + 1))
+            request = vllm_request("r", random_tokens(random.Random(2), 2 * BLOCK_SIZE + 1))
             meta = _schedule(sched, request, [1, 2, 3])
             if async_saves:
                 _report(hv, sched, (meta.step, 0, []))
@@ -296,10 +274,10 @@ def test_a_finish_seen_while_the_lock_is_busy_keeps_the_blocks(segment_name):
     next step retires it and names it to the workers, who report it at once."""
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    hv = _vllm_module()
+    hv = vllm_module()
     sched = _scheduler(hv, segment_name)
     try:
-        request = _vllm_request("late", _tokens(random.Random(3), 2 * BLOCK_SIZE + 1))
+        request = vllm_request("late", random_tokens(random.Random(3), 2 * BLOCK_SIZE + 1))
         meta = _schedule(sched, request, [4, 5, 6])
         _report(hv, sched, (meta.step, 0, []))          # its save is confirmed
         assert sched.finish_later(request) is True
@@ -314,10 +292,10 @@ def test_a_finish_seen_while_the_lock_is_busy_keeps_the_blocks(segment_name):
 def test_preempted_requests_are_named_to_the_workers(segment_name):
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    hv = _vllm_module()
+    hv = vllm_module()
     sched = _scheduler(hv, segment_name)
     try:
-        request = _vllm_request("p", _tokens(random.Random(4), 2 * BLOCK_SIZE + 1))
+        request = vllm_request("p", random_tokens(random.Random(4), 2 * BLOCK_SIZE + 1))
         _schedule(sched, request, [1, 2, 3])
         out = SchedulerOutput.make_empty()
         out.preempted_req_ids = {"p"}
