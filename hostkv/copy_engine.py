@@ -6,8 +6,9 @@ ways: vLLM's logical ``[blocks, heads, tokens, K|V dims]`` in any physical order
 flash-attention ``[2, blocks, tokens, heads, dim]``, FlashInfer's NHD and HND, one tensor for
 every layer. A :class:`BlockLayout` names an engine tensor's axes once, from what the engine
 declares; :class:`CopyEngine` turns that into strided views of both sides and copies block
-``b`` of every layer to page ``p`` (a save) or back (a load), one call per layer and step,
-straight between the two buffers: no intermediate tensor, no Python per block.
+``b`` of every layer to page ``p`` (a save) or back (a load), straight between the two
+buffers: no intermediate tensor, no Python per block; on a CPU, one compiled call per step
+for every layer (``hostkv._blockcopy``).
 
 With tensor parallelism a rank holds a slice of the KV heads; its engine moves only that
 slice of each page (``heads``), and where heads are replicated across ranks only one of
@@ -25,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from hostkv._blockcopy import copy_blocks
+from hostkv._blockcopy import copy_layers
 from hostkv.config import KVLayout
 
 __all__ = ["BlockLayout", "CopyEngine", "CopyPlan", "head_slice_for_rank"]
@@ -209,6 +210,25 @@ def _canonical_view(tensor: torch.Tensor, block_layout: BlockLayout,
     return view.permute(order)
 
 
+@dataclasses.dataclass
+class _LayerGroup:
+    """Layers one compiled call copies: the same plan and engine block stride."""
+
+    plan: CopyPlan
+    engine_block_stride: int
+    engine_layers: np.ndarray           # uint64: each layer's block 0, engine side
+    pool_layers: np.ndarray             # uint64: each layer's page 0, pool side
+
+
+@dataclasses.dataclass
+class _CpuCopies:
+    """A CPU engine's copies, as CopyEngine._cpu_setup worked them out."""
+
+    groups: List[_LayerGroup]
+    num_pages: int
+    page_stride: int                    # bytes from one page to the next
+
+
 class CopyEngine:
     """Copies between an engine's KV blocks (every layer) and hostkv's canonical pages.
 
@@ -233,6 +253,8 @@ class CopyEngine:
         ValueError: a tensor whose shape, dtype or device does not fit the layout (the
             message names the layout, the shape and the axis).
     """
+
+    _cpu: Optional[_CpuCopies] = None   # the CPU path's setup, made by its first copy
 
     def __init__(self, pool: torch.Tensor, layout: KVLayout, page_size: int,
                  kv_tensors: Sequence[torch.Tensor] | torch.Tensor, block_layout: BlockLayout,
@@ -329,22 +351,43 @@ class CopyEngine:
         return block_index.size * self.bytes_per_page
 
     def _copy(self, block_index: np.ndarray, page_index: np.ndarray, to_pool: bool) -> None:
-        num_pages = self.pool.shape[0]
         if self.device.type != "cpu":
             self._copy_device(block_index, page_index, to_pool)
             return
-        page_stride = self.pool.stride(0) * self.layout.itemsize
-        for layer, (view, plan) in enumerate(zip(self.engine_views, self.plans)):
-            pool_layer = self.pool[:, layer]
-            engine_args = (view.data_ptr(), self.num_blocks, view.stride(0) * self.layout.itemsize,
-                           block_index)
-            pool_args = (pool_layer.data_ptr(), num_pages, page_stride, page_index)
+        self._copy_cpu(block_index, page_index, to_pool)
+
+    def _copy_cpu(self, block_index: np.ndarray, page_index: np.ndarray, to_pool: bool) -> None:
+        """CPU blocks: one compiled call per group of layers that share a plan (one call for
+        every layout hostkv knows), without the GIL. The first call checks every index
+        before any byte moves; the others check the same indices against the same counts."""
+        cpu = self._cpu if self._cpu is not None else self._cpu_setup()
+        for group in cpu.groups:
+            engine = (group.engine_layers, self.num_blocks, group.engine_block_stride,
+                      block_index)
+            pool = (group.pool_layers, cpu.num_pages, cpu.page_stride, page_index)
+            plan = group.plan
             if to_pool:
-                copy_blocks(*pool_args, *engine_args, plan.shape, plan.pool_strides,
-                            plan.engine_strides, plan.run)
+                copy_layers(*pool, *engine, plan.shape, plan.pool_strides, plan.engine_strides,
+                            plan.run)
             else:
-                copy_blocks(*engine_args, *pool_args, plan.shape, plan.engine_strides,
-                            plan.pool_strides, plan.run)
+                copy_layers(*engine, *pool, plan.shape, plan.engine_strides, plan.pool_strides,
+                            plan.run)
+
+    def _cpu_setup(self) -> _CpuCopies:
+        """What every CPU copy of this engine hands the compiled loop, worked out once: each
+        layer's address on both sides (the tensors this engine holds keep them valid) and
+        the layers grouped by plan and block stride."""
+        itemsize = self.layout.itemsize
+        layers: Dict[Tuple[CopyPlan, int], Tuple[List[int], List[int]]] = {}
+        for layer, (view, plan) in enumerate(zip(self.engine_views, self.plans)):
+            engine, pool = layers.setdefault((plan, view.stride(0) * itemsize), ([], []))
+            engine.append(view.data_ptr())
+            pool.append(self.pool[:, layer].data_ptr())
+        groups = [_LayerGroup(plan, stride, np.array(engine, dtype=np.uint64),
+                              np.array(pool, dtype=np.uint64))
+                  for (plan, stride), (engine, pool) in layers.items()]
+        self._cpu = _CpuCopies(groups, self.pool.shape[0], self.pool.stride(0) * itemsize)
+        return self._cpu
 
     def _copy_device(self, block_index: np.ndarray, page_index: np.ndarray, to_pool: bool) -> None:
         """An accelerator's blocks: one gather per layer on the device, one transfer."""
