@@ -8,6 +8,12 @@ import numpy.typing as npt
 STREAM_MIN_BYTES: int
 CAN_STREAM: bool
 
+def check_blocks(
+    dst_index: npt.NDArray[np.int64],
+    dst_blocks: int,
+    src_index: npt.NDArray[np.int64],
+    src_blocks: int,
+) -> None: ...
 def copy_layers(
     dst_layers: npt.NDArray[np.uint64],
     dst_blocks: int,
@@ -38,3 +44,11 @@ def copy_blocks(
     run: int,
     stream: Optional[bool] = None,
 ) -> None: ...
+def populate_pages(
+    base: int,
+    page_stride: int,
+    page_bytes: int,
+    num_pages: int,
+    index: npt.NDArray[np.int64],
+    mapped: npt.NDArray[np.uint8],
+) -> int: ...

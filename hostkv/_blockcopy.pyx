@@ -30,6 +30,7 @@ count before the first byte moves.
 from libc.stdint cimport int64_t, uint8_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
 
+from hostkv.includes.system cimport _SC_PAGESIZE, sysconf
 
 
 cdef extern from *:
@@ -65,10 +66,13 @@ cdef extern from *:
     static inline void hkv_stream_copy(char* dst, const char* src, size_t n) { memcpy(dst, src, n); }
     static inline void hkv_stream_fence(void) { }
     #endif
+    /* A read the compiler must make (its value is unused): it maps the page in. */
+    static inline void hkv_touch(const char* p) { (void)*(const volatile char*)p; }
     """
     bint HKV_CAN_STREAM
     void hkv_stream_copy(char* dst, const char* src, size_t n) noexcept nogil
     void hkv_stream_fence() noexcept nogil
+    void hkv_touch(const char* p) noexcept nogil
 
 
 cdef enum:
@@ -207,6 +211,13 @@ cdef int fill_grid(Grid* g, shape, dst_strides, src_strides, size_t run) except 
     return 0
 
 
+def check_blocks(const int64_t[::1] dst_index, int64_t dst_blocks,
+                 const int64_t[::1] src_index, int64_t src_blocks):
+    """Raises the ValueError copy_layers would for these indices, if any (for a caller
+    that does something else first, such as populate_pages)."""
+    check_indices(dst_index, dst_blocks, src_index, src_blocks)
+
+
 cdef int check_indices(const int64_t[::1] dst_index, int64_t dst_blocks,
                        const int64_t[::1] src_index, int64_t src_blocks) except -1:
     cdef Py_ssize_t n = dst_index.shape[0]
@@ -341,3 +352,62 @@ def copy_blocks(uintptr_t dst, int64_t dst_blocks, int64_t dst_block_stride,
     copy_layers(<uint64_t[:1]>dst_layer, dst_blocks, dst_block_stride, dst_index,
                 <uint64_t[:1]>src_layer, src_blocks, src_block_stride, src_index,
                 shape, dst_strides, src_strides, run, stream)
+
+
+def populate_pages(uintptr_t base, int64_t page_stride, int64_t page_bytes, int64_t num_pages,
+                   const int64_t[::1] index, uint8_t[::1] mapped):
+    """Maps pages ``index[i]`` of a pool into this process's page tables before a copy
+    writes them: reads one byte of every OS page of each page that ``mapped`` does not mark,
+    and marks it. Without the GIL; changes no byte.
+
+    A process's first touch of each 4 KiB page of a shared mapping costs it a page fault. A
+    write fault maps that one page; a read fault maps the 16 around it too (the kernel's
+    fault-around serves reads only), and on a tmpfs, which does not track writes through
+    the page tables, maps them writable, so a save's stores into them then take no fault.
+    Measured on a 64 MiB copy into a fresh mapping (4 KiB pages): 0.08-0.19x a plain memcpy
+    as it came, 0.38-0.48x after these reads (or after madvise(MADV_POPULATE_READ), which
+    also faults 16 pages at a time, MADV_POPULATE_WRITE one: 0.22x); on pages that were
+    mapped already the reads cost 16 ns per 4 KiB and MADV_POPULATE_READ 415 ns (it walks
+    every page), so a pool that start_prefault() populated pays next to nothing. Where the
+    pool is in huge pages one read maps 2 MiB.
+
+    Args:
+        base: Address of page 0 in this process.
+        page_stride: Bytes from one page to the next; page_bytes: bytes of one page (a
+            page's bytes are [base + p * page_stride, + page_bytes)).
+        num_pages: Pages in the pool (indices are checked).
+        index: int64 page indices.
+        mapped: One byte per page (at least num_pages), nonzero where done already.
+
+    Returns:
+        How many pages it read (those not marked before).
+
+    Raises:
+        ValueError: an index outside [0, num_pages), or ``mapped`` too short; nothing was
+            read.
+    """
+    cdef Py_ssize_t n = index.shape[0]
+    cdef Py_ssize_t i
+    cdef Py_ssize_t done = 0
+    cdef int64_t p
+    cdef uintptr_t os_page = <uintptr_t>sysconf(_SC_PAGESIZE)
+    cdef uintptr_t at, end
+    if mapped.shape[0] < num_pages:
+        raise ValueError(f"populate_pages: {mapped.shape[0]} marks for {num_pages} pages")
+    for i in range(n):
+        if not 0 <= index[i] < num_pages:
+            raise ValueError(f"populate_pages: page {index[i]} outside [0, {num_pages})")
+    with nogil:
+        for i in range(n):
+            p = index[i]
+            if mapped[p]:
+                continue
+            # The page's first byte, then the first byte of each OS page after it.
+            at = base + <uintptr_t>(p * page_stride)
+            end = at + <uintptr_t>page_bytes
+            while at < end:
+                hkv_touch(<const char*>at)
+                at = (at & ~(os_page - 1)) + os_page
+            mapped[p] = 1
+            done += 1
+    return done

@@ -8,7 +8,8 @@ every layer. A :class:`BlockLayout` names an engine tensor's axes once, from wha
 declares; :class:`CopyEngine` turns that into strided views of both sides and copies block
 ``b`` of every layer to page ``p`` (a save) or back (a load), straight between the two
 buffers: no intermediate tensor, no Python per block; on a CPU, one compiled call per step
-for every layer (``hostkv._blockcopy``).
+for every layer (``hostkv._blockcopy``), after mapping the step's pages into this process
+in one system call per run of pages where it had not touched them yet.
 
 With tensor parallelism a rank holds a slice of the KV heads; its engine moves only that
 slice of each page (``heads``), and where heads are replicated across ranks only one of
@@ -26,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from hostkv._blockcopy import copy_layers
+from hostkv._blockcopy import check_blocks, copy_layers, populate_pages
 from hostkv.config import KVLayout
 
 __all__ = ["BlockLayout", "CopyEngine", "CopyPlan", "head_slice_for_rank"]
@@ -227,6 +228,9 @@ class _CpuCopies:
     groups: List[_LayerGroup]
     num_pages: int
     page_stride: int                    # bytes from one page to the next
+    pool_base: int                      # page 0's first byte in this process
+    mapped: Optional[np.ndarray]        # uint8 per page: populated in this process (None:
+                                        # never populate, let the copies fault them in)
 
 
 class CopyEngine:
@@ -357,10 +361,17 @@ class CopyEngine:
         self._copy_cpu(block_index, page_index, to_pool)
 
     def _copy_cpu(self, block_index: np.ndarray, page_index: np.ndarray, to_pool: bool) -> None:
-        """CPU blocks: one compiled call per group of layers that share a plan (one call for
-        every layout hostkv knows), without the GIL. The first call checks every index
-        before any byte moves; the others check the same indices against the same counts."""
+        """CPU blocks: every index checked, the pages this process has not mapped yet
+        populated (populate_pages), then one compiled call per group of layers that share a
+        plan (one call for every layout hostkv knows), without the GIL."""
         cpu = self._cpu if self._cpu is not None else self._cpu_setup()
+        if cpu.mapped is not None:
+            if to_pool:
+                check_blocks(page_index, cpu.num_pages, block_index, self.num_blocks)
+            else:
+                check_blocks(block_index, self.num_blocks, page_index, cpu.num_pages)
+            populate_pages(cpu.pool_base, cpu.page_stride, cpu.page_stride, cpu.num_pages,
+                           page_index, cpu.mapped)
         for group in cpu.groups:
             engine = (group.engine_layers, self.num_blocks, group.engine_block_stride,
                       block_index)
@@ -375,8 +386,8 @@ class CopyEngine:
 
     def _cpu_setup(self) -> _CpuCopies:
         """What every CPU copy of this engine hands the compiled loop, worked out once: each
-        layer's address on both sides (the tensors this engine holds keep them valid) and
-        the layers grouped by plan and block stride."""
+        layer's address on both sides (the tensors this engine holds keep them valid), the
+        layers grouped by plan and block stride, and no page populated yet."""
         itemsize = self.layout.itemsize
         layers: Dict[Tuple[CopyPlan, int], Tuple[List[int], List[int]]] = {}
         for layer, (view, plan) in enumerate(zip(self.engine_views, self.plans)):
@@ -386,7 +397,11 @@ class CopyEngine:
         groups = [_LayerGroup(plan, stride, np.array(engine, dtype=np.uint64),
                               np.array(pool, dtype=np.uint64))
                   for (plan, stride), (engine, pool) in layers.items()]
-        self._cpu = _CpuCopies(groups, self.pool.shape[0], self.pool.stride(0) * itemsize)
+        num_pages = self.pool.shape[0]
+        # Page 0's first byte, not this rank's first head's: a page's range spans every head.
+        pool_base = self.pool.data_ptr() - self.heads[0] * self.layout.head_dim * itemsize
+        self._cpu = _CpuCopies(groups, num_pages, self.pool.stride(0) * itemsize, pool_base,
+                               np.zeros(num_pages, dtype=np.uint8))
         return self._cpu
 
     def _copy_device(self, block_index: np.ndarray, page_index: np.ndarray, to_pool: bool) -> None:

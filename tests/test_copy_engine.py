@@ -252,7 +252,7 @@ def test_copies_release_the_gil_and_threads_may_copy_at_once(make_cache):
     del engine, pool
 
 
-# -- the compiled loop's paths: streaming stores, one call for every layer --------------------
+# -- the compiled loop's paths: streaming stores, one call for every layer, populating ------
 
 
 @pytest.fixture(params=["memcpy", "streaming"])
@@ -380,6 +380,7 @@ def test_a_load_with_a_bad_page_is_refused_before_any_byte_moves(make_cache):
     with pytest.raises(ValueError, match=r"destination block 12 outside \[0, 12\)"):
         engine.load([0, 1], [1, 12])
     assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    assert not engine._cpu.mapped.any()                    # and no page was populated
     del engine, pool
 
 
@@ -396,6 +397,68 @@ def test_layers_of_different_strides_take_a_call_each(make_cache, store_path):
     assert len(engine._cpu.groups) == 2
     assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
                        _expected_pages(ref, [5, 9], [7, 2]))
+    del engine, pool
+
+
+def test_saves_into_pages_no_process_has_touched(make_cache, segment_name):
+    """A fresh segment's pool is reserved but never written; a save from another mapping
+    (attached after, as another process would) populates and fills exactly its pages, and
+    marks them; a load of untouched pages reads zeros."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "bfloat16")
+    creator = make_cache(layout, num_pages=64)
+    other = hostkv.HostKVCache.attach(segment_name)
+    try:
+        ref = _reference(dtype=torch.bfloat16)
+        tensors = [_vllm(kv) for kv in ref]
+        engine = CopyEngine(other.pages_tensor(), layout, TOKENS, tensors, copy_engine.VLLM)
+        pages = [40, 41, 42, 7, 63, 0]                     # a run of three, and strays
+        blocks = [0, 1, 2, 3, 4, 5]
+        engine.save(blocks, pages)
+        assert sorted(np.flatnonzero(engine._cpu.mapped)) == sorted(pages)
+        pool = creator.pages_tensor()
+        assert torch.equal(pool.view(64, LAYERS, 2, TOKENS, HEADS, DIM).view(torch.uint8),
+                           _expected_pages(ref, blocks, pages, 64).view(torch.uint8))
+        back = [torch.ones_like(t) for t in tensors]
+        loader = CopyEngine(other.pages_tensor(), layout, TOKENS, back, copy_engine.VLLM)
+        loader.load([41, 20], [2, 6])                      # page 20: never written
+        for layer in range(LAYERS):
+            assert torch.equal(back[layer][2], tensors[layer][1])
+            assert not back[layer][6].any()
+        del engine, loader, pool
+    finally:
+        other.close()
+
+
+def test_populate_pages_marks_what_it_mapped():
+    """It reads each page not marked (every OS page of it) and marks it, changes no byte,
+    and refuses bad indices before reading any."""
+    from hostkv._blockcopy import populate_pages
+    buf = np.zeros((6, 8192 + 100), dtype=np.uint8)        # pages not OS-page aligned
+    mapped = np.zeros(6, dtype=np.uint8)
+    base, stride = buf.ctypes.data, buf.strides[0]
+    assert populate_pages(base, stride, 8192, 6, np.array([4, 1, 2, 1], np.int64), mapped) == 3
+    assert mapped.tolist() == [0, 1, 1, 0, 1, 0]
+    assert populate_pages(base, stride, 8192, 6, np.array([2, 3], np.int64), mapped) == 1
+    assert populate_pages(base, stride, 8192, 6, np.array([], np.int64), mapped) == 0
+    with pytest.raises(ValueError, match=r"page 6 outside \[0, 6\)"):
+        populate_pages(base, stride, 8192, 6, np.array([0, 6], np.int64), mapped)
+    with pytest.raises(ValueError, match="5 marks for 6 pages"):
+        populate_pages(base, stride, 8192, 6, np.array([0], np.int64), mapped[:5])
+    assert mapped.tolist() == [0, 1, 1, 1, 1, 0] and not buf.any()
+
+
+def test_an_engine_that_does_not_populate_still_copies(make_cache):
+    """Without the populate (the bench's cold case "no populate"), the copies fault the
+    pages in themselves."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout)
+    ref = _reference()
+    pool = cache.pages_tensor()
+    engine = CopyEngine(pool, layout, TOKENS, [_vllm(kv) for kv in ref], copy_engine.VLLM)
+    engine._cpu_setup().mapped = None
+    engine.save([3, 4, 5], [1, 2, 6])
+    assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
+                       _expected_pages(ref, [3, 4, 5], [1, 2, 6]))
     del engine, pool
 
 
