@@ -7,6 +7,7 @@ import numpy.typing as npt
 
 STREAM_MIN_BYTES: int
 CAN_STREAM: bool
+FAULT_AROUND_BYTES: int
 
 def check_blocks(
     dst_index: npt.NDArray[np.int64],

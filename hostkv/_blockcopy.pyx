@@ -15,12 +15,15 @@ step of 64 MiB in runs of 256 bytes, vLLM's CPU layout against the canonical pag
   the loads waiting on memory (0.5-0.6x a plain memcpy of the same bytes).
 - Large copies store with non-temporal (streaming) stores. An ordinary store first reads
   the destination's cache line (a third memory transfer per byte), and a step's pages are
-  not read again soon. With both changes a save and a load ran at 0.95-1.05x a plain
-  memcpy; either alone did not help. Below STREAM_MIN_BYTES, where both sides may well be in
-  the caches, plain memcpy per run is faster and is used.
-- The innermost grid axis is a plain loop, the other axes an odometer. Inlining fixed-size
-  copies of the small runs (16-byte loads and stores the compiler unrolls) measured slower
-  than glibc's memcpy for the same runs, so ordinary copies call memcpy.
+  not read again soon. With both changes a save ran at 0.98-1.02x and a load at 1.06-1.10x
+  a plain memcpy (python -m hostkv bench, "copy engine"); either alone did not help.
+  Below STREAM_MIN_BYTES memcpy per run is used: see there.
+- Every layer of a step in one call, layer after layer (block after block, each block's
+  layers in turn, saves ran at 0.75x where layer after layer gave 0.92x in the same runs).
+- The two innermost grid axes are plain loops, the others an odometer. Inlining
+  fixed-size copies of the small runs (16-byte loads and stores the compiler unrolls)
+  measured slower than glibc's memcpy for the same runs, and software prefetching ahead of
+  the streaming loads gained nothing, so neither is done.
 
 Nothing here knows about torch: the buffers are raw addresses that the caller took from
 tensors it keeps alive for the call, and every index is checked against its buffer's block
@@ -79,8 +82,11 @@ cdef enum:
     MAX_DIMS = 8
 
 # Copies of at least this many bytes (a call's whole step) use non-temporal stores where
-# the CPU has them and the destination is 16-byte aligned. Smaller ones may well fit in the
-# caches, where memcpy is faster (2-3x at 1 MiB, measured) and the data stays cached.
+# the CPU has them and the destination is 16-byte aligned. Measured against a plain memcpy
+# of the same bytes: from 1 to 4 MiB with both sides in the caches, memcpy per run ran at
+# 1.02-1.10x and streaming stores at 0.76-0.85x; with neither side cached, memcpy at
+# 0.76-0.81x and streaming stores at 1.17-1.33x; from 8 MiB streaming won either way. A
+# small step may well be cached, and a load's blocks are read again at once.
 STREAM_MIN_BYTES = 4 << 20
 # Whether this build has non-temporal stores (x86-64: SSE2); elsewhere every copy is memcpy.
 CAN_STREAM = bool(HKV_CAN_STREAM)
@@ -354,22 +360,31 @@ def copy_blocks(uintptr_t dst, int64_t dst_blocks, int64_t dst_block_stride,
                 shape, dst_strides, src_strides, run, stream)
 
 
+# The kernel's fault-around window (fault_around_bytes: 64 KiB since Linux 3.15): a read
+# fault on a file mapping maps every cached page of the aligned window around it.
+FAULT_AROUND_BYTES = 64 << 10
+
+
 def populate_pages(uintptr_t base, int64_t page_stride, int64_t page_bytes, int64_t num_pages,
                    const int64_t[::1] index, uint8_t[::1] mapped):
     """Maps pages ``index[i]`` of a pool into this process's page tables before a copy
-    writes them: reads one byte of every OS page of each page that ``mapped`` does not mark,
-    and marks it. Without the GIL; changes no byte.
+    writes them: reads the first byte of each page that ``mapped`` does not mark and one
+    byte of every FAULT_AROUND_BYTES window after it, and marks the page. Without the GIL;
+    changes no byte.
 
     A process's first touch of each 4 KiB page of a shared mapping costs it a page fault. A
-    write fault maps that one page; a read fault maps the 16 around it too (the kernel's
-    fault-around serves reads only), and on a tmpfs, which does not track writes through
-    the page tables, maps them writable, so a save's stores into them then take no fault.
-    Measured on a 64 MiB copy into a fresh mapping (4 KiB pages): 0.08-0.19x a plain memcpy
-    as it came, 0.38-0.48x after these reads (or after madvise(MADV_POPULATE_READ), which
-    also faults 16 pages at a time, MADV_POPULATE_WRITE one: 0.22x); on pages that were
-    mapped already the reads cost 16 ns per 4 KiB and MADV_POPULATE_READ 415 ns (it walks
-    every page), so a pool that start_prefault() populated pays next to nothing. Where the
-    pool is in huge pages one read maps 2 MiB.
+    write fault maps that one page; a read fault maps the 16 of its 64 KiB window (the
+    kernel's fault-around serves reads only), and on a tmpfs, which does not track writes
+    through the page tables, maps them writable, so a save's stores into them then take no
+    fault. Measured on a 64 MiB copy into a fresh mapping (4 KiB pages), against a plain
+    memcpy: 0.16x as it came; 0.47x after a read per 64 KiB; 0.32x after a read per 4 KiB
+    (the same faults, but each first touch of a page costs the CPU a page-table update the
+    copy then pays again for the dirty bit); 0.39x after madvise(MADV_POPULATE_READ) and
+    0.22x after MADV_POPULATE_WRITE (one fault per page). Where the pages are mapped already
+    (a pool start_prefault() populated) the reads cost 0.4-4 ns per 4 KiB and
+    MADV_POPULATE_READ 170-415 ns, a walk of every page; in huge pages one read maps 2 MiB.
+    Where the kernel's window is smaller, the pages the reads did not map fault on the
+    copy's first store, as without them.
 
     Args:
         base: Address of page 0 in this process.
@@ -390,7 +405,7 @@ def populate_pages(uintptr_t base, int64_t page_stride, int64_t page_bytes, int6
     cdef Py_ssize_t i
     cdef Py_ssize_t done = 0
     cdef int64_t p
-    cdef uintptr_t os_page = <uintptr_t>sysconf(_SC_PAGESIZE)
+    cdef uintptr_t window = max(<uintptr_t>sysconf(_SC_PAGESIZE), <uintptr_t>FAULT_AROUND_BYTES)
     cdef uintptr_t at, end
     if mapped.shape[0] < num_pages:
         raise ValueError(f"populate_pages: {mapped.shape[0]} marks for {num_pages} pages")
@@ -402,12 +417,11 @@ def populate_pages(uintptr_t base, int64_t page_stride, int64_t page_bytes, int6
             p = index[i]
             if mapped[p]:
                 continue
-            # The page's first byte, then the first byte of each OS page after it.
             at = base + <uintptr_t>(p * page_stride)
             end = at + <uintptr_t>page_bytes
             while at < end:
                 hkv_touch(<const char*>at)
-                at = (at & ~(os_page - 1)) + os_page
+                at = (at & ~(window - 1)) + window      # the next window's first byte
             mapped[p] = 1
             done += 1
     return done

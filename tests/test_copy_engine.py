@@ -368,7 +368,7 @@ def test_bad_indices_are_refused_before_any_byte_moves():
     assert not dst.any()                                   # nothing was copied
 
 
-def test_a_load_with_a_bad_page_is_refused_before_any_byte_moves(make_cache):
+def test_a_bad_page_or_block_is_refused_before_any_byte_or_page_table_moves(make_cache):
     layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
     cache = make_cache(layout)
     pool = cache.pages_tensor()
@@ -380,6 +380,10 @@ def test_a_load_with_a_bad_page_is_refused_before_any_byte_moves(make_cache):
     with pytest.raises(ValueError, match=r"destination block 12 outside \[0, 12\)"):
         engine.load([0, 1], [1, 12])
     assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    with pytest.raises(ValueError, match=r"destination block 10 outside \[0, 10\)"):
+        engine.save([0, 1], [3, 10])
+    with pytest.raises(ValueError, match=r"source block 12 outside \[0, 12\)"):
+        engine.save([12, 0], [3, 4])
     assert not engine._cpu.mapped.any()                    # and no page was populated
     del engine, pool
 
@@ -430,7 +434,7 @@ def test_saves_into_pages_no_process_has_touched(make_cache, segment_name):
 
 
 def test_populate_pages_marks_what_it_mapped():
-    """It reads each page not marked (every OS page of it) and marks it, changes no byte,
+    """It reads each page not marked (a byte per 64 KiB window) and marks it, changes no byte,
     and refuses bad indices before reading any."""
     from hostkv._blockcopy import populate_pages
     buf = np.zeros((6, 8192 + 100), dtype=np.uint8)        # pages not OS-page aligned
