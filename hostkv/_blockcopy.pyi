@@ -7,6 +7,7 @@ import numpy.typing as npt
 
 STREAM_MIN_BYTES: int
 CAN_STREAM: bool
+STREAM_STORE_BYTES: int
 FAULT_AROUND_BYTES: int
 
 def check_blocks(
