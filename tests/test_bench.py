@@ -69,6 +69,7 @@ def test_the_copy_engine_section_alone(tmp_path):
         assert row["save_gbytes_per_s"] > 0 and row["load_gbytes_per_s"] > 0
         assert row["save_vs_limit"] == row["save_gbytes_per_s"] / rates[step["limit"]]["median"]
     assert "save, cold, no populate" in stdout and "flashinfer-HND" in stdout
+    assert step["stream_store_bytes"] in (0, 16, 32)
 
 
 def test_the_pool_faults_section_times_the_engines_populate(tmp_path):

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from hostkv._blockcopy import populate_pages
+from hostkv._blockcopy import STREAM_STORE_BYTES, populate_pages
 from hostkv.bench.common import _create, _destroy
 from hostkv.bench.workloads import PAGE_SIZE
 from hostkv.cache import HostKVCache, PrefaultStatus
@@ -355,7 +355,7 @@ def copy_engine_step(quick: bool, seed: int) -> Dict[str, Any]:
         "layout": dataclasses.asdict(layout), "full_layers": STEP_FULL_LAYERS,
         "block_layout": VLLM.name, "page_bytes": page_bytes, "step_pages": step_pages,
         "step_bytes": nbytes, "pool_pages": num_pages, "engine_blocks": num_blocks,
-        "rounds": rounds, "torch_threads": 1,
+        "rounds": rounds, "torch_threads": 1, "stream_store_bytes": STREAM_STORE_BYTES,
     }
 
     faults: Dict[str, List[int]] = {name: [] for name in STEP_OPS}

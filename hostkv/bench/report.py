@@ -181,7 +181,9 @@ def _format_copy_engine(ce: Dict[str, Any]) -> List[str]:
                  f"plain: as many bytes "
                  f"between two pre-faulted buffers; x limit: median over the faster plain "
                  f"copy's ({labels[ce['limit']].split(', ')[1]}); faults: the process's minor "
-                 f"page faults during one op (median)")
+                 f"page faults during one op (median)"
+                 + (f"; non-temporal stores {ce['stream_store_bytes']} bytes wide"
+                    if ce.get("stream_store_bytes") else ""))
     if ce.get("layouts"):
         lines.append(f"{'other layouts, warm pool':<26} {'save':>6} {'x limit':>8} "
                      f"{'load':>6} {'x limit':>8}")
