@@ -6,8 +6,10 @@ ways: vLLM's logical ``[blocks, heads, tokens, K|V dims]`` in any physical order
 flash-attention ``[2, blocks, tokens, heads, dim]``, FlashInfer's NHD and HND, one tensor for
 every layer. A :class:`BlockLayout` names an engine tensor's axes once, from what the engine
 declares; :class:`CopyEngine` turns that into strided views of both sides and copies block
-``b`` of every layer to page ``p`` (a save) or back (a load), one call per layer and step,
-straight between the two buffers: no intermediate tensor, no Python per block.
+``b`` of every layer to page ``p`` (a save) or back (a load), straight between the two
+buffers: no intermediate tensor, no Python per block; on a CPU, one compiled call per step
+for every layer (``hostkv._blockcopy``), after mapping the step's pages into this process
+in one system call per run of pages where it had not touched them yet.
 
 With tensor parallelism a rank holds a slice of the KV heads; its engine moves only that
 slice of each page (``heads``), and where heads are replicated across ranks only one of
@@ -26,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from hostkv._blockcopy import copy_blocks
+from hostkv._blockcopy import check_blocks, copy_layers, populate_pages
 from hostkv.config import KVLayout
 from hostkv.transfers import CopyThread, Transfer
 
@@ -211,6 +213,29 @@ def _canonical_view(tensor: torch.Tensor, block_layout: BlockLayout,
     return view.permute(order)
 
 
+@dataclasses.dataclass
+class _LayerGroup:
+    """Layers one compiled call copies: the same plan and engine block stride."""
+
+    plan: CopyPlan
+    engine_block_stride: int
+    engine_layers: np.ndarray           # uint64: each layer's block 0, engine side
+    pool_layers: np.ndarray             # uint64: each layer's page 0, pool side
+
+
+@dataclasses.dataclass
+class _CpuCopies:
+    """A CPU engine's copies, as CopyEngine._cpu_setup worked them out."""
+
+    groups: List[_LayerGroup]
+    num_pages: int
+    page_stride: int                    # bytes from one page to the next
+    pool_base: int                      # page 0's first byte in this process
+    mapped: Optional[np.ndarray]        # uint8 per page: populated for a save in this
+                                        # process (None: never populate, let the copies
+                                        # fault them in)
+
+
 class CopyEngine:
     """Copies between an engine's KV blocks (every layer) and hostkv's canonical pages.
 
@@ -237,6 +262,8 @@ class CopyEngine:
         ValueError: a tensor whose shape, dtype or device does not fit the layout (the
             message names the layout, the shape and the axis).
     """
+
+    _cpu: Optional[_CpuCopies] = None   # the CPU path's setup, made by its first copy
 
     def __init__(self, pool: torch.Tensor, layout: KVLayout, page_size: int,
                  kv_tensors: Sequence[torch.Tensor] | torch.Tensor, block_layout: BlockLayout,
@@ -410,16 +437,46 @@ class CopyEngine:
         return transfer.nbytes
 
     def _copy(self, block_index: np.ndarray, page_index: np.ndarray, to_pool: bool) -> None:
-        num_pages = self.pool.shape[0]
-        page_stride = self.pool.stride(0) * self.layout.itemsize
-        for layer, (view, plan) in enumerate(zip(self.engine_views, self.plans)):
-            pool_layer = self.pool[:, layer]
-            engine_args = (view.data_ptr(), self.num_blocks, view.stride(0) * self.layout.itemsize,
-                           block_index)
-            pool_args = (pool_layer.data_ptr(), num_pages, page_stride, page_index)
+        """CPU blocks: for a save, every index checked and the pages this process has not
+        mapped yet populated (populate_pages); then one compiled call per group of layers
+        that share a plan (one call for every layout hostkv knows), without the GIL. The
+        first call checks every index before any byte moves; the others check the same
+        indices against the same counts."""
+        cpu = self._cpu if self._cpu is not None else self._cpu_setup()
+        if to_pool and cpu.mapped is not None:
+            # A load needs no populate: its reads fault 16 pages in at a time by themselves
+            # (measured: a cold load ran as fast without it).
+            check_blocks(page_index, cpu.num_pages, block_index, self.num_blocks)
+            populate_pages(cpu.pool_base, cpu.page_stride, cpu.page_stride, cpu.num_pages,
+                           page_index, cpu.mapped)
+        for group in cpu.groups:
+            engine = (group.engine_layers, self.num_blocks, group.engine_block_stride,
+                      block_index)
+            pool = (group.pool_layers, cpu.num_pages, cpu.page_stride, page_index)
+            plan = group.plan
             if to_pool:
-                copy_blocks(*pool_args, *engine_args, plan.shape, plan.pool_strides,
-                            plan.engine_strides, plan.run)
+                copy_layers(*pool, *engine, plan.shape, plan.pool_strides, plan.engine_strides,
+                            plan.run)
             else:
-                copy_blocks(*engine_args, *pool_args, plan.shape, plan.engine_strides,
-                            plan.pool_strides, plan.run)
+                copy_layers(*engine, *pool, plan.shape, plan.engine_strides, plan.pool_strides,
+                            plan.run)
+
+    def _cpu_setup(self) -> _CpuCopies:
+        """What every CPU copy of this engine hands the compiled loop, worked out once: each
+        layer's address on both sides (the tensors this engine holds keep them valid), the
+        layers grouped by plan and block stride, and no page populated yet."""
+        itemsize = self.layout.itemsize
+        layers: Dict[Tuple[CopyPlan, int], Tuple[List[int], List[int]]] = {}
+        for layer, (view, plan) in enumerate(zip(self.engine_views, self.plans)):
+            engine, pool = layers.setdefault((plan, view.stride(0) * itemsize), ([], []))
+            engine.append(view.data_ptr())
+            pool.append(self.pool[:, layer].data_ptr())
+        groups = [_LayerGroup(plan, stride, np.array(engine, dtype=np.uint64),
+                              np.array(pool, dtype=np.uint64))
+                  for (plan, stride), (engine, pool) in layers.items()]
+        num_pages = self.pool.shape[0]
+        # Page 0's first byte, not this rank's first head's: a page's range spans every head.
+        pool_base = self.pool.data_ptr() - self.heads[0] * self.layout.head_dim * itemsize
+        self._cpu = _CpuCopies(groups, num_pages, self.pool.stride(0) * itemsize, pool_base,
+                               np.zeros(num_pages, dtype=np.uint8))
+        return self._cpu

@@ -63,6 +63,25 @@ def test_the_copy_engine_section_alone(tmp_path):
     # (or far less: one fault per 2 MiB where the tmpfs gives huge pages).
     assert step["page_faults"]["cold_save"] > step["page_faults"]["warm_save"]
     assert "copy engine: one engine step's" in stdout and "load, cold pool" in stdout
+    # The other block layouts, warm, in the same rounds.
+    assert set(step["layouts"]) == set(bench.STEP_LAYOUTS)
+    for row in step["layouts"].values():
+        assert row["save_gbytes_per_s"] > 0 and row["load_gbytes_per_s"] > 0
+        assert row["save_vs_limit"] == row["save_gbytes_per_s"] / rates[step["limit"]]["median"]
+    assert "save, cold, no populate" in stdout and "flashinfer-HND" in stdout
+    assert step["stream_store_bytes"] in (0, 16, 32)
+
+
+def test_the_pool_faults_section_times_the_engines_populate(tmp_path):
+    stdout, report = run_bench(tmp_path, "--section", "pool-faults")
+    faults = report["pool_faults"]
+    assert set(faults["gbytes_per_s"]) == {"cold", "prefaulted", "plain", "prefault"}
+    assert faults["populated_gbytes_per_s"] > 0
+    # What the kernel gave of the huge pages hostkv advised (none on a huge=never tmpfs).
+    assert faults["huge_mapped_bytes"] is None or 0 <= faults["huge_mapped_bytes"] <= faults["pool_bytes"]
+    if faults["huge_policy"] == "never":
+        assert faults["huge_mapped_bytes"] in (0, None)
+    assert "cold after the copy engine's populate_pages" in stdout
 
 
 def test_the_copy_engine_section_without_torch(monkeypatch):

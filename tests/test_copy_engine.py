@@ -250,3 +250,232 @@ def test_copies_release_the_gil_and_threads_may_copy_at_once(make_cache):
                        _expected_pages(ref, range(BLOCKS), range(BLOCKS), BLOCKS))
     assert np.array_equal(cache.pages_array()[0], pool[0].view(-1).view(torch.uint8).numpy())
     del engine, pool
+
+
+# -- the compiled loop's paths: streaming stores, one call for every layer, populating ------
+
+
+@pytest.fixture(params=["memcpy", "streaming"])
+def store_path(request, monkeypatch):
+    """Runs a test with every copy on one store path: memcpy, or non-temporal stores (where
+    the build has them; elsewhere memcpy again), whatever the copy's size."""
+    from hostkv import _blockcopy
+    monkeypatch.setattr(_blockcopy, "STREAM_MIN_BYTES", 0 if request.param == "streaming"
+                        else 1 << 62)
+    return request.param
+
+
+@pytest.mark.parametrize("block_layout,build", PER_LAYER,
+                         ids=["vllm", "vllm-LBNHC", "flash-attn", "flashinfer-NHD",
+                              "flashinfer-HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_both_store_paths_write_the_canonical_bytes(make_cache, store_path, block_layout,
+                                                    build, dtype):
+    test_every_layout_writes_the_canonical_bytes(make_cache, block_layout, build, dtype)
+
+
+def test_both_store_paths_for_one_tensor_of_every_layer(make_cache, store_path):
+    test_one_tensor_for_every_layer(make_cache)
+
+
+def _grid_case(rng, itemsize):
+    """A random block grid: a canonical [kv, T, H, D] block against the same axes in a random
+    order on the engine side, as byte strides, and the two buffers' block strides."""
+    sizes = [2, int(rng.integers(1, 5)), int(rng.integers(1, 5)), int(rng.integers(1, 9))]
+    canonical = np.arange(int(np.prod(sizes))).reshape(sizes)
+    order = rng.permutation(4)
+    engine = canonical.transpose(order).copy()             # another physical order
+    inverse = np.argsort(order)
+    engine_strides = [s for s in np.array(engine.strides)[inverse] // engine.itemsize * itemsize]
+    pool_strides = [s // canonical.itemsize * itemsize for s in canonical.strides]
+    return sizes, pool_strides, engine_strides
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_call_copies_every_layer_as_one_call_per_layer_does(seed, store_path):
+    """copy_layers over every layer writes what copy_blocks per layer writes, for any grid
+    and axis order, and touches no byte outside the blocks named."""
+    from hostkv._blockcopy import copy_blocks, copy_layers
+    rng = np.random.default_rng(seed)
+    itemsize = int(rng.choice([2, 4, 16]))
+    sizes, pool_strides, engine_strides = _grid_case(rng, itemsize)
+    plan = CopyPlan.build(sizes, pool_strides, engine_strides, itemsize)
+    block = int(np.prod(sizes)) * itemsize
+    layers, blocks = 3, 7
+    src = rng.integers(0, 256, (layers, blocks, block), dtype=np.uint8)
+    one = np.zeros((layers, blocks + 1, block), dtype=np.uint8)    # one spare block each
+    each = np.zeros_like(one)
+    src_index = np.array([4, 0, 6], dtype=np.int64)
+    dst_index = np.array([1, 5, 2], dtype=np.int64)
+    addresses = [np.array([a[layer].ctypes.data for layer in range(layers)], dtype=np.uint64)
+                 for a in (one, src)]
+    copy_layers(addresses[0], blocks + 1, block, dst_index, addresses[1], blocks, block,
+                src_index, plan.shape, plan.pool_strides, plan.engine_strides, plan.run)
+    for layer in range(layers):
+        copy_blocks(each[layer].ctypes.data, blocks + 1, block, dst_index,
+                    src[layer].ctypes.data, blocks, block, src_index,
+                    plan.shape, plan.pool_strides, plan.engine_strides, plan.run)
+    assert np.array_equal(one, each)
+    # Against numpy: the source block read in the engine's order, laid out canonically.
+    engine_view = np.lib.stride_tricks.as_strided
+    for layer in range(layers):
+        for d, s in zip(dst_index, src_index):
+            items = src[layer, s].view(f"V{itemsize}")
+            want = engine_view(items, sizes, engine_strides)
+            assert np.array_equal(one[layer, d].view(f"V{itemsize}").reshape(sizes), want)
+    untouched = [b for b in range(blocks + 1) if b not in dst_index]
+    assert not one[:, untouched].any()
+
+
+def test_every_destination_alignment_gets_the_same_bytes(store_path):
+    """Streaming stores need 16-byte-aligned runs (32 for AVX's): a 32-aligned destination
+    takes the widest stores the CPU has, a 16-aligned one SSE2's, any other memcpy; all
+    write the same bytes and nothing beside them."""
+    from hostkv._blockcopy import copy_blocks
+    src = np.arange(4 * 256, dtype=np.uint32).view(np.uint8)
+    for offset in (0, 1, 8, 16, 32, 48):
+        room = np.zeros(src.size + 256, dtype=np.uint8)
+        start = (-room.ctypes.data) % 64 + offset           # from a 64-byte boundary
+        copy_blocks(room.ctypes.data + start, 4, 1024, np.arange(4, dtype=np.int64),
+                    src.ctypes.data, 4, 1024, np.array([3, 2, 1, 0], dtype=np.int64),
+                    (4,), (256,), (256,), 256)
+        got = room[start:start + src.size].reshape(4, 1024)
+        assert np.array_equal(got, src.reshape(4, 1024)[::-1])
+        assert not room[:start].any() and not room[start + src.size:].any()
+
+
+def test_bad_indices_are_refused_before_any_byte_moves():
+    from hostkv._blockcopy import copy_layers
+    src = np.ones((2, 4, 64), dtype=np.uint8)
+    dst = np.zeros((2, 4, 64), dtype=np.uint8)
+    layers = [np.array([a[0].ctypes.data, a[1].ctypes.data], dtype=np.uint64)
+              for a in (dst, src)]
+    ok = np.array([0, 1, 2], dtype=np.int64)
+    cases = [
+        (np.array([0, 1, 4], dtype=np.int64), ok, r"destination block 4 outside \[0, 4\)"),
+        (ok, np.array([0, -1, 2], dtype=np.int64), r"source block -1 outside \[0, 4\)"),
+        (ok, ok[:2], "3 destination blocks but 2 source blocks"),
+    ]
+    for dst_index, src_index, message in cases:
+        for stream in (False, True):
+            with pytest.raises(ValueError, match=message):
+                copy_layers(layers[0], 4, 64, dst_index, layers[1], 4, 64, src_index,
+                            (), (), (), 64, stream=stream)
+    with pytest.raises(ValueError, match="2 destination layers but 1 source layers"):
+        copy_layers(layers[0], 4, 64, ok, layers[1][:1], 4, 64, ok, (), (), (), 64)
+    with pytest.raises(ValueError, match="runs of 0 bytes"):
+        copy_layers(layers[0], 4, 64, ok, layers[1], 4, 64, ok, (), (), (), 0)
+    with pytest.raises(ValueError, match="grid axis 0 has size 0"):
+        copy_layers(layers[0], 4, 64, ok, layers[1], 4, 64, ok, (0,), (64,), (64,), 64)
+    assert not dst.any()                                   # nothing was copied
+
+
+def test_a_bad_page_or_block_is_refused_before_any_byte_or_page_table_moves(make_cache):
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout)
+    pool = cache.pages_tensor()
+    tensors = [_vllm(kv) for kv in _reference()]
+    before = [t.clone() for t in tensors]
+    engine = CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM)
+    engine._cpu_setup()                                    # the page marks, none set
+    with pytest.raises(ValueError, match=r"a page outside \[0, 10\) in \[0, 10\]"):
+        engine.load([0, 10], [1, 2])
+    with pytest.raises(ValueError, match=r"a block outside \[0, 12\) in \[1, 12\]"):
+        engine.load([0, 1], [1, 12])
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    with pytest.raises(ValueError, match=r"a page outside \[0, 10\) in \[3, 10\]"):
+        engine.save([0, 1], [3, 10])
+    with pytest.raises(ValueError, match=r"a block outside \[0, 12\) in \[12, 0\]"):
+        engine.save([12, 0], [3, 4])
+    assert not engine._cpu.mapped.any()                    # and no page was populated
+    del engine, pool
+
+
+def test_layers_of_different_strides_take_a_call_each(make_cache, store_path):
+    """Per-layer tensors need not share a physical order: the layers that do share one
+    compiled call."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout)
+    ref = _reference()
+    tensors = [(_vllm if layer % 2 else _vllm_lbnhc)(kv) for layer, kv in enumerate(ref)]
+    pool = cache.pages_tensor()
+    engine = CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM)
+    engine.save([5, 9], [7, 2])
+    assert len(engine._cpu.groups) == 2
+    assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
+                       _expected_pages(ref, [5, 9], [7, 2]))
+    del engine, pool
+
+
+def test_saves_into_pages_no_process_has_touched(make_cache, segment_name):
+    """A fresh segment's pool is reserved but never written; a save from another mapping
+    (attached after, as another process would) populates and fills exactly its pages, and
+    marks them; a load of untouched pages reads zeros."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "bfloat16")
+    creator = make_cache(layout, num_pages=64)
+    other = hostkv.HostKVCache.attach(segment_name)
+    try:
+        ref = _reference(dtype=torch.bfloat16)
+        tensors = [_vllm(kv) for kv in ref]
+        engine = CopyEngine(other.pages_tensor(), layout, TOKENS, tensors, copy_engine.VLLM)
+        pages = [40, 41, 42, 7, 63, 0]                     # a run of three, and strays
+        blocks = [0, 1, 2, 3, 4, 5]
+        engine.save(blocks, pages)
+        assert sorted(np.flatnonzero(engine._cpu.mapped)) == sorted(pages)
+        pool = creator.pages_tensor()
+        assert torch.equal(pool.view(64, LAYERS, 2, TOKENS, HEADS, DIM).view(torch.uint8),
+                           _expected_pages(ref, blocks, pages, 64).view(torch.uint8))
+        back = [torch.ones_like(t) for t in tensors]
+        loader = CopyEngine(other.pages_tensor(), layout, TOKENS, back, copy_engine.VLLM)
+        loader.load([41, 20], [2, 6])                      # page 20: never written
+        for layer in range(LAYERS):
+            assert torch.equal(back[layer][2], tensors[layer][1])
+            assert not back[layer][6].any()
+        del engine, loader, pool
+    finally:
+        other.close()
+
+
+def test_populate_pages_marks_what_it_mapped():
+    """It reads each page not marked (a byte per 64 KiB window) and marks it, changes no byte,
+    and refuses bad indices before reading any."""
+    from hostkv._blockcopy import populate_pages
+    buf = np.zeros((6, 8192 + 100), dtype=np.uint8)        # pages not OS-page aligned
+    mapped = np.zeros(6, dtype=np.uint8)
+    base, stride = buf.ctypes.data, buf.strides[0]
+    assert populate_pages(base, stride, 8192, 6, np.array([4, 1, 2, 1], np.int64), mapped) == 3
+    assert mapped.tolist() == [0, 1, 1, 0, 1, 0]
+    assert populate_pages(base, stride, 8192, 6, np.array([2, 3], np.int64), mapped) == 1
+    assert populate_pages(base, stride, 8192, 6, np.array([], np.int64), mapped) == 0
+    with pytest.raises(ValueError, match=r"page 6 outside \[0, 6\)"):
+        populate_pages(base, stride, 8192, 6, np.array([0, 6], np.int64), mapped)
+    with pytest.raises(ValueError, match="5 marks for 6 pages"):
+        populate_pages(base, stride, 8192, 6, np.array([0], np.int64), mapped[:5])
+    assert mapped.tolist() == [0, 1, 1, 1, 1, 0] and not buf.any()
+
+
+def test_an_engine_that_does_not_populate_still_copies(make_cache):
+    """Without the populate (the bench's cold case "no populate"), the copies fault the
+    pages in themselves."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout)
+    ref = _reference()
+    pool = cache.pages_tensor()
+    engine = CopyEngine(pool, layout, TOKENS, [_vllm(kv) for kv in ref], copy_engine.VLLM)
+    engine._cpu_setup().mapped = None
+    engine.save([3, 4, 5], [1, 2, 6])
+    assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
+                       _expected_pages(ref, [3, 4, 5], [1, 2, 6]))
+    del engine, pool
+
+
+def test_a_plain_tensor_pool(store_path):
+    """The pool may be any CPU tensor (its bytes are all that is used), not only a segment's."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float16")
+    pool = torch.zeros(PAGES * layout.page_bytes(TOKENS), dtype=torch.uint8)
+    ref = _reference(dtype=torch.float16)
+    engine = CopyEngine(pool, layout, TOKENS, [_hnd(kv) for kv in ref],
+                        copy_engine.FLASHINFER_HND)
+    engine.save([0, 11, 6], [9, 3, 4])
+    assert torch.equal(pool.view(torch.float16).view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
+                       _expected_pages(ref, [0, 11, 6], [9, 3, 4]))

@@ -13,11 +13,13 @@ Sections of the report:
   processes sharing one segment (aggregate throughput, lock or call latency percentiles);
 * data path: gathering and scattering KV pages through `cache.pages_tensor()` against a
   plain torch tensor and numpy;
-* pool faults: copying into a freshly attached pool, cold and after `start_prefault()`,
-  against a copy between two pre-faulted numpy buffers;
+* pool faults: copying into a freshly attached pool, cold, after `start_prefault()` and
+  after the copy engine's `populate_pages`, against a copy between two pre-faulted numpy
+  buffers;
 * copy engine: one engine step's pages saved and loaded through `CopyEngine` (vLLM's
-  layout, an 8B model's KV cut to 8 layers), into a cold pool and a pre-faulted one,
-  against plain copies of as many bytes;
+  layout, an 8B model's KV cut to 8 layers), into a cold pool (with and without the
+  engine's populate) and a pre-faulted one, and warm in the other block layouts, against
+  plain copies of as many bytes;
 * tree: the workloads as match-then-insert straight on the compiled tree (no WorkerView).
 
 `--section NAME` (repeatable) runs only the sections named: see SECTIONS.
@@ -40,8 +42,8 @@ from typing import Any, Dict, List, Optional, Sequence
 # The package's modules, one section (or group of sections) each; the names the single
 # module had are re-exported so that `from hostkv.bench import X` keeps working.
 from hostkv.bench.common import histogram_percentile, latency_summary, lock_metrics, lock_summary
-from hostkv.bench.datapath import (DATA_LAYOUT, GATHER_PAGES, STEP_LAYOUT, STEP_OPS,
-                                   copy_engine_step, data_path, pool_faults)
+from hostkv.bench.datapath import (DATA_LAYOUT, GATHER_PAGES, STEP_LAYOUT, STEP_LAYOUTS,
+                                   STEP_OPS, copy_engine_step, data_path, pool_faults)
 from hostkv.bench.decode import DECODE_BATCHES, decode_steps
 from hostkv.bench.engine import (ENGINE_ROUNDS, engine_row, run_engine_compiled,
                                  run_engine_hash_chain, run_engine_reference)
@@ -58,7 +60,8 @@ from hostkv.bench.workloads import (GENERATORS, PAGE_SIZE, VOCAB, Requests, Work
 
 __all__ = [
     "DATA_LAYOUT", "DECODE_BATCHES", "ENGINE_ROUNDS", "EVICT_CHUNK_PAGES", "GATHER_PAGES",
-    "GENERATORS", "PAGE_SIZE", "PROCESS_COUNTS", "SECTIONS", "STEP_LAYOUT", "STEP_OPS", "VOCAB",
+    "GENERATORS", "PAGE_SIZE", "PROCESS_COUNTS", "SECTIONS", "STEP_LAYOUT", "STEP_LAYOUTS",
+    "STEP_OPS", "VOCAB",
     "HashChainEngine", "ReferenceEngine", "Requests", "ViewEngine", "Workload", "WorkloadSpec",
     "compare_ceiling", "copy_engine_step", "cpu_rate", "data_path", "decode_steps", "engine_row",
     "eviction_by_demand", "eviction_cost", "format_table", "histogram_percentile",

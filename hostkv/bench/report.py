@@ -129,9 +129,19 @@ def _format_pool_faults(pf: Dict[str, Any]) -> List[str]:
         f"GB/s, median of {pf['rounds']} interleaved rounds",
         f"cold {rates['cold']:.1f}; after start_prefault() {rates['prefaulted']:.1f}; plain "
         f"(between pre-faulted numpy buffers) {rates['plain']:.1f}; the prefault itself "
-        f"{rates['prefault']:.1f} ({pf['method']}, {pf['prefault_state']})",
-        f"huge pages: {pf['huge_pages']} (tmpfs policy {pf['huge_policy'] or 'unknown'})",
+        f"{rates['prefault']:.1f} ({pf['method']}, {pf['prefault_state']})"
+        + (f"; cold after the copy engine's populate_pages (a read per 64 KiB, timed with "
+           f"the copy) {pf['populated_gbytes_per_s']:.1f}" if "populated_gbytes_per_s" in pf
+           else ""),
+        f"huge pages: {pf['huge_pages']} (tmpfs policy {pf['huge_policy'] or 'unknown'})"
+        + _huge_mapped(pf),
     ]
+
+
+def _huge_mapped(section: Dict[str, Any]) -> str:
+    """How much of a pre-faulted mapping the kernel gave huge pages, where the report says."""
+    mapped = section.get("huge_mapped_bytes")
+    return "" if mapped is None else f"; {mapped >> 20} MiB of it mapped in 2 MiB pages"
 
 
 def _format_copy_engine(ce: Dict[str, Any]) -> List[str]:
@@ -154,17 +164,36 @@ def _format_copy_engine(ce: Dict[str, Any]) -> List[str]:
     ]
     labels = {"cold_save": "save, cold pool", "cold_load": "load, cold pool",
               "warm_save": "save, warm pool", "warm_load": "load, warm pool",
-              "torch_copy": "plain copy, torch copy_", "numpy_copy": "plain copy, np.copyto"}
+              "torch_copy": "plain copy, torch copy_", "numpy_copy": "plain copy, np.copyto",
+              "cold_save_faulting": "save, cold, no populate"}
     for name, label in labels.items():
+        if name not in rates:                           # (a report from before they were)
+            continue
         lines.append(f"{label:<26} {rates[name]['best']:>6.1f} {rates[name]['median']:>7.1f} "
                      f"{ce['vs_limit'][name]:>7.2f}x {ce['page_faults'][name]:>7}")
     lines.append(f"cold: each save or load through a mapping of the pool attached just before "
-                 f"(the pages exist, its page tables are empty); warm: one mapping "
-                 f"start_prefault() populated ({ce.get('method', '?')}, "
-                 f"{ce.get('prefault_state', '?')}; huge pages {ce.get('huge_pages', '?')}); "
-                 f"plain: as many bytes between two pre-faulted buffers; x limit: median over "
-                 f"the faster plain copy's ({labels[ce['limit']].split(', ')[1]}); faults: the "
-                 f"process's minor page faults during one op (median)")
+                 f"(the pages exist, its page tables are empty); a save maps its pages in "
+                 f"first (populate_pages: a read per 64 KiB, timed) or, with no populate, "
+                 f"faults them in by its stores; a load's reads fault them in; "
+                 f"warm: one mapping start_prefault() populated ({ce.get('method', '?')}, "
+                 f"{ce.get('prefault_state', '?')}; huge pages {ce.get('huge_pages', '?')}, "
+                 f"tmpfs policy {ce.get('huge_policy') or 'unknown'}{_huge_mapped(ce)}); "
+                 f"plain: as many bytes "
+                 f"between two pre-faulted buffers; x limit: median over the faster plain "
+                 f"copy's ({labels[ce['limit']].split(', ')[1]}); faults: the process's minor "
+                 f"page faults during one op (median)"
+                 + (f"; non-temporal stores {ce['stream_store_bytes']} bytes wide"
+                    if ce.get("stream_store_bytes") else ""))
+    if ce.get("layouts"):
+        lines.append(f"{'other layouts, warm pool':<26} {'save':>6} {'x limit':>8} "
+                     f"{'load':>6} {'x limit':>8}")
+        for name, row in ce["layouts"].items():
+            lines.append(f"{name:<26} {row['save_gbytes_per_s']:>6.1f} "
+                         f"{row['save_vs_limit']:>7.2f}x {row['load_gbytes_per_s']:>6.1f} "
+                         f"{row['load_vs_limit']:>7.2f}x")
+        lines.append("other layouts: the same step and rounds, the engine's tensors in each "
+                     "layout: " + "; ".join(f"{name} {row['block_layout']}"
+                                            for name, row in ce["layouts"].items()))
     return lines
 
 
