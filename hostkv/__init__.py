@@ -16,7 +16,7 @@ from importlib.machinery import PathFinder as _PathFinder
 # load (built against another numpy, say) is not caught here: its own ImportError says more.
 _COMPILED = ("_tokens", "_crash", "_leases", "_geometry", "_format", "_lock", "_segment", "_pages",
              "_slab", "_radix", "_introspect", "_requests", "_records", "_viewstate", "_sequences",
-             "_blockcopy")
+             "_blockcopy", "_cudacopy")
 _missing = [m for m in _COMPILED if _PathFinder.find_spec(f"{__name__}.{m}", __path__) is None]
 if _missing:
     raise ImportError(
