@@ -130,12 +130,18 @@ def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: st
             conn.send(("ok", bool(llm.reset_prefix_cache())))
             continue
         if message[0] == "metrics":
-            # hostkv's connector counters so far (vLLM's Prometheus logger: log_stats).
+            # hostkv's connector counters so far, from vLLM's Prometheus logger (log_stats),
+            # read from the registry: LLM.get_metrics() truncates counters to integers,
+            # and copy times are fractions of a second.
+            from prometheus_client import REGISTRY
+
             totals: Dict[str, float] = {}
-            for metric in llm.get_metrics():
-                if metric.name.startswith("vllm:hostkv_"):
+            for metric in REGISTRY.collect():
+                if metric.type == "counter" and metric.name.startswith("vllm:hostkv_"):
                     key = metric.name[len("vllm:hostkv_"):]
-                    totals[key] = totals.get(key, 0.0) + float(getattr(metric, "value", 0))
+                    for sample in metric.samples:
+                        if sample.name.endswith("_total"):
+                            totals[key] = totals.get(key, 0.0) + float(sample.value)
             conn.send(("ok", totals))
             continue
         _, prompts, max_tokens = message
@@ -340,7 +346,7 @@ def overhead(model: str, log_dir: str, segment: str, size: str, rounds: int, cou
             saves.append(counters().get("save_s", 0.0) - before.get("save_s", 0.0))
             line = "  ".join(f"{name} {miss[name][-1]:.3f} s" for name in order)
             print(f"[overhead] round {r + 1}/{rounds}, misses: {line} (hostkv's save copies "
-                  f"{saves[-1] * 1e3:.1f} ms)", flush=True)
+                  f"{saves[-1] * 1e3:.2f} ms)", flush=True)
             reference = outs["none"]
             same = same and all(outs[name] == reference for name in names)
             if not hits:
@@ -367,7 +373,7 @@ def overhead(model: str, log_dir: str, segment: str, size: str, rounds: int, cou
             print(f"[overhead] round {r + 1}/{rounds}, hits: "
                   + "  ".join(f"{name} floor {floor[name][-1]:.3f} s, after reset "
                               f"{again[name][-1]:.3f} s" for name in order)
-                  + f" (hostkv's load copies {loads[-1] * 1e3:.1f} ms)", flush=True)
+                  + f" (hostkv's load copies {loads[-1] * 1e3:.2f} ms)", flush=True)
     finally:
         for engine in engines.values():
             engine.request_exit()

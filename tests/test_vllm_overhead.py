@@ -57,6 +57,10 @@ def test_overhead_mode_compares_three_engines_that_generate_the_same_tokens():
     assert loaded and loaded.group(1) == loaded.group(2), out
     for engine in ("no-op", "hostkv"):
         assert re.search(rf"^{re.escape(engine)}\s+[\d.]+\s+[\d.]+\s+-?[\d.]+", out, re.M), out
+    assert re.search(r"^hostkv's save copies \(its connector stats\): median [\d.]+ ms", out,
+                     re.M), out
+    assert re.search(r"^hostkv's load copies \(its connector stats\): median [\d.]+ ms", out,
+                     re.M), out
     assert "loading a hit against recomputing it, per token:" in out, out
     assert re.search(r"^load average: .+ at the start, .+ at the end$", out, re.M), out
     assert not os.path.exists(f"/dev/shm/{name}")            # unlinked
