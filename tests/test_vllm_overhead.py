@@ -29,7 +29,7 @@ def test_overhead_mode_compares_three_engines_that_generate_the_same_tokens():
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "vllm_shared_cache.py"), "--overhead",
          "--rounds", "2", "--prompts", "3", "--prompt-tokens", "128", "--max-tokens", "4",
-         "--layers", "2", "--segment", name],
+         "--layers", "2", "--settle", "0.2", "--segment", name],
         capture_output=True, text=True, timeout=1200, env=env)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
