@@ -434,16 +434,16 @@ def overhead(model: str, log_dir: str, segment: str, size: str, rounds: int, cou
         print(f"hostkv's load copies (its connector stats): median {copies * 1e3:.1f} ms a "
               f"call, {copies / max(tokens, 1) * 1e6:.3f} ms / 1k tokens")
         def ratio(recompute: float, load: float) -> str:
-            return f"{recompute / load:.1f}x" if load > 0 else "n/a (within noise)"
+            return f"{recompute / load:.1f}x" if load > 0 else "n/a (not above it: noise)"
 
         # Charging hostkv all its call takes above the no-op engine's floor counts its
         # per-call costs (lookups, borrows, saves of the decode) as loading.
         charged = _median(again["hostkv"]) - _median(floor["no-op"])
-        print(f"loading a hit against recomputing it, per token (medians): "
-              f"{ratio(extra['no-op'], extra['hostkv'])} faster, each above its own floor; "
-              f"{ratio(extra['no-op'], charged)} charging hostkv everything above the "
-              f"no-op's floor; {ratio(extra['no-op'], copies)} against hostkv's load copies "
-              f"alone; the whole call after the reset: hostkv "
+        print("loading a hit against recomputing it, per token (medians), recomputing / "
+              f"loading: each above its own floor {ratio(extra['no-op'], extra['hostkv'])}; "
+              f"hostkv charged everything above the no-op's floor "
+              f"{ratio(extra['no-op'], charged)}; against hostkv's load copies alone "
+              f"{ratio(extra['no-op'], copies)}; the whole call after the reset: hostkv "
               f"{_median(again['hostkv']) / _median(again['no-op']):.2f}x the no-op's")
     print(f"generated tokens identical across engines and calls: {'yes' if same else 'NO'}")
     print(f"load average: {start_load} at the start, {end_load} at the end")
