@@ -2,7 +2,8 @@
 connector, hostkv.vllm.noop.NoOpConnector, hostkv) on fresh prompts, then the same prompts
 again from vLLM's prefix cache and, after it is reset, recomputed or loaded from hostkv. The
 tables must come out, every request of the miss rounds must miss, hostkv must supply the
-hits, and every engine must generate the same tokens. Three engine starts: ~2 minutes."""
+hits, and every engine must generate the same tokens. Three engine starts: 3-5 minutes on
+a shared 2-core machine."""
 
 from __future__ import annotations
 
