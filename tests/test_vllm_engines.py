@@ -128,7 +128,9 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     model = write_model(str(root / "model"))
     segment = f"hostkv-test-vllm-{os.getpid()}-{random.randrange(1 << 30):x}"
-    extra = {"segment": segment, "size": "96MiB"}
+    # Asynchronous saves, which a CPU engine does not use by default (the shape tests run
+    # that default): these engines run the path a GPU takes, on a copy thread.
+    extra = {"segment": segment, "size": "96MiB", "async_saves": True}
     engines: Dict[str, Engine] = {}
 
     def start(name: str, connector: bool = True, model_dir: str = model) -> Engine:

@@ -9,6 +9,7 @@ Construction reads vLLM's config (``hostkv.vllm.layout``) and builds the schedul
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, TypeVar
 
@@ -77,8 +78,14 @@ class HostKVConnector(KVConnectorBase_V1):
                 use it.
         """
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._settings = HostKVSettings.from_extra_config(
+        settings = HostKVSettings.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
+        if settings.async_saves is None:
+            # A GPU's copies run on its DMA engines beside the compute; a CPU's copy thread
+            # would only take turns with the forward on the same cores.
+            device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+            settings = dataclasses.replace(settings, async_saves=device not in ("cpu", ""))
+        self._settings = settings
         kv = engine_kv(vllm_config, kv_cache_config)
         self._kv = kv
         layout = kv.layout
@@ -130,7 +137,7 @@ class HostKVConnector(KVConnectorBase_V1):
         else:
             self._worker = WorkerSide(self._cache, kv, _tensor_parallel_rank(),
                                       self._failures, self._counters,
-                                      async_saves=self._settings.async_saves)
+                                      async_saves=bool(self._settings.async_saves))
 
     @property
     def requires_kv_delivery(self) -> bool:

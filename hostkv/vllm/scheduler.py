@@ -485,7 +485,7 @@ class SchedulerSide:
         st = self.reqs.pop(req_id, None)
         if st is None:
             return False
-        saving = self.settings.async_saves and any(
+        saving = bool(self.settings.async_saves) and any(
             end is not None for end in st.inflight.values())
         self._retire(st)
         if saving:
