@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -372,8 +373,11 @@ class CopyEngine:
         if self._thread is not None:
             return self._thread.submit(
                 functools.partial(self._copy, block_index, page_index, to_pool=True), nbytes)
+        started = time.perf_counter()
         self._copy(block_index, page_index, to_pool=True)
-        return Transfer.finished(nbytes)
+        transfer = Transfer.finished(nbytes)
+        transfer.seconds = time.perf_counter() - started
+        return transfer
 
     def submit_load(self, pages: Sequence[int], blocks: Sequence[int]) -> Transfer:
         """Starts copying page ``pages[i]`` into engine block ``blocks[i]`` of every layer.

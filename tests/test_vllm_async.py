@@ -188,6 +188,7 @@ def test_synchronous_saves_are_over_when_the_step_ends(segment_name):
         worker.wait_for_save(meta)
         assert worker.done == [(1, 0, [])]
         assert _page_equals_block(cache, tensors, 3, 2)
+        assert worker.counters.take().data["save_s"] > 0       # the copy's time counted
     finally:
         worker.shutdown()
 
