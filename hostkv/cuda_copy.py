@@ -129,9 +129,17 @@ class _CudaTransfer(Transfer):
         return self._finished.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        if not self._finished.is_set():
-            self.event.synchronize()
-            self.done()
+        if timeout is None:
+            if not self._finished.is_set():
+                self.event.synchronize()
+            return self.done()
+        # A CUDA event has no timed wait: poll it, briefly asleep between queries.
+        deadline = time.monotonic() + timeout
+        while not self.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.0005, left))
         return True
 
 

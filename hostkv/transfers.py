@@ -72,11 +72,6 @@ class Transfer:
     def wait_all_layers(self) -> None:
         """For a load: orders what the engine runs next after every layer's copy."""
 
-    @property
-    def failed(self) -> bool:
-        """True if the copy is over and raised."""
-        return self.done() and self.error is not None
-
 
 class CopyThread:
     """A daemon thread that runs submitted copies one after another, in order.
@@ -142,11 +137,6 @@ class CopyThread:
             with self._cond:
                 self._queue.popleft()
             transfer._finish(error)
-
-    def pending(self) -> int:
-        """Copies queued or running."""
-        with self._cond:
-            return len(self._queue)
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Lets the queued copies finish, then stops the thread (waits up to ``timeout``)."""

@@ -87,6 +87,36 @@ def test_memcpy_batch_copies_every_run_and_refuses_unequal_arrays():
         memcpy_batch(0, d, s, np.array([8, 4], dtype=np.uint64), 0)
 
 
+
+class _EventAfter:
+    """Stands in for a torch.cuda.Event that completes after ``polls`` queries (the
+    transfer's own logic, not CUDA's, is under test)."""
+
+    def __init__(self, polls):
+        self.polls = polls
+        self.synchronized = False
+
+    def query(self):
+        self.polls -= 1
+        return self.polls < 0 or self.synchronized
+
+    def synchronize(self):
+        self.synchronized = True
+
+
+def test_a_cuda_transfers_wait_keeps_to_its_timeout():
+    import time
+
+    from hostkv.cuda_copy import _CudaTransfer
+    never = _CudaTransfer(8, _EventAfter(10 ** 9), time.perf_counter())
+    start = time.monotonic()
+    assert never.wait(timeout=0.02) is False and not never.done()
+    assert time.monotonic() - start >= 0.02
+    soon = _CudaTransfer(8, _EventAfter(3), time.perf_counter())
+    assert soon.wait(timeout=5.0) is True and soon.done() and soon.seconds > 0
+    blocking = _CudaTransfer(8, _EventAfter(10 ** 9), time.perf_counter())
+    assert blocking.wait() is True and blocking.event.synchronized
+
 # MLA pages have one latent per token: no head slices.
 SLICED = [pytest.param(block_layout, build, kind, heads, id=f"{name}-{rank}")
           for (block_layout, build, kind), name in zip(LAYOUTS, ["vllm", "flash-attn",
