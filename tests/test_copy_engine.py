@@ -17,46 +17,16 @@ import numpy as np  # noqa: E402
 import hostkv  # noqa: E402
 from hostkv import copy_engine  # noqa: E402
 from hostkv.copy_engine import BlockLayout, CopyEngine, CopyPlan, head_slice_for_rank  # noqa: E402
-
-LAYERS, HEADS, DIM, TOKENS, BLOCKS, PAGES = 3, 4, 8, 16, 12, 10
-
-
-def _reference(layers=LAYERS, kv=2, heads=HEADS, dim=DIM, dtype=torch.float32, seed=0):
-    """Per layer, the KV of every block, canonically: [layers][blocks, kv, tokens, heads, dim]."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(BLOCKS, kv, TOKENS, heads, dim, generator=g).to(dtype)
-            for _ in range(layers)]
-
-
-# How each engine lays out one layer, built from the canonical [B, kv, T, H, D] reference.
-def _vllm(ref):        # [B, H, T, (kv D)]
-    b, kv, t, h, d = ref.shape
-    return ref.permute(0, 3, 2, 1, 4).reshape(b, h, t, kv * d).contiguous()
-
-
-def _vllm_lbnhc(ref):  # logical [B, H, T, (kv D)], memory [B, T, H, (kv D)]
-    b, kv, t, h, d = ref.shape
-    return ref.permute(0, 2, 3, 1, 4).reshape(b, t, h, kv * d).contiguous().permute(0, 2, 1, 3)
-
-
-def _flash(ref):       # [2, B, T, H, D]
-    return ref.permute(1, 0, 2, 3, 4).contiguous()
-
-
-def _nhd(ref):         # [B, 2, T, H, D]
-    return ref.contiguous()
-
-
-def _hnd(ref):         # [B, 2, H, T, D]
-    return ref.permute(0, 1, 3, 2, 4).contiguous()
-
+from lib.kv_layouts import (  # noqa: E402
+    BLOCKS, DIM, HEADS, LAYERS, PAGES, TOKENS, as_flash_attn, as_flashinfer_hnd, as_flashinfer_nhd,
+    as_vllm, as_vllm_nhd_memory, reference_kv)
 
 PER_LAYER = [
-    (copy_engine.VLLM, _vllm),
-    (copy_engine.VLLM, _vllm_lbnhc),
-    (copy_engine.FLASH_ATTN, _flash),
-    (copy_engine.FLASHINFER_NHD, _nhd),
-    (copy_engine.FLASHINFER_HND, _hnd),
+    (copy_engine.VLLM, as_vllm),
+    (copy_engine.VLLM, as_vllm_nhd_memory),
+    (copy_engine.FLASH_ATTN, as_flash_attn),
+    (copy_engine.FLASHINFER_NHD, as_flashinfer_nhd),
+    (copy_engine.FLASHINFER_HND, as_flashinfer_hnd),
 ]
 
 
@@ -92,7 +62,7 @@ def _expected_pages(ref, blocks, pages, num_pages=PAGES):
 def test_every_layout_writes_the_canonical_bytes(make_cache, block_layout, build, dtype):
     layout = hostkv.KVLayout(LAYERS, HEADS, DIM, dtype)
     cache = make_cache(layout)
-    ref = _reference(dtype=dtype)
+    ref = reference_kv(dtype=dtype)
     tensors = [build(kv) for kv in ref]
     pool = cache.pages_tensor()
     engine = CopyEngine(pool, layout, TOKENS, tensors, block_layout)
@@ -115,7 +85,7 @@ def test_every_layout_writes_the_canonical_bytes(make_cache, block_layout, build
 def test_one_tensor_for_every_layer(make_cache):
     layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
     cache = make_cache(layout)
-    ref = _reference()
+    ref = reference_kv()
     whole = torch.stack(ref, dim=1).contiguous()             # [B, L, kv, T, H, D]
     pool = cache.pages_tensor()
     engine = CopyEngine(pool, layout, TOKENS, whole, copy_engine.CROSS_LAYER)
@@ -123,7 +93,7 @@ def test_one_tensor_for_every_layer(make_cache):
     assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
                        _expected_pages(ref, [4, 1], [0, 3]))
     # vLLM's block-outermost layouts (BLHNC) hand per-layer views into one buffer.
-    blhnc = torch.stack([_vllm(kv) for kv in ref], dim=1).contiguous()   # [B, L, H, T, C]
+    blhnc = torch.stack([as_vllm(kv) for kv in ref], dim=1).contiguous()   # [B, L, H, T, C]
     per_layer = [blhnc[:, layer] for layer in range(LAYERS)]
     pool.zero_()
     CopyEngine(pool, layout, TOKENS, per_layer, copy_engine.VLLM).save([4, 1], [0, 3])
@@ -135,7 +105,7 @@ def test_one_tensor_for_every_layer(make_cache):
 def test_mla_pages_hold_one_latent_per_token(make_cache):
     layout = hostkv.KVLayout(LAYERS, 1, 576, "bfloat16", kind="mla")
     cache = make_cache(layout)
-    ref = _reference(kv=1, heads=1, dim=576, dtype=torch.bfloat16)
+    ref = reference_kv(kv=1, heads=1, dim=576, dtype=torch.bfloat16)
     tensors = [kv[:, 0].permute(0, 2, 1, 3).contiguous() for kv in ref]   # [B, 1, T, 576]
     pool = cache.pages_tensor()
     assert pool.shape == (PAGES, LAYERS, TOKENS, 576)
@@ -157,14 +127,14 @@ def test_tensor_parallel_ranks_fill_the_same_pages_as_one(make_cache, world):
     heads = 4
     layout = hostkv.KVLayout(LAYERS, heads, DIM, "float32")
     cache = make_cache(layout)
-    ref = _reference(heads=heads)
+    ref = reference_kv(heads=heads)
     pool = cache.pages_tensor()
     blocks, pages = [2, 9, 6], [8, 1, 4]
     writers = 0
     for rank in range(world):
         first, stop, writes = head_slice_for_rank(heads, rank, world)
         writers += writes
-        local = [_vllm(kv[..., first:stop, :].contiguous()) for kv in ref]
+        local = [as_vllm(kv[..., first:stop, :].contiguous()) for kv in ref]
         engine = CopyEngine(pool, layout, TOKENS, local, copy_engine.VLLM,
                             heads=(first, stop), writes=writes)
         assert engine.save(blocks, pages) == (layout.page_bytes(TOKENS) * (stop - first)
@@ -206,7 +176,7 @@ def test_unknown_and_mismatched_layouts_are_refused(make_cache):
     layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
     cache = make_cache(layout)
     pool = cache.pages_tensor()
-    good = [_vllm(kv) for kv in _reference()]
+    good = [as_vllm(kv) for kv in reference_kv()]
     with pytest.raises(ValueError, match=r"unknown axes \['heads'\]"):
         CopyEngine(pool, layout, TOKENS, good, BlockLayout("block heads token (kv dim)"))
     with pytest.raises(ValueError, match="no dim axis"):
@@ -236,8 +206,8 @@ def test_copies_release_the_gil_and_threads_may_copy_at_once(make_cache):
 
     layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
     cache = make_cache(layout, num_pages=BLOCKS)
-    ref = _reference()
-    tensors = [_vllm(kv) for kv in ref]
+    ref = reference_kv()
+    tensors = [as_vllm(kv) for kv in ref]
     pool = cache.pages_tensor()
     engine = CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM)
     halves = [list(range(0, BLOCKS, 2)), list(range(1, BLOCKS, 2))]
@@ -374,7 +344,7 @@ def test_a_bad_page_or_block_is_refused_before_any_byte_or_page_table_moves(make
     layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
     cache = make_cache(layout)
     pool = cache.pages_tensor()
-    tensors = [_vllm(kv) for kv in _reference()]
+    tensors = [as_vllm(kv) for kv in reference_kv()]
     before = [t.clone() for t in tensors]
     engine = CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM)
     engine._cpu_setup()                                    # the page marks, none set
@@ -396,8 +366,8 @@ def test_layers_of_different_strides_take_a_call_each(make_cache, store_path):
     compiled call."""
     layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
     cache = make_cache(layout)
-    ref = _reference()
-    tensors = [(_vllm if layer % 2 else _vllm_lbnhc)(kv) for layer, kv in enumerate(ref)]
+    ref = reference_kv()
+    tensors = [(as_vllm if layer % 2 else as_vllm_nhd_memory)(kv) for layer, kv in enumerate(ref)]
     pool = cache.pages_tensor()
     engine = CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM)
     engine.save([5, 9], [7, 2])
@@ -415,8 +385,8 @@ def test_saves_into_pages_no_process_has_touched(make_cache, segment_name):
     creator = make_cache(layout, num_pages=64)
     other = hostkv.HostKVCache.attach(segment_name)
     try:
-        ref = _reference(dtype=torch.bfloat16)
-        tensors = [_vllm(kv) for kv in ref]
+        ref = reference_kv(dtype=torch.bfloat16)
+        tensors = [as_vllm(kv) for kv in ref]
         engine = CopyEngine(other.pages_tensor(), layout, TOKENS, tensors, copy_engine.VLLM)
         pages = [40, 41, 42, 7, 63, 0]                     # a run of three, and strays
         blocks = [0, 1, 2, 3, 4, 5]
@@ -459,9 +429,9 @@ def test_an_engine_that_does_not_populate_still_copies(make_cache):
     pages in themselves."""
     layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
     cache = make_cache(layout)
-    ref = _reference()
+    ref = reference_kv()
     pool = cache.pages_tensor()
-    engine = CopyEngine(pool, layout, TOKENS, [_vllm(kv) for kv in ref], copy_engine.VLLM)
+    engine = CopyEngine(pool, layout, TOKENS, [as_vllm(kv) for kv in ref], copy_engine.VLLM)
     engine._cpu_setup().mapped = None
     engine.save([3, 4, 5], [1, 2, 6])
     assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
@@ -473,8 +443,8 @@ def test_a_plain_tensor_pool(store_path):
     """The pool may be any CPU tensor (its bytes are all that is used), not only a segment's."""
     layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float16")
     pool = torch.zeros(PAGES * layout.page_bytes(TOKENS), dtype=torch.uint8)
-    ref = _reference(dtype=torch.float16)
-    engine = CopyEngine(pool, layout, TOKENS, [_hnd(kv) for kv in ref],
+    ref = reference_kv(dtype=torch.float16)
+    engine = CopyEngine(pool, layout, TOKENS, [as_flashinfer_hnd(kv) for kv in ref],
                         copy_engine.FLASHINFER_HND)
     engine.save([0, 11, 6], [9, 3, 4])
     assert torch.equal(pool.view(torch.float16).view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),

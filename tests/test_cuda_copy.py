@@ -19,37 +19,15 @@ from hostkv import copy_engine  # noqa: E402
 from hostkv._cudacopy import host_memcpy_function, memcpy_batch  # noqa: E402
 from hostkv.copy_engine import CopyEngine  # noqa: E402
 from hostkv.cuda_copy import CudaCopier, run_offsets  # noqa: E402
-
-LAYERS, HEADS, DIM, TOKENS, BLOCKS, PAGES = 3, 4, 8, 16, 12, 10
+from lib.kv_layouts import (  # noqa: E402
+    DIM, HEADS, LAYERS, PAGES, TOKENS, as_flash_attn, as_flashinfer_hnd, as_vllm, as_vllm_mla,
+    reference_kv)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
-
-def _reference(kv=2, heads=HEADS, dim=DIM, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(BLOCKS, kv, TOKENS, heads, dim, generator=g).to(dtype)
-            for _ in range(LAYERS)]
-
-
-def _vllm(ref):        # [B, H, T, (kv D)]
-    b, kv, t, h, d = ref.shape
-    return ref.permute(0, 3, 2, 1, 4).reshape(b, h, t, kv * d).contiguous()
-
-
-def _flash(ref):       # [2, B, T, H, D]
-    return ref.permute(1, 0, 2, 3, 4).contiguous()
-
-
-def _hnd(ref):         # [B, 2, H, T, D]
-    return ref.permute(0, 1, 3, 2, 4).contiguous()
-
-
-def _mla(ref):         # [B, 1, T, latent]
-    return ref[:, 0].permute(0, 2, 1, 3).contiguous()
-
-
-LAYOUTS = [(copy_engine.VLLM, _vllm, "mha"), (copy_engine.FLASH_ATTN, _flash, "mha"),
-           (copy_engine.FLASHINFER_HND, _hnd, "mha"), (copy_engine.VLLM_MLA, _mla, "mla")]
+LAYOUTS = [(copy_engine.VLLM, as_vllm, "mha"), (copy_engine.FLASH_ATTN, as_flash_attn, "mha"),
+           (copy_engine.FLASHINFER_HND, as_flashinfer_hnd, "mha"),
+           (copy_engine.VLLM_MLA, as_vllm_mla, "mla")]
 
 
 @pytest.fixture
@@ -131,7 +109,7 @@ def test_gpu_path_runs_give_the_cpu_paths_bytes(make_cache, block_layout, build,
     dim = 24 if kind == "mla" else DIM
     layout = hostkv.KVLayout(LAYERS, total, dim, "bfloat16", kind=kind)
     first, stop = heads or (0, total)
-    ref = _reference(kv=layout.kv_planes, heads=stop - first, dim=dim, dtype=torch.bfloat16)
+    ref = reference_kv(kv=layout.kv_planes, heads=stop - first, dim=dim, dtype=torch.bfloat16)
     tensors = [build(kv) for kv in ref]
     blocks, pages = np.array([7, 0, 3, 11], dtype=np.int64), np.array([2, 9, 0, 4],
                                                                      dtype=np.int64)
@@ -163,7 +141,7 @@ def test_cuda_saves_and_loads_are_byte_exact(make_cache, block_layout, build, ki
     total = 1 if kind == "mla" else HEADS
     dim = 24 if kind == "mla" else DIM
     layout = hostkv.KVLayout(LAYERS, total, dim, "bfloat16", kind=kind)
-    ref = _reference(kv=layout.kv_planes, heads=total, dim=dim, dtype=torch.bfloat16)
+    ref = reference_kv(kv=layout.kv_planes, heads=total, dim=dim, dtype=torch.bfloat16)
     cpu_tensors = [build(kv) for kv in ref]
     gpu_tensors = [t.cuda() for t in cpu_tensors]
     blocks, pages = [7, 0, 3, 11], [2, 9, 0, 4]
