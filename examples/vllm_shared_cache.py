@@ -53,6 +53,7 @@ engine with a KV connector (``vllm/utils/ompmultiprocessing.py``), so the exampl
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import os
 import random
@@ -127,6 +128,11 @@ def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: st
     while True:
         message = conn.recv()
         if message[0] == "exit":
+            # Dropping the LLM shuts its EngineCore down (vLLM gives it 5 s, then kills
+            # it). A process returning with it alive would wait for that child forever:
+            # multiprocessing joins a process's children when it exits.
+            del llm
+            gc.collect()
             return
         if message[0] == "reset":
             # vLLM's own prefix cache only (hostkv's segment keeps its pages).
@@ -268,6 +274,8 @@ def run(label: str, model: str, extras: Dict[str, Optional[Dict[str, Any]]], log
                              "prompt": sum(len(p) for p in prompts)}
             print(f"[{label}] engine {name}: done in {wall:.2f} s", flush=True)
     finally:
+        for engine in engines.values():
+            engine.request_exit()       # all at once: each takes seconds to shut down
         for engine in engines.values():
             engine.stop()
     return results
@@ -545,9 +553,9 @@ def microbench(segment: str) -> None:
 
         for what, to_pool in (("save", True), ("load", False)):
             if to_pool:
-                ours = best(lambda: engine.save(blocks_ids, pages))
+                ours = best(lambda e=engine: e.save(blocks_ids, pages))
             else:
-                ours = best(lambda: engine.load(pages, blocks_ids))
+                ours = best(lambda e=engine: e.load(pages, blocks_ids))
             base = best(lambda: plain(to_pool))
             print(f"{what}: {count} pages of {layout.page_bytes(16) >> 10} KiB "
                   f"(32 layers x 8 KV heads x 128 bf16, 16 tokens): hostkv "
@@ -652,8 +660,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             segments = [f"{args.segment}-{name}" for name in work]
             extras = {name: {"segment": seg, **remote} for name, seg in zip(work, segments)}
 
-            def between() -> None:
+            def wait_for_host_a() -> None:
                 _wait_for_writes(segments[0])
+
+            between = wait_for_host_a
         try:
             with_hostkv = run("hostkv", model, extras, tmp, work, args.max_tokens, between,
                               tps)
