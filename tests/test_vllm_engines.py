@@ -26,7 +26,7 @@ import pytest
 import hostkv
 from conftest import unlink_quietly
 from lib.redislib import redis_server  # noqa: F401  (a fixture)
-from lib.vllm_engine import BLOCK_SIZE, Engine, write_model
+from lib.vllm_engine import BLOCK_SIZE, Engine, stop_engines, write_model
 from lib.vllm_helpers import random_tokens
 
 if importlib.util.find_spec("vllm") is None:
@@ -151,8 +151,7 @@ def world(tmp_path_factory):
         a.ready()
         yield state
     finally:
-        for engine in engines.values():
-            engine.stop()
+        stop_engines(list(engines.values()))
         unlink_quietly(segment)
 
 
@@ -333,8 +332,7 @@ def test_preempted_requests_stay_correct(world):
             cache.check()
             assert cache.stats().active_sequences == 0
     finally:
-        plain.stop()
-        ours.stop()
+        stop_engines([plain, ours])
 
 
 def test_other_layout_is_refused(world, tmp_path):
@@ -429,7 +427,6 @@ def test_two_hosts_share_a_remote_tier(world, redis_server):
         for engine in hosts:
             assert "hostkv: " not in engine.log()    # the connector itself failed nowhere
     finally:
-        for engine in hosts:
-            engine.stop()
+        stop_engines(hosts)
         for segment in segments:
             unlink_quietly(segment)

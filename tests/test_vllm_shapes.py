@@ -9,9 +9,11 @@ token, every rank loads, rank 0 writes: two TP=2 engines); and a Gemma-3 with sl
 layers (vLLM turns its hybrid manager off for a connector that is not hybrid-aware and keeps
 every layer's KV: two TP=1 engines).
 
-Each case starts its three engines at once (a baseline without hostkv, A and B with it);
-each start costs ~30 s. Expected tokens come from the baseline serving every prompt twice:
-the second time its own prefix cache supplies the KV, which is what hostkv supplies.
+Each case starts its two engines at once (A and B, both with hostkv); each start costs ~30 s.
+The expected tokens of a hit come from the engine that computed the prompts, serving them a
+second time: then its own vLLM prefix cache supplies their KV, as hostkv supplies it to the
+other engine. (tests/test_vllm_engines.py checks against an engine without hostkv.) Two
+cases run asynchronous saves (``async_saves: true``), a TP=2 engine among them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import pytest
 
 import hostkv
 from conftest import unlink_quietly
-from lib.vllm_engine import BLOCK_SIZE, Engine, unlink_vllm_shm, vllm_shm, write_model
+from lib.vllm_engine import (BLOCK_SIZE, Engine, stop_engines, unlink_vllm_shm, vllm_shm,
+                             write_model)
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: ./scripts/test.sh installs it (see README)",
@@ -44,65 +47,75 @@ def _hits(prompts: List[List[int]], block_size: int) -> List[int]:
     return [(len(p) - 1) // block_size * block_size for p in prompts]
 
 
+def _computed_then_again(engine: Engine, prompts: List[List[int]], block_size: int,
+                         vllm_caches: bool) -> List[List[int]]:
+    """The engine serves prompts it has never seen (every request a miss: nothing in vLLM's
+    cache nor in the segment), then the same prompts again, when vLLM's own prefix cache
+    supplies their KV (or, where vLLM has none, hostkv, from the pages just saved). Returns
+    the second pass's tokens: what an engine whose KV came from a cache must generate."""
+    cold, cached, _ = engine.generate(prompts, MAX_TOKENS)
+    assert cached == [0] * len(prompts)
+    again, cached, _ = engine.generate(prompts, MAX_TOKENS)
+    assert cached == _hits(prompts, block_size)
+    if not vllm_caches:
+        # Where hostkv supplied the second pass, its tokens must be those it computed.
+        assert again == cold
+    return again
+
+
 def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int = 2,
                      block_size: int = BLOCK_SIZE, vllm_caches: bool = True,
+                     settings: Optional[Dict] = None,
                      llm_kwargs: Optional[Dict] = None) -> None:
-    """Engines A (tp_a) and B (tp_b) share pages both ways; the baseline runs at tp_a.
-    block_size: the one vLLM runs the model with; vllm_caches: False where vLLM turns its
-    own prefix cache off (MLA on the CPU), so the baseline's second pass computes."""
+    """Engines A (tp_a) and B (tp_b) share pages both ways. block_size: the one vLLM runs
+    the model with; vllm_caches: False where vLLM turns its own prefix cache off (MLA on the
+    CPU); settings: more of hostkv's connector settings (kv_connector_extra_config)."""
     llm_kwargs = llm_kwargs or {}
     segment = f"hostkv-test-{name}-{os.getpid()}-{random.randrange(1 << 30):x}"
-    extra = {"segment": segment, "size": "64MiB"}
+    extra = {"segment": segment, "size": "64MiB", **(settings or {})}
     rng = random.Random(len(name))
     first, second = _prompts(rng, 3), _prompts(rng, 3)
     engines = []
     shm_before = vllm_shm()
     try:
-        base = Engine(model, None, str(tmp_path / "base.log"), tp=tp_a, **llm_kwargs)
         a = Engine(model, extra, str(tmp_path / "a.log"), tp=tp_a, **llm_kwargs)
         b = Engine(model, extra, str(tmp_path / "b.log"), tp=tp_b, **llm_kwargs)
-        engines = [base, a, b]
+        engines = [a, b]
         for engine in engines:
             engine.ready()
-        expected = {}
-        for key, prompts in (("first", first), ("second", second)):
-            expected[key] = base.generate(prompts, MAX_TOKENS)[0]
-            again, cached, _ = base.generate(prompts, MAX_TOKENS)
-            # Its own cache, the second time (if it has one).
-            assert cached == (_hits(prompts, block_size) if vllm_caches else [0] * 3)
-            expected[key + "_hit"] = again
-        base.stop()
-        # A computes the first prompts and saves them; B, of another TP degree, reuses them.
-        outs, cached, _ = a.generate(first, MAX_TOKENS)
-        assert (outs, cached) == (expected["first"], [0] * len(first))
+        # A computes the first prompts and saves them; B, of another TP degree, loads them
+        # and must generate what A did with its own cache's KV.
+        expected = _computed_then_again(a, first, block_size, vllm_caches)
         outs, cached, _ = b.generate(first, MAX_TOKENS)
         assert cached == _hits(first, block_size)
-        assert outs == expected["first_hit"]
-        # And the other way: B's ranks save the second prompts' slices; A reuses them.
-        outs, cached, _ = b.generate(second, MAX_TOKENS)
-        assert (outs, cached) == (expected["second"], [0] * len(second))
+        assert outs == expected
+        # And the other way: B's ranks save the second prompts' slices; A loads them.
+        expected = _computed_then_again(b, second, block_size, vllm_caches)
         outs, cached, _ = a.generate(second, MAX_TOKENS)
         assert cached == _hits(second, block_size)
-        assert outs == expected["second_hit"]
+        assert outs == expected
         with hostkv.HostKVCache.attach(segment, lease=False) as cache:
             cache.check()
             stats = cache.stats()
             assert stats.active_sequences == 0 and stats.borrowed_pages == 0
-        for engine in (a, b):
+        for engine in engines:
             assert "hostkv: " not in engine.log()    # the connector failed nowhere
     finally:
-        for engine in engines:
-            engine.stop()
+        stop_engines(engines)
         unlink_quietly(segment)
         unlink_vllm_shm(shm_before)
 
 
-@pytest.mark.parametrize("kv_heads,head_dim", [(1, 64), (2, 128), (4, 64), (8, 128)],
-                         ids=["1kv-64", "2kv-128", "4kv-64", "8kv-128"])
-def test_tp1_and_tp2_engines_share_pages(tmp_path, kv_heads, head_dim):
+ASYNC = {"async_saves": True}     # saves confirmed a step later (off on a CPU by default)
+
+
+@pytest.mark.parametrize("kv_heads,head_dim,settings",
+                         [(1, 64, None), (2, 128, None), (4, 64, ASYNC), (8, 128, None)],
+                         ids=["1kv-64", "2kv-128", "4kv-64-async", "8kv-128"])
+def test_tp1_and_tp2_engines_share_pages(tmp_path, kv_heads, head_dim, settings):
     model = write_model(str(tmp_path / "model"), num_layers=2, num_kv_heads=kv_heads,
                         head_dim=head_dim, seed=kv_heads)
-    _share_both_ways(tmp_path, f"llama-{kv_heads}-{head_dim}", model)
+    _share_both_ways(tmp_path, f"llama-{kv_heads}-{head_dim}", model, settings=settings)
 
 
 def test_mla_engines_share_latent_pages(tmp_path):
@@ -114,7 +127,7 @@ def test_mla_engines_share_latent_pages(tmp_path):
     # any connector, so bit-exact tokens are checked within one degree (the Llama cases
     # above cross degrees).
     _share_both_ways(tmp_path, "mla", model, tp_a=2, tp_b=2, block_size=16,
-                     vllm_caches=False)
+                     vllm_caches=False, settings=ASYNC)
 
 
 def test_sliding_window_model_keeps_working(tmp_path):
@@ -142,8 +155,8 @@ def _worker_pid(engine: Engine, rank: int) -> int:
 def test_a_tp_rank_killed_mid_save_commits_nothing_half_written(tmp_path):
     """kill -9 of one rank of a TP=2 engine while its requests decode (pages reserved, saves
     in flight): its pages are never committed unless both ranks confirmed them, so another
-    engine that reuses what the cache holds generates exactly the baseline's tokens, and the
-    segment checks clean once the dead engine's leases are swept."""
+    engine that reuses what the cache holds generates exactly the tokens it computes for the
+    same prompts, and the segment checks clean once the dead engine's leases are swept."""
     import signal
     import time
 
@@ -155,14 +168,11 @@ def test_a_tp_rank_killed_mid_save_commits_nothing_half_written(tmp_path):
     engines = []
     shm_before = vllm_shm()
     try:
-        base = Engine(model, None, str(tmp_path / "base.log"))
         victim = Engine(model, extra, str(tmp_path / "victim.log"), tp=2)
         survivor = Engine(model, extra, str(tmp_path / "survivor.log"))
-        engines = [base, victim, survivor]
+        engines = [victim, survivor]
         for engine in engines:
             engine.ready()
-        expected = base.generate(prompts, MAX_TOKENS)[0]
-        base.stop()
         victim.submit(prompts, 1000)
         deadline = time.monotonic() + 120
         with hostkv.HostKVCache.attach(segment, lease=False) as observer:
@@ -182,6 +192,10 @@ def test_a_tp_rank_killed_mid_save_commits_nothing_half_written(tmp_path):
         victim.kill()                                # vLLM gives up the engine; all of it
         outs, cached, _ = survivor.generate(prompts, MAX_TOKENS)
         assert cached == _hits(prompts, BLOCK_SIZE)  # the prompts' pages were committed
+        # The same prompts under a cache salt share no block with anything cached: the
+        # survivor computes them, and that is what the pages it loaded must have given.
+        expected, cached, _ = survivor.generate(prompts, MAX_TOKENS, salts=["recompute"] * 3)
+        assert cached == [0] * len(prompts)
         assert outs == expected
         with hostkv.HostKVCache.attach(segment) as cache:
             cache.reap()
@@ -190,7 +204,6 @@ def test_a_tp_rank_killed_mid_save_commits_nothing_half_written(tmp_path):
             assert stats.active_sequences == 0 and stats.borrowed_pages == 0
             assert stats.free_pages + stats.cached_pages == cache.config.num_pages
     finally:
-        for engine in engines:
-            engine.stop()
+        stop_engines(engines)
         unlink_quietly(segment)
         unlink_vllm_shm(shm_before)

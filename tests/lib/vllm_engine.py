@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from workers.vllm_engine_child import BLOCK_SIZE, engine_main, save_model
 
-__all__ = ["BLOCK_SIZE", "Engine", "unlink_vllm_shm", "vllm_shm", "write_model"]
+__all__ = ["BLOCK_SIZE", "Engine", "stop_engines", "unlink_vllm_shm", "vllm_shm",
+           "write_model"]
 
 START_TIMEOUT = 400.0      # an engine takes ~20-30 s to start, more on a loaded machine
 CALL_TIMEOUT = 300.0
@@ -60,6 +61,7 @@ class Engine:
         self.proc.start()
         child.close()
         self.pending = False
+        self.stopping = False
 
     def log(self) -> str:
         """What the engine wrote (its last 20,000 characters)."""
@@ -120,11 +122,22 @@ class Engine:
                 pass
         self.proc.join(30)
 
-    def stop(self) -> None:
-        """Asks the engine to exit; kills it if it does not within a minute."""
-        if self.proc.is_alive() and not self.pending:
+    def request_stop(self) -> None:
+        """Asks the engine to exit without waiting for it (stop() then waits). An engine
+        takes 5-10 s to shut down (vLLM gives its EngineCore 5 s, then kills it), so
+        several engines are asked first, then waited for: see stop_engines()."""
+        if self.proc.is_alive() and not self.pending and not self.stopping:
             try:
                 self.conn.send(("exit",))
+                self.stopping = True
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        """Asks the engine to exit; kills it if it does not within a minute."""
+        self.request_stop()
+        if self.stopping and self.proc.is_alive():
+            try:
                 if self.conn.poll(60):
                     self.conn.recv()
             except (OSError, EOFError):
@@ -133,6 +146,14 @@ class Engine:
         # Whatever is left of the group (EngineCore) goes too.
         self.kill()
         self.conn.close()
+
+
+def stop_engines(engines: Sequence[Engine]) -> None:
+    """Stops every engine, their shutdowns at the same time."""
+    for engine in engines:
+        engine.request_stop()
+    for engine in engines:
+        engine.stop()
 
 
 def vllm_shm() -> set:
