@@ -164,8 +164,8 @@ class PrefaultStatus:
             ended it first), or "failed" (see error).
         done_bytes: Bytes of the pool populated so far.
         total_bytes: The pool's bytes, num_pages * page_bytes.
-        method: The madvise advice that ran: "MADV_POPULATE_WRITE" (Linux 5.14+), else
-            "MADV_POPULATE_READ", else "MADV_WILLNEED" (which only starts the kernel reading
+        method: The madvise advice that ran: "MADV_POPULATE_READ" (Linux 5.14+), else
+            "MADV_POPULATE_WRITE", else "MADV_WILLNEED" (which only starts the kernel reading
             pages in, mapping none), each tried where the kernel refused the one before;
             "" before the first chunk.
         seconds: How long it ran (so far, while running).
@@ -528,10 +528,10 @@ class HostKVCache:
         Each process maps the segment on its own and faults every page of the pool the first
         time it touches it, though another process touched it before (and a forked child
         starts cold too: fork copies no page tables of a shared mapping). The thread calls
-        madvise(MADV_POPULATE_WRITE) on 64 MiB at a time without the GIL; that maps the
-        pages writable without changing a byte of them (other processes' KV is there). Where
-        the kernel refuses it (before Linux 5.14) it falls back to MADV_POPULATE_READ, then
-        to MADV_WILLNEED. Saves and loads may run meanwhile.
+        madvise(MADV_POPULATE_READ) on 64 MiB at a time without the GIL; on a tmpfs that
+        maps the pages writable without changing a byte of them (other processes' KV is
+        there). Where the kernel refuses it (before Linux 5.14) it falls back to
+        MADV_POPULATE_WRITE, then to MADV_WILLNEED. Saves and loads may run meanwhile.
 
         Idempotent: once per process and mapping (again only after a close() that failed
         had stopped it); prefault_status() says how far it got. A failure of the thread is
@@ -629,7 +629,11 @@ class HostKVCache:
 # 64 MiB a call: ~13 ms of faults at the 5 GB/s measured cold, so progress shows and close()
 # waits about that long at most for the chunk in flight.
 PREFAULT_CHUNK = 64 << 20
-_PREFAULT_METHODS = ("MADV_POPULATE_WRITE", "MADV_POPULATE_READ", "MADV_WILLNEED")
+# Read first: on a tmpfs it maps the pages writable as well (a tmpfs tracks no writes through
+# the page tables, so the saves that follow take no fault), and it populates pages that exist
+# 2.3x faster than MADV_POPULATE_WRITE (8.8 against 3.9 GB/s, 512 MiB, 4 KiB pages); pages
+# that do not exist yet it allocates, as fast. Write where a kernel refuses read.
+_PREFAULT_METHODS = ("MADV_POPULATE_READ", "MADV_POPULATE_WRITE", "MADV_WILLNEED")
 _PREFAULT_RETRIES = 3          # EAGAIN/EINTR on a chunk: transient, tried again this often
 _PREFAULT_JOIN_TIMEOUT = 10.0  # a closed segment refuses the thread's next call: it ends soon
 
