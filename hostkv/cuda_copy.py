@@ -195,7 +195,9 @@ class CudaCopier:
         self.device = engine.device
         self.registration: Optional[HostRegistration] = None
         if engine.device.type == "cuda":
-            low = torch.cuda.Stream.priority_range()[0] if hasattr(
+            # The least priority CUDA offers (0 on current devices, the default streams'):
+            # a static method in torch, which its stub declares as an instance method.
+            low = torch.cuda.Stream.priority_range()[0] if hasattr(  # type: ignore[call-arg]
                 torch.cuda.Stream, "priority_range") else 0
             self.save_stream = torch.cuda.Stream(device=engine.device, priority=low)
             self.load_stream = torch.cuda.Stream(device=engine.device, priority=low)

@@ -90,3 +90,32 @@ def test_the_copy_engine_section_without_torch(monkeypatch):
     assert step == {"skipped": "torch is not installed"}
     assert bench.report._format_copy_engine(step) == [
         "copy engine: skipped: torch is not installed"]
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_has_cuda(), reason="a CUDA device is here: the section runs")
+def test_the_gpu_copy_section_says_it_was_skipped_without_a_device(tmp_path):
+    stdout, report = run_bench(tmp_path, "--section", "gpu-copy")
+    assert set(report) == BASE_KEYS | {"gpu_copy"}
+    reason = report["gpu_copy"]["skipped"]
+    assert reason in ("no CUDA device", "torch is not installed")
+    assert f"gpu copy: skipped: {reason}" in stdout
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="no CUDA device here")
+def test_the_gpu_copy_section_on_a_device(tmp_path):
+    stdout, report = run_bench(tmp_path, "--section", "gpu-copy")
+    step = report["gpu_copy"]
+    assert step["bytes_exact"] is True, step
+    assert step["register_failed"] is None and step["registered_bytes"] > 0, step
+    for name in bench.GPU_OPS:
+        assert 0 < step["gbytes_per_s"][name]["median"] <= step["gbytes_per_s"][name]["best"]
+    assert step["matmul"]["ms_alone"] > 0 and step["matmul"]["slowdown"] > 0
+    assert "save / pinned d2h" in stdout and "matmul bf16" in stdout

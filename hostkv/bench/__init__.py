@@ -20,6 +20,9 @@ Sections of the report:
   layout, an 8B model's KV cut to 8 layers), into a cold pool (with and without the
   engine's populate) and a pre-faulted one, and warm in the other block layouts, against
   plain copies of as many bytes;
+* gpu copy: on a CUDA device only, a step's save and load through `CopyEngine` with the pool
+  registered for DMA, against a pinned `cudaMemcpyAsync` of as many bytes, and a large
+  matmul timed alone and with saves beside it;
 * tree: the workloads as match-then-insert straight on the compiled tree (no WorkerView).
 
 `--section NAME` (repeatable) runs only the sections named: see SECTIONS.
@@ -49,6 +52,7 @@ from hostkv.bench.engine import (ENGINE_ROUNDS, engine_row, run_engine_compiled,
                                  run_engine_hash_chain, run_engine_reference)
 from hostkv.bench.engines import HashChainEngine, ReferenceEngine, ViewEngine, replay
 from hostkv.bench.eviction import EVICT_CHUNK_PAGES, eviction_by_demand, eviction_cost
+from hostkv.bench.gpu import GPU_OPS, gpu_copy_step
 from hostkv.bench.machine import _load_reference_model, compare_ceiling, machine_info
 from hostkv.bench.processes import (PROCESS_COUNTS, cpu_rate, process_scaling, process_specs,
                                     run_processes)
@@ -60,11 +64,11 @@ from hostkv.bench.workloads import (GENERATORS, PAGE_SIZE, VOCAB, Requests, Work
 
 __all__ = [
     "DATA_LAYOUT", "DECODE_BATCHES", "ENGINE_ROUNDS", "EVICT_CHUNK_PAGES", "GATHER_PAGES",
-    "GENERATORS", "PAGE_SIZE", "PROCESS_COUNTS", "SECTIONS", "STEP_LAYOUT", "STEP_LAYOUTS",
-    "STEP_OPS", "VOCAB",
+    "GENERATORS", "GPU_OPS", "PAGE_SIZE", "PROCESS_COUNTS", "SECTIONS", "STEP_LAYOUT",
+    "STEP_LAYOUTS", "STEP_OPS", "VOCAB",
     "HashChainEngine", "ReferenceEngine", "Requests", "ViewEngine", "Workload", "WorkloadSpec",
     "compare_ceiling", "copy_engine_step", "cpu_rate", "data_path", "decode_steps", "engine_row",
-    "eviction_by_demand", "eviction_cost", "format_table", "histogram_percentile",
+    "eviction_by_demand", "eviction_cost", "format_table", "gpu_copy_step", "histogram_percentile",
     "latency_summary", "lock_metrics", "lock_summary", "machine_info", "main", "multi_turn",
     "no_sharing", "pool_faults", "process_scaling", "process_specs", "replay", "run",
     "run_engine_compiled", "run_engine_hash_chain", "run_engine_reference", "run_processes",
@@ -75,7 +79,7 @@ __all__ = [
 
 # The sections `--section` names, in the order they run and print.
 SECTIONS = ("engine", "eviction", "decode", "processes", "data-path", "pool-faults",
-            "copy-engine", "tree")
+            "copy-engine", "gpu-copy", "tree")
 
 
 def run(quick: bool = False, seed: int = 0, sections: Optional[Sequence[str]] = None
@@ -132,6 +136,8 @@ def run(quick: bool = False, seed: int = 0, sections: Optional[Sequence[str]] = 
         report["pool_faults"] = pool_faults(quick)
     if "copy-engine" in chosen:
         report["copy_engine"] = copy_engine_step(quick, seed)
+    if "gpu-copy" in chosen:
+        report["gpu_copy"] = gpu_copy_step(quick, seed)
     if "tree" in chosen:
         report["tree"] = [tree_row(workloads[n], model_module, ceilings)
                           for n in ("shared-prompt", "multi-turn")]

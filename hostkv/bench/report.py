@@ -250,6 +250,33 @@ def _format_eviction(report: Dict[str, Any]) -> List[str]:
             f"{demand['ns_per_token']:.1f} ns per evicted token"]
 
 
+def _format_gpu_copy(gc: Dict[str, Any]) -> List[str]:
+    """The gpu-copy section: a step's save and load on the device against pinned copies, and
+    the matmul beside saves."""
+    if "skipped" in gc:
+        return [f"gpu copy: skipped: {gc['skipped']}"]
+    rates = gc["gbytes_per_s"]
+    labels = {"save": "save (device -> pool)", "load": "load (pool -> device)",
+              "pinned_d2h": "pinned copy_, device -> host",
+              "pinned_h2d": "pinned copy_, host -> device"}
+    lines = [f"gpu copy on {gc['device']}: one step's {gc['step_pages']} pages "
+             f"({gc['step_bytes'] >> 20} MiB) through CopyEngine, vLLM's layout, the pool "
+             f"registered for DMA ({gc['registered_bytes'] >> 20} MiB"
+             + (f"; failed: {gc['register_failed']}" if gc.get("register_failed") else "")
+             + f"); page bytes as the CPU path writes them: {'yes' if gc['bytes_exact'] else 'NO'}"
+             f"; GB/s, {gc['rounds']} interleaved rounds",
+             f"{'op':<30} {'best':>6} {'median':>7}"]
+    for name, label in labels.items():
+        lines.append(f"{label:<30} {rates[name]['best']:>6.1f} {rates[name]['median']:>7.1f}")
+    lines.append(f"save / pinned d2h {gc['vs_pinned']['save']:.2f}x, load / pinned h2d "
+                 f"{gc['vs_pinned']['load']:.2f}x (medians)")
+    mm = gc["matmul"]
+    lines.append(f"matmul bf16 8192^3: {mm['ms_alone']:.2f} ms a call alone, "
+                 f"{mm['ms_beside_saves']:.2f} ms with a save submitted before each of "
+                 f"{mm['calls']} calls: {mm['slowdown']:.3f}x")
+    return lines
+
+
 def format_table(report: Dict[str, Any]) -> str:
     """The report as plain-text tables: the sections it holds, in the order they run, one
     blank line between them."""
@@ -261,6 +288,7 @@ def format_table(report: Dict[str, Any]) -> str:
         ("data_path", lambda r: _format_data_path(r["data_path"])),
         ("pool_faults", lambda r: _format_pool_faults(r["pool_faults"])),
         ("copy_engine", lambda r: _format_copy_engine(r["copy_engine"])),
+        ("gpu_copy", lambda r: _format_gpu_copy(r["gpu_copy"])),
         ("tree", lambda r: _format_runs("tree: match then insert straight on _radix (no "
                                         "WorkerView)", r["tree"], engine=False)),
     ]

@@ -279,8 +279,9 @@ class HostKVConnector(KVConnectorBase_V1):
         other requests meanwhile) until the fetched pages are in the host's segment, or
         ``remote_wait`` seconds have passed, or the lookup failed; then it answers from
         the host's segment like any lookup."""
+        miss: Tuple[Optional[int], bool] = (0, False)
         return self._guarded(
-            "lookup", (0, False),
+            "lookup", miss,
             lambda sched: sched.get_num_new_matched_tokens(request, num_computed_tokens),
             count_timeout=False)
 

@@ -135,7 +135,8 @@ class HostKVPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: Dict[int, List[object]]) -> None:
         """Registers one counter per key of the connector's stats."""
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.counters = {
+        # Counters per engine (vLLM's helper is typed for any of its metric kinds).
+        self.counters: Dict[str, Dict[int, Any]] = {
             key: create_metric_per_engine(
                 self._counter_cls(name=f"vllm:hostkv_{key}", documentation=_DESCRIPTIONS[key],
                                   labelnames=labelnames),
