@@ -101,13 +101,18 @@ def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path
             break
         if message[0] == "metrics":
             # hostkv's connector counters, from vLLM's Prometheus logger (an engine started
-            # with disable_log_stats=False), summed over engines.
+            # with disable_log_stats=False), summed over engines; read from the registry,
+            # since LLM.get_metrics() truncates counters to integers (seconds are fractions).
             try:
+                from prometheus_client import REGISTRY
+
                 totals: Dict[str, float] = {}
-                for metric in llm.get_metrics():
-                    if metric.name.startswith("vllm:hostkv_"):
+                for metric in REGISTRY.collect():
+                    if metric.type == "counter" and metric.name.startswith("vllm:hostkv_"):
                         key = metric.name[len("vllm:hostkv_"):]
-                        totals[key] = totals.get(key, 0) + getattr(metric, "value", 0)
+                        for sample in metric.samples:
+                            if sample.name.endswith("_total"):
+                                totals[key] = totals.get(key, 0.0) + float(sample.value)
                 conn.send(("ok", totals))
             except BaseException:                # noqa: BLE001 - reported to the parent
                 conn.send(("error", traceback.format_exc()))
