@@ -139,19 +139,10 @@ def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: st
             conn.send(("ok", bool(llm.reset_prefix_cache())))
             continue
         if message[0] == "metrics":
-            # hostkv's connector counters so far, from vLLM's Prometheus logger (log_stats),
-            # read from the registry: LLM.get_metrics() truncates counters to integers,
-            # and copy times are fractions of a second.
-            from prometheus_client import REGISTRY
+            # hostkv's connector counters so far (vLLM keeps them when it logs stats).
+            from hostkv.vllm.metrics import registry_counters
 
-            totals: Dict[str, float] = {}
-            for metric in REGISTRY.collect():
-                if metric.type == "counter" and metric.name.startswith("vllm:hostkv_"):
-                    key = metric.name[len("vllm:hostkv_"):]
-                    for sample in metric.samples:
-                        if sample.name.endswith("_total"):
-                            totals[key] = totals.get(key, 0.0) + float(sample.value)
-            conn.send(("ok", totals))
+            conn.send(("ok", registry_counters()))
             continue
         _, prompts, max_tokens = message
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -180,6 +171,7 @@ class Engine:
                                                      connector, log_stats))
         self.proc.start()
         child.close()
+        self.exiting = False
 
     def _answer(self, timeout: float) -> Any:
         if not self.conn.poll(timeout):
@@ -205,10 +197,11 @@ class Engine:
         return self._answer(600)
 
     def request_exit(self) -> None:
-        """Asks the engine to exit without waiting (stop() then waits)."""
-        if self.proc.is_alive():
+        """Asks the engine to exit without waiting (stop() then waits); once."""
+        if self.proc.is_alive() and not self.exiting:
             try:
                 self.conn.send(("exit",))
+                self.exiting = True
             except OSError:
                 pass
 
@@ -219,11 +212,9 @@ class Engine:
             raise RuntimeError(f"engine {self.name}: vLLM did not reset its prefix cache")
 
     def stop(self) -> None:
+        """Asks the engine to exit, waits for it, then kills what is left of its group."""
+        self.request_exit()
         if self.proc.is_alive():
-            try:
-                self.conn.send(("exit",))
-            except OSError:
-                pass
             self.proc.join(60)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)   # whatever is left of its group

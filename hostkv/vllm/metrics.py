@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["COUNTERS", "Counters", "Failures", "HostKVConnectorStats", "HostKVPromMetrics",
-           "TIER_COUNTERS"]
+           "TIER_COUNTERS", "registry_counters"]
 
 logger = logging.getLogger("hostkv.vllm")
 
@@ -149,6 +149,23 @@ class HostKVPromMetrics(KVConnectorPromMetrics):
             counter = self.counters.get(key)
             if counter is not None and isinstance(value, (int, float)) and value > 0:
                 counter[engine_idx].inc(value)
+
+
+def registry_counters() -> Dict[str, float]:
+    """hostkv's connector counters so far in this process's Prometheus registry (where an
+    ``LLM`` that logs stats keeps them), by key ("save_s", "loaded_pages", ...), summed over
+    engines. Read from the registry rather than ``LLM.get_metrics()``, which truncates
+    counters to integers (the seconds counters are fractions)."""
+    from prometheus_client import REGISTRY
+
+    totals: Dict[str, float] = {}
+    for metric in REGISTRY.collect():
+        if metric.type == "counter" and metric.name.startswith("vllm:hostkv_"):
+            key = metric.name[len("vllm:hostkv_"):]
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    totals[key] = totals.get(key, 0.0) + float(sample.value)
+    return totals
 
 
 class Counters:

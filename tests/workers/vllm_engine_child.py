@@ -100,20 +100,11 @@ def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path
         if message[0] == "exit":
             break
         if message[0] == "metrics":
-            # hostkv's connector counters, from vLLM's Prometheus logger (an engine started
-            # with disable_log_stats=False), summed over engines; read from the registry,
-            # since LLM.get_metrics() truncates counters to integers (seconds are fractions).
+            # hostkv's connector counters (an engine started with disable_log_stats=False).
             try:
-                from prometheus_client import REGISTRY
+                from hostkv.vllm.metrics import registry_counters
 
-                totals: Dict[str, float] = {}
-                for metric in REGISTRY.collect():
-                    if metric.type == "counter" and metric.name.startswith("vllm:hostkv_"):
-                        key = metric.name[len("vllm:hostkv_"):]
-                        for sample in metric.samples:
-                            if sample.name.endswith("_total"):
-                                totals[key] = totals.get(key, 0.0) + float(sample.value)
-                conn.send(("ok", totals))
+                conn.send(("ok", registry_counters()))
             except BaseException:                # noqa: BLE001 - reported to the parent
                 conn.send(("error", traceback.format_exc()))
             continue
