@@ -17,9 +17,9 @@ import numpy as np  # noqa: E402
 import hostkv  # noqa: E402
 from hostkv import copy_engine  # noqa: E402
 from hostkv.copy_engine import BlockLayout, CopyEngine, CopyPlan, head_slice_for_rank  # noqa: E402
-from lib.kv_layouts import (  # noqa: E402
+from lib.kv_layouts import (  # noqa: E402, F401  (make_cache: a fixture)
     BLOCKS, DIM, HEADS, LAYERS, PAGES, TOKENS, as_flash_attn, as_flashinfer_hnd, as_flashinfer_nhd,
-    as_vllm, as_vllm_nhd_memory, reference_kv)
+    as_vllm, as_vllm_nhd_memory, make_cache, reference_kv)
 
 PER_LAYER = [
     (copy_engine.VLLM, as_vllm),
@@ -29,21 +29,6 @@ PER_LAYER = [
     (copy_engine.FLASHINFER_HND, as_flashinfer_hnd),
 ]
 
-
-@pytest.fixture
-def make_cache(segment_name):
-    caches = []
-
-    def make(layout, num_pages=PAGES):
-        cfg = hostkv.HostKVConfig(num_pages=num_pages, page_size=TOKENS, kv_layout=layout)
-        cache = hostkv.HostKVCache.create(segment_name, cfg.apply_runtime_defaults())
-        caches.append(cache)
-        return cache
-
-    yield make
-    for cache in caches:
-        cache.close()
-        cache.unlink()
 
 
 def _expected_pages(ref, blocks, pages, num_pages=PAGES):
@@ -377,13 +362,13 @@ def test_layers_of_different_strides_take_a_call_each(make_cache, store_path):
     del engine, pool
 
 
-def test_saves_into_pages_no_process_has_touched(make_cache, segment_name):
+def test_saves_into_pages_no_process_has_touched(make_cache):
     """A fresh segment's pool is reserved but never written; a save from another mapping
     (attached after, as another process would) populates and fills exactly its pages, and
     marks them; a load of untouched pages reads zeros."""
     layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "bfloat16")
     creator = make_cache(layout, num_pages=64)
-    other = hostkv.HostKVCache.attach(segment_name)
+    other = hostkv.HostKVCache.attach(creator.name)
     try:
         ref = reference_kv(dtype=torch.bfloat16)
         tensors = [as_vllm(kv) for kv in ref]

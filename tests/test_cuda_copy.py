@@ -19,9 +19,9 @@ from hostkv import copy_engine  # noqa: E402
 from hostkv._cudacopy import host_memcpy_function, memcpy_batch  # noqa: E402
 from hostkv.copy_engine import CopyEngine  # noqa: E402
 from hostkv.cuda_copy import CudaCopier, run_offsets  # noqa: E402
-from lib.kv_layouts import (  # noqa: E402
-    DIM, HEADS, LAYERS, PAGES, TOKENS, as_flash_attn, as_flashinfer_hnd, as_vllm, as_vllm_mla,
-    reference_kv)
+from lib.kv_layouts import (  # noqa: E402, F401  (make_cache: a fixture)
+    DIM, HEADS, LAYERS, TOKENS, as_flash_attn, as_flashinfer_hnd, as_vllm, as_vllm_mla,
+    make_cache, reference_kv)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
@@ -29,21 +29,6 @@ LAYOUTS = [(copy_engine.VLLM, as_vllm, "mha"), (copy_engine.FLASH_ATTN, as_flash
            (copy_engine.FLASHINFER_HND, as_flashinfer_hnd, "mha"),
            (copy_engine.VLLM_MLA, as_vllm_mla, "mla")]
 
-
-@pytest.fixture
-def make_cache(new_name):
-    caches = []
-
-    def make(layout):
-        cfg = hostkv.HostKVConfig(num_pages=PAGES, page_size=TOKENS, kv_layout=layout)
-        cache = hostkv.HostKVCache.create(new_name(), cfg.apply_runtime_defaults())
-        caches.append(cache)
-        return cache
-
-    yield make
-    for cache in caches:
-        cache.close()
-        cache.unlink()
 
 
 def test_run_offsets_walk_the_grid_row_major():

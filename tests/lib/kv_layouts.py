@@ -8,7 +8,10 @@ paths compare the engine's pages with bytes they did not derive from the engine.
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+import hostkv
 
 LAYERS, HEADS, DIM, TOKENS, BLOCKS, PAGES = 3, 4, 8, 16, 12, 10
 
@@ -50,3 +53,21 @@ def as_flashinfer_hnd(ref):   # [B, 2, H, T, D]
 def as_vllm_mla(ref):      # [B, 1, T, latent]
     """vLLM's MLA view (a reference with kv=1, heads=1)."""
     return ref[:, 0].permute(0, 2, 1, 3).contiguous()
+
+
+@pytest.fixture
+def make_cache(new_name):
+    """A factory of segments for a KV layout (``PAGES`` pages of ``TOKENS`` tokens unless
+    told), each closed and unlinked after the test."""
+    caches = []
+
+    def make(layout, num_pages=PAGES):
+        cfg = hostkv.HostKVConfig(num_pages=num_pages, page_size=TOKENS, kv_layout=layout)
+        cache = hostkv.HostKVCache.create(new_name(), cfg.apply_runtime_defaults())
+        caches.append(cache)
+        return cache
+
+    yield make
+    for cache in caches:
+        cache.close()
+        cache.unlink()
