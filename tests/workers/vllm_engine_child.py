@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 BLOCK_SIZE = 32
 
@@ -69,10 +69,11 @@ def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_di
 
 
 def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str,
-                llm_kwargs: Dict[str, Any], env: Dict[str, str]) -> None:
+                llm_kwargs: Dict[str, Any], env: Dict[str, str],
+                connector: Tuple[str, str] = ("HostKVConnector", "hostkv.vllm")) -> None:
     """The engine process: starts LLM(model, ...) with the connector (extra: its
-    kv_connector_extra_config; None: without it), writes its output to log_path, then serves
-    Engine's messages on conn until "exit"."""
+    kv_connector_extra_config; None: without it; connector: its class and module), writes
+    its output to log_path, then serves Engine's messages on conn until "exit"."""
     os.setsid()                                  # the engine's processes form one group
     os.environ.update(env)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -86,7 +87,7 @@ def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path
         kwargs: Dict[str, Any] = {"max_model_len": 2048, **llm_kwargs}
         if extra is not None:
             kwargs["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="HostKVConnector", kv_connector_module_path="hostkv.vllm",
+                kv_connector=connector[0], kv_connector_module_path=connector[1],
                 kv_role="kv_both", kv_connector_extra_config=extra)
         llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32",
                   block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
