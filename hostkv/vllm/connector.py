@@ -275,6 +275,13 @@ class HostKVConnector(KVConnectorBase_V1):
 
     # -- scheduler side --------------------------------------------------------------------------
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Keeps vLLM's KV-cache manager: blocks hostkv finds without valid KV leave vLLM's
+        prefix cache through it."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.kv_cache_manager = kv_cache_manager
+
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         """Tokens hostkv holds beyond vLLM's local hit (a pure lookup; a miss on error).
