@@ -73,10 +73,11 @@ def fields_digest(*fields: Any) -> bytes:
 
 
 def _walk(root: str) -> Iterable[Tuple[str, str]]:
-    """(relative path, full path) of the regular files under root, sorted; hidden
-    directories (.git, .cache) skipped."""
+    """(relative path, full path) of the files under root, sorted; hidden directories
+    (.git, .cache) skipped. Links to files are followed by the stat (an HF snapshot's
+    files are links to its blobs); links to directories are not, so no cycle is walked."""
     count = 0
-    for parent, dirs, files in os.walk(root, followlinks=True):
+    for parent, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             full = os.path.join(parent, name)
