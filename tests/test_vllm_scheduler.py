@@ -163,7 +163,7 @@ def test_a_page_commits_once_every_rank_confirmed_its_save(segment_name):
         report(*merged.done)
         # r0's three pages are committed; r1's save failed on rank 1: never committed.
         assert cache.stats().cached_pages == 3
-        assert sched.reqs["r1"].stop_saving
+        assert sched.reqs["r1"].frozen
         for request in (r0, r1):
             sched.request_finished(request)
         assert cache.stats().active_sequences == 0
@@ -299,7 +299,7 @@ def test_remote_tier_shares_pages_between_two_hosts(new_name, redis_server):
         offered, waits = _ask_until_answered(two, request)
         assert offered == 192 and waits >= 1
         two.update_state_after_alloc(request, vllm_blocks(list(range(20, 29))), offered)
-        (_, pages, blocks), = two.pending_loads
+        (_, pages, blocks, _, _), = two.pending_loads
         assert blocks == list(range(20, 26))
         pool = two.cache.pages_array()
         assert [pool[p].tobytes() for p in pages] == kv

@@ -154,22 +154,27 @@ class HostKVConnector(KVConnectorBase_V1):
         self._counters.add("failures", 1)
 
     def _guarded(self, where: str, default: _T, call: Callable[[SchedulerSide], _T],
-                 count_timeout: bool = True) -> _T:
+                 count_timeout: bool = True,
+                 fallback: Optional[Callable[[SchedulerSide], _T]] = None,
+                 on_timeout: Optional[Callable[[SchedulerSide], _T]] = None) -> _T:
         """Runs a scheduler-side call under its lock, failing open: a lock not had within
         ``lock_timeout`` or any error is counted and logged once per cause, and the call
-        answers ``default`` (a miss, no copies, nothing committed)."""
+        answers ``fallback(sched)`` (which keeps every promise made to vLLM without the
+        lock) or else ``default`` (a miss, no copies, nothing committed); ``on_timeout``
+        replaces ``fallback`` when the lock was not had."""
         sched = self._sched
         if sched is None:
             return default
         if not sched.lock.acquire(timeout=self._settings.lock_timeout):
             if count_timeout:
                 self._fail(where, TimeoutError("connector lock"))
-            return default
+            late = on_timeout or fallback
+            return default if late is None else late(sched)
         try:
             return call(sched)
         except Exception as exc:          # noqa: BLE001 - fail open
             self._fail(where, exc)
-            return default
+            return default if fallback is None else fallback(sched)
         finally:
             sched.lock.release()
 
@@ -287,17 +292,23 @@ class HostKVConnector(KVConnectorBase_V1):
         """Borrows the request's cached prefix and reserves pages for the rest."""
         self._guarded("update_state_after_alloc", None,
                       lambda sched: sched.update_state_after_alloc(request, blocks,
-                                                                   num_external_tokens))
+                                                                   num_external_tokens),
+                      fallback=lambda sched: sched.unheld_after_alloc(
+                          request, blocks, num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        """This step's loads and saves, per request (none, on any error)."""
+        """This step's loads and saves, per request. Without the lock, or on an error: no
+        copies, every promised load reported bad, nothing else forgotten."""
         return self._guarded("build_connector_meta", HostKVConnectorMetadata(),
-                             lambda sched: sched.build_connector_meta(scheduler_output))
+                             lambda sched: sched.build_connector_meta(scheduler_output),
+                             fallback=lambda sched: sched.meta_without_lock(scheduler_output))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        """Commits the pages whose saves every rank confirmed; releases finished requests."""
+        """Commits the pages whose saves every rank confirmed; releases finished requests.
+        A report that arrives while the lock is busy is taken at the next call."""
         self._guarded("update_connector_output", None,
-                      lambda sched: sched.update_connector_output(connector_output))
+                      lambda sched: sched.update_connector_output(connector_output),
+                      on_timeout=lambda sched: sched.report_later(connector_output))
 
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:

@@ -1,8 +1,31 @@
 """The connector's scheduler side: lookups, borrows, the step's copies, commits, releases.
 
 It runs in vLLM's engine-core process over one :class:`hostkv.WorkerView`; the workers only
-copy (``hostkv.vllm.worker``). A page becomes visible to other engines (committed) only
-after every tensor-parallel rank confirmed its save.
+copy (``hostkv.vllm.worker``).
+
+The protocol, per request (docs/vllm.md, "Never wrong KV", says it with every failure):
+
+- A request that is a hostkv sequence borrowed ``reused_pages`` pages (loaded into its
+  blocks in its first step) and reserved pages for the rest. Blocks ``[0, scheduled_upto)``
+  are cached or being saved; ``[0, confirmed_upto)`` hold KV that every rank wrote;
+  ``[0, committed_pages)`` are visible to every engine.
+- Each step's save of a request covers one contiguous range ``[start, end)`` of its blocks,
+  planned only for blocks whose every token id is known and whose KV is complete after the
+  step. The range counts as written only when every rank confirmed the step without a
+  failure and ``start == confirmed_upto``: a range never commits across a gap.
+- A failed save or load on any rank, a lost step (an older step some rank never
+  confirmed) or a failed token append *freezes* the request: its committed point never
+  moves again and nothing more of it is saved. Its later steps were planned before the
+  failure was known and may rest on KV that some rank never had.
+- Blocks promised as hits that hostkv could not hold (evicted between lookup and borrow,
+  or whose load was dropped) go to vLLM as load errors, and the request saves nothing
+  until vLLM schedules it again from the first of them: until then every step computes on
+  top of blocks that were never loaded (asynchronous scheduling plans a step before the
+  previous one's errors are known).
+- Work that cannot run (the lock not had, an error while planning) never forgets a
+  promise: the step's metadata reports every promised load as a bad block, keeps the
+  finishing requests and names the preempted ones; a report that could not be taken is
+  taken at the next step.
 """
 
 from __future__ import annotations
@@ -11,7 +34,7 @@ import collections
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -54,7 +77,7 @@ class _Req:
 
     __slots__ = ("req_id", "request", "seq_id", "namespace", "reused_pages", "blocks",
                  "seq_tokens", "scheduled_upto", "confirmed_upto", "committed_pages",
-                 "inflight", "stop_saving", "skip_saves_once", "finished")
+                 "inflight", "frozen", "recompute_from", "finished")
 
     def __init__(self, req_id: str, request: Any, seq_id: int, namespace: int,
                  reused_pages: int, seq_tokens: int, blocks: List[int]) -> None:
@@ -68,10 +91,34 @@ class _Req:
         self.scheduled_upto = reused_pages    # blocks [0, this) are cached or being saved
         self.confirmed_upto = reused_pages    # blocks [0, this) hold written KV
         self.committed_pages = reused_pages
-        self.inflight: Dict[int, Optional[int]] = {}   # step -> save end (None: a load only)
-        self.stop_saving = False
-        self.skip_saves_once = False
+        # step -> the blocks [start, end) its save covers (None: a load only)
+        self.inflight: Dict[int, Optional[Tuple[int, int]]] = {}
+        # A failed or lost step: nothing more is saved or committed.
+        self.frozen = False
+        # The first block vLLM was told is bad: no save until vLLM computes from it again.
+        self.recompute_from: Optional[int] = None
         self.finished = False
+
+    def freeze(self) -> None:
+        """Nothing more of this request is saved or committed (a step it took part in
+        failed or was lost on some rank)."""
+        self.frozen = True
+
+    def bad_from(self, block: int) -> None:
+        """vLLM was told that blocks from ``block`` on hold no valid KV: what it computes
+        on top of them is not saved until it computes from ``block`` again."""
+        if self.recompute_from is None or block < self.recompute_from:
+            self.recompute_from = block
+
+
+class _Load(NamedTuple):
+    """A borrowed prefix to copy into the request's blocks at the next step."""
+
+    req_id: str
+    pages: List[int]
+    blocks: List[int]
+    st: _Req
+    first: int                 # the index, in the request, of blocks[0]
 
 
 class SchedulerSide:
@@ -111,8 +158,18 @@ class SchedulerSide:
         self.retiring: List[_Req] = []
         self.step = 0
         self.steps: Dict[int, List[_Req]] = {}
-        self.pending_loads: List[Tuple[str, List[int], List[int]]] = []
+        # What the next step's metadata must carry whatever happens (handed over under
+        # ``handoff``, a lock never held across a segment call, so that a step built
+        # without ``lock`` still reports them): promised loads, bad blocks, finishing
+        # requests.
+        self.handoff = threading.Lock()
+        self.pending_loads: List[_Load] = []
         self.pending_bad: List[int] = []
+        # Requests whose promised blocks went to vLLM as bad without ``lock``: (state,
+        # first bad block), or (state, None) to freeze; applied before the next plan.
+        self.unheld_late: Deque[Tuple[_Req, Optional[int]]] = collections.deque()
+        # Workers' reports that arrived while ``lock`` was busy, taken at the next call.
+        self.reports_late: Deque[Any] = collections.deque()
         self.events: List[KVCacheEvent] = []
         # Block hashes this engine stored, oldest first (a dict as an ordered set), capped:
         # a forgotten hash only means no BlockRemoved for it later.
@@ -300,7 +357,8 @@ class SchedulerSide:
             self.failures.note("allocate", exc)
             self.counters.add("failures", 1)
             if promised > local_blocks:
-                self.pending_bad.extend(block_ids[local_blocks:promised])
+                with self.handoff:
+                    self.pending_bad.extend(block_ids[local_blocks:promised])
                 self.counters.add("bad_blocks", promised - local_blocks)
             return
         reused = alloc.reused_tokens // bs
@@ -308,42 +366,90 @@ class SchedulerSide:
         st = _Req(req_id, request, seq_id, namespace, reused, len(tokens), block_ids)
         self.reqs[req_id] = st
         load_end = min(reused, promised)
-        if load_end > local_blocks:
-            self.pending_loads.append((req_id, alloc.page_table[local_blocks:load_end].tolist(),
-                                       block_ids[local_blocks:load_end]))
-        if promised > max(load_end, local_blocks):
-            # Evicted between lookup and borrow: never load what is not held. vLLM
-            # recomputes these blocks; this step's KV of the request rests on them, so
-            # none of it is saved.
-            bad = block_ids[max(load_end, local_blocks):promised]
-            self.pending_bad.extend(bad)
-            self.counters.add("bad_blocks", len(bad))
-            st.skip_saves_once = True
+        bad_start = max(load_end, local_blocks)
+        with self.handoff:
+            if load_end > local_blocks:
+                self.pending_loads.append(_Load(
+                    req_id, alloc.page_table[local_blocks:load_end].tolist(),
+                    block_ids[local_blocks:load_end], st, local_blocks))
+            if promised > bad_start:
+                # Evicted between lookup and borrow: never load what is not held. vLLM
+                # recomputes these blocks; until it does, the request's KV rests on them.
+                self.pending_bad.extend(block_ids[bad_start:promised])
+        if promised > bad_start:
+            self.counters.add("bad_blocks", promised - bad_start)
+            st.bad_from(bad_start)
+
+    def unheld_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                           num_external_tokens: int) -> None:
+        """:meth:`update_state_after_alloc` when it could not run (the lock not had, an
+        error): no prefix is held, so every promised block goes to vLLM as bad. Needs
+        only ``handoff``."""
+        req_id = request.request_id
+        looked = self.lookups.get(req_id)
+        local = looked[0] if looked is not None else request.num_computed_tokens
+        bs = self.block_size
+        first, promised = local // bs, (local + num_external_tokens) // bs
+        old = self.reqs.get(req_id)
+        with self.handoff:
+            if promised > first:
+                self.pending_bad.extend(list(blocks.get_block_ids()[0])[first:promised])
+            if old is not None:
+                # A state this call did not replace: whatever it plans is suspect.
+                self.unheld_late.append((old, None))
+        if promised > first:
+            self.counters.add("bad_blocks", promised - first)
 
     def build_connector_meta(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
         self.step += 1
         step = self.step
-        while self.finished_late:
-            late = self.finished_late.popleft()
-            if not self.request_finished(late):
-                # vLLM was told to keep its blocks: the workers must report it.
-                self.finishing.append(late.request_id)
-        meta = HostKVConnectorMetadata(step=step, loads=self.pending_loads,
-                                       bad_blocks=self.pending_bad, finishing=self.finishing)
-        self.pending_loads, self.pending_bad, self.finishing = [], [], []
+        self._take_late()
+        with self.handoff:
+            loads, self.pending_loads = self.pending_loads, []
+            bad, self.pending_bad = self.pending_bad, []
+            finishing, self.finishing = self.finishing, []
+        # A request that finished before its load was sent has no blocks to load into.
+        loads = [load for load in loads if not load.st.finished]
+        meta = HostKVConnectorMetadata(
+            step=step, loads=[(ld.req_id, ld.pages, ld.blocks) for ld in loads],
+            bad_blocks=bad, finishing=finishing)
+        try:
+            saves = self._plan_saves(out)
+        except Exception as exc:          # noqa: BLE001 - fail open, forgetting nothing
+            self.failures.note("build_connector_meta", exc)
+            self.counters.add("failures", 1)
+            return self._unplanned(step, loads, bad, finishing, out)
         involved: Dict[str, _Req] = {}
-        for req_id, _, _ in meta.loads:
-            st = self.reqs.get(req_id)
-            if st is not None:
-                st.inflight[step] = None
-                involved[req_id] = st
+        for load in loads:
+            load.st.inflight[step] = None
+            involved[load.req_id] = load.st
+        for st, end, pages in saves:
+            meta.saves.append((st.req_id, st.blocks[st.scheduled_upto:end], pages))
+            st.inflight[step] = (st.scheduled_upto, end)
+            st.scheduled_upto = end
+            involved[st.req_id] = st
+        for req_id in getattr(out, "preempted_req_ids", None) or ():
+            meta.preempted.append(req_id)
+            gone = self.reqs.pop(req_id, None)
+            if gone is not None:
+                # vLLM freed its blocks; it comes back through update_state_after_alloc.
+                self.counters.add("preempted", 1)
+                self._retire(gone)
+        if involved:
+            self.steps[step] = list(involved.values())
+        return meta
+
+    def _plan_saves(self, out: "SchedulerOutput") -> List[Tuple[_Req, int, List[int]]]:
+        """This step's saves: (request, end, pages) for blocks [scheduled_upto, end).
+        Changes no state but the blocks vLLM gave and the tokens appended."""
         plans: List[Tuple[_Req, int]] = []
         scheduled = out.num_scheduled_tokens
         for new in out.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is not None:
                 st.blocks = list(new.block_ids[0])
-                self._plan(st, new.num_computed_tokens + scheduled.get(new.req_id, 0), plans)
+                self._plan(st, new.num_computed_tokens,
+                           new.num_computed_tokens + scheduled.get(new.req_id, 0), plans)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self.reqs.get(req_id)
@@ -355,33 +461,69 @@ class SchedulerSide:
                     st.blocks = list(new_blocks[0])
                 else:
                     st.blocks.extend(new_blocks[0])
-            self._plan(st, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), plans)
+            computed = cached.num_computed_tokens[i]
+            self._plan(st, computed, computed + scheduled.get(req_id, 0), plans)
         self._append_tokens(plans)
+        saves = []
         for st, end in plans:
-            if st.stop_saving or st.seq_tokens < end * self.block_size:
+            if st.frozen or st.seq_tokens < end * self.block_size:
                 continue
-            pages = self.view.page_table(st.seq_id)[st.scheduled_upto:end].tolist()
-            meta.saves.append((st.req_id, st.blocks[st.scheduled_upto:end], pages))
-            st.scheduled_upto = end
-            st.inflight[step] = end
-            involved[st.req_id] = st
-        for req_id in getattr(out, "preempted_req_ids", None) or ():
-            meta.preempted.append(req_id)
-            st = self.reqs.pop(req_id, None)
-            if st is not None:
-                # vLLM freed its blocks; it comes back through update_state_after_alloc.
-                self.counters.add("preempted", 1)
-                self._retire(st)
-        if involved:
-            self.steps[step] = list(involved.values())
+            saves.append((st, end, self.view.page_table(st.seq_id)[st.scheduled_upto:end]
+                          .tolist()))
+        return saves
+
+    def _unplanned(self, step: int, loads: List[_Load], bad: List[int],
+                   finishing: List[str], out: "SchedulerOutput") -> HostKVConnectorMetadata:
+        """The step's metadata when its copies could not be planned: no copies, every
+        promised load reported bad (vLLM recomputes it), the finishing requests kept, and
+        the preempted ones named (their saves in flight end before their blocks are
+        reused). Needs only ``handoff``."""
+        meta = HostKVConnectorMetadata(step=step, bad_blocks=list(bad), finishing=finishing,
+                                       preempted=list(getattr(out, "preempted_req_ids", None)
+                                                      or ()))
+        with self.handoff:
+            for load in loads:
+                meta.bad_blocks.extend(load.blocks)
+                self.unheld_late.append((load.st, load.first))
+        if loads:
+            self.counters.add("bad_blocks", sum(len(load.blocks) for load in loads))
         return meta
 
-    def _plan(self, st: _Req, computed_end: int, plans: List[Tuple[_Req, int]]) -> None:
-        if st.skip_saves_once:
-            st.skip_saves_once = False
+    def meta_without_lock(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
+        """:meth:`build_connector_meta` when the lock was not had: no copies this step,
+        and nothing promised is forgotten (see :meth:`_unplanned`)."""
+        with self.handoff:
+            loads, self.pending_loads = self.pending_loads, []
+            bad, self.pending_bad = self.pending_bad, []
+            finishing, self.finishing = self.finishing, []
+        # Step 0: the workers confirm no step of it, and the scheduler waits for none.
+        return self._unplanned(0, loads, bad, finishing, out)
+
+    def _take_late(self) -> None:
+        """Applies what happened without the lock: requests finished, prefixes not held,
+        reports not taken."""
+        while self.finished_late:
+            late = self.finished_late.popleft()
+            if not self.request_finished(late) and self.settings.async_saves:
+                # vLLM was told to keep its blocks: the workers must report it.
+                with self.handoff:
+                    self.finishing.append(late.request_id)
+        while self.unheld_late:
+            st, first = self.unheld_late.popleft()
+            if first is None:
+                st.freeze()
+            else:
+                st.bad_from(first)
+
+    def _plan(self, st: _Req, computed_start: int, computed_end: int,
+              plans: List[Tuple[_Req, int]]) -> None:
+        if st.frozen:
             return
-        if st.stop_saving:
-            return
+        if st.recompute_from is not None:
+            if computed_start > st.recompute_from * self.block_size:
+                # Still computing on top of blocks vLLM was told are bad.
+                return
+            st.recompute_from = None
         # Only blocks whose every token id is known now (asynchronous scheduling may run a
         # step ahead of the sampled tokens) and whose KV is complete after this step.
         end = min(computed_end, st.request.num_tokens) // self.block_size
@@ -403,7 +545,8 @@ class SchedulerSide:
                 self.failures.note("append_tokens", exc)
                 self.counters.add("failures", 1)
                 for st, _ in todo:
-                    st.stop_saving = True
+                    # The sequence's tokens are no longer known to match the request's.
+                    st.freeze()
                 return
             for st, _ in todo:
                 st.seq_tokens += 1
@@ -411,9 +554,14 @@ class SchedulerSide:
             todo = [(st, toks) for st, toks in todo if len(toks) > position]
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
-        report = output.kv_connector_worker_meta
         changed: Dict[int, _Req] = {}
-        if isinstance(report, HostKVWorkerMetadata):
+        reports = []
+        while self.reports_late:
+            reports.append(self.reports_late.popleft())
+        reports.append(output.kv_connector_worker_meta)
+        for report in reports:
+            if not isinstance(report, HostKVWorkerMetadata):
+                continue
             for step, rank, failed in report.done:
                 ranks, failed_ids = self.confirming.setdefault(step, (set(), set()))
                 ranks.add(rank)
@@ -433,22 +581,33 @@ class SchedulerSide:
             if done:
                 self._release(done)
 
+    def report_later(self, output: "KVConnectorOutput") -> None:
+        """Keeps a report that arrived while the lock was busy for the next call: a step
+        whose report is dropped counts as lost, which freezes its requests."""
+        if output.kv_connector_worker_meta is not None:
+            self.reports_late.append(output.kv_connector_worker_meta)
+
     def _confirm(self, step: int, failed_ids: Set[str], changed: Dict[int, "_Req"]) -> None:
         """Every rank confirmed ``step``: its saves hold written KV, but those that failed."""
         # Each rank confirms its steps in order: an older step that some rank never
-        # confirmed never will be, and its saves are lost.
+        # confirmed never will be. Its saves are lost, and the steps planned after it may
+        # rest on them.
         for lost in [s for s in self.steps if s < step]:
             self.confirming.pop(lost, None)
             for st in self.steps.pop(lost):
                 st.inflight.pop(lost, None)
-                st.stop_saving = True
+                st.freeze()
                 changed[st.seq_id] = st
         for st in self.steps.pop(step, ()):
-            end = st.inflight.pop(step, None)
+            saved = st.inflight.pop(step, None)
             if st.req_id in failed_ids:
-                st.stop_saving = True
-            elif end is not None and end > st.confirmed_upto:
-                st.confirmed_upto = end
+                st.freeze()
+            elif saved is not None and not st.frozen:
+                start, end = saved
+                if start == st.confirmed_upto:
+                    st.confirmed_upto = end
+                else:
+                    st.freeze()          # a range before it was never confirmed
             changed[st.seq_id] = st
 
     def _commit(self, states: List[_Req]) -> None:
@@ -497,20 +656,20 @@ class SchedulerSide:
         if st is None:
             return False
         saving = bool(self.settings.async_saves) and any(
-            end is not None for end in st.inflight.values())
+            saved is not None for saved in st.inflight.values())
         self._retire(st)
         if saving:
-            self.finishing.append(req_id)
+            with self.handoff:
+                self.finishing.append(req_id)
         return saving
 
     def finish_later(self, request: "Request") -> bool:
         """A request that finished while this side could not look (lock busy, error):
-        retired at the next step, and vLLM keeps its blocks until the workers report it
-        (they do at once if no save of it runs). Safe without the lock."""
-        if not self.settings.async_saves:
-            return False
+        retired at the next step (its sequence is released then), and with asynchronous
+        saves vLLM keeps its blocks until the workers report it (they do at once if no
+        save of it runs). Safe without the lock."""
         self.finished_late.append(request)
-        return True
+        return bool(self.settings.async_saves)
 
     def take_events(self) -> List[KVCacheEvent]:
         events, self.events = self.events, []

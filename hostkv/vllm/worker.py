@@ -40,6 +40,7 @@ class _StepCopies:
     failed: Set[str]               # requests whose copies failed
     saving: List[str]              # requests whose blocks the save reads
     pages: int
+    loading: List[str] = dataclasses.field(default_factory=list)  # requests loaded
 
 
 class WorkerSide:
@@ -76,6 +77,7 @@ class WorkerSide:
         self.finishing: Set[str] = set()
         self.finished_sending: Set[str] = set()
         self.loading: Optional[Transfer] = None
+        self.loading_reqs: List[str] = []
         self.layer_index = {name: i for i, name in enumerate(kv.layer_names)}
         # Layers whose wait_for_layer_load vLLM called in the step being loaded; once
         # every layer's was, the forward is known to wait per layer.
@@ -145,6 +147,7 @@ class WorkerSide:
         self.finishing.update(meta.finishing)
         self.load_failed = set()
         self.loading = None
+        self.loading_reqs = []
         if not meta.loads:
             return
         pages = [p for _, ps, _ in meta.loads for p in ps]
@@ -159,6 +162,7 @@ class WorkerSide:
             self.load_failed = {req_id for req_id, _, _ in meta.loads}
             return
         self.loading = transfer
+        self.loading_reqs = sorted({req_id for req_id, _, _ in meta.loads})
         if not self.per_layer_waits:
             # Until this engine has shown it waits layer by layer, its forward waits for
             # every layer before it starts.
@@ -204,8 +208,9 @@ class WorkerSide:
                     self.saving[req_id] = self.saving.get(req_id, 0) + 1
         if meta.loads or meta.saves:
             self.inflight.append(_StepCopies(meta.step, transfer, self.loading, failed,
-                                             saving, pages))
+                                             saving, pages, self.loading_reqs))
         self.loading = None
+        self.loading_reqs = []
         self.load_failed = set()
         if not self.async_saves:
             self.drain()
@@ -221,6 +226,12 @@ class WorkerSide:
             if head.load is not None and not head.load.done():
                 break
             self.inflight.popleft()
+            if head.load is not None and head.load.error is not None:
+                # Too late to tell vLLM (the forward ran): no KV of these requests that
+                # rests on the load is ever committed.
+                self.failures.note("load", head.load.error)
+                self.counters.add("failures", 1)
+                head.failed |= set(head.loading)
             save = head.save
             if save is not None:
                 if save.error is not None:
