@@ -35,7 +35,6 @@ The protocol, per request (docs/vllm.md, "Never wrong KV", says it with every fa
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 import threading
 import time
@@ -47,6 +46,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from hostkv._tokens import as_tokens
 from hostkv.cache import HostKVCache
+from hostkv.vllm.identity import RequestIdentity, bypass_cause, fields_digest, multimodal_key
 from hostkv.vllm.metadata import HostKVConnectorMetadata, HostKVWorkerMetadata
 from hostkv.vllm.metrics import TIER_COUNTERS, Counters, Failures
 from hostkv.vllm.settings import HostKVSettings
@@ -66,11 +66,14 @@ _MAX_REMEMBERED_HASHES = 1 << 20
 _MAX_REMOTE_DONE = 1 << 16
 
 
-def _namespace(base: bytes, cache_salt: Optional[str], lora: Optional[str]) -> int:
-    digest = hashlib.blake2b(base, digest_size=8)
-    digest.update(b"\0salt\0" + (cache_salt or "").encode())
-    digest.update(b"\0lora\0" + (lora or "").encode())
-    return int.from_bytes(digest.digest(), "little")
+def _namespace(base: bytes, cache_salt: Optional[str], lora: str | bytes | None,
+               inputs: bytes = b"") -> int:
+    """The namespace of a request: the engine's identity (base), its cache salt, its LoRA
+    adapter's key and its multimodal items' key (hostkv.vllm.identity), each
+    length-prefixed, so that no salt's text can pass for another salt and adapter."""
+    digest = fields_digest(base, b"salt", cache_salt or "", b"lora", lora or b"",
+                           b"inputs", inputs)
+    return int.from_bytes(digest[:8], "little")
 
 
 class _Req:
@@ -149,6 +152,7 @@ class SchedulerSide:
         self.namespace_base = namespace_base
         self.failures = failures
         self.counters = counters
+        self.identity = RequestIdentity(counters)
         # vLLM may call the connector from several threads; one lock keeps this side's
         # state and its WorkerView (one per thread, by contract) consistent.
         self.lock = threading.Lock()
@@ -198,8 +202,9 @@ class SchedulerSide:
         # ConstantList's own list in one C loop (~1 ns a token), faster than the wrapper's
         # item-by-item protocol. Out-of-range ids raise ValueError: a miss.
         tokens = as_tokens(getattr(ids, "_x", ids))
-        lora = request.lora_request.lora_name if request.lora_request is not None else None
-        return tokens, _namespace(self.namespace_base, request.cache_salt, lora)
+        return tokens, _namespace(self.namespace_base, request.cache_salt,
+                                  self.identity.adapter_key(request.lora_request),
+                                  multimodal_key(request))
 
     def _hash_events(self, st: _Req, start: int, end: int) -> None:
         hashes = list(getattr(st.request, "block_hashes", ()) or ())[start:end]
@@ -228,6 +233,8 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        if bypass_cause(request) is not None:
+            return 0, False              # counted once, in update_state_after_alloc
         req_id = request.request_id
         pending = self.remote_pending.get(req_id)
         if pending is not None:
@@ -337,6 +344,10 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
+        cause = bypass_cause(request)
+        if cause is not None:
+            self.identity.bypassed(request, cause)   # never a sequence: nothing saved
+            return
         req_id = request.request_id
         self.remote_pending.pop(req_id, None)
         old = self.reqs.pop(req_id, None)
