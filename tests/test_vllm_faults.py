@@ -16,9 +16,9 @@ late, after writing none or part of their pages). Phases, on the same two engine
 After each, a clean engine (plain hostkv connector, TP=1) serves the same requests from the
 segment, then again under a cache salt of its own (no block shared with anything cached:
 computed from scratch). The two must be the same tokens: a page whose KV is not its tokens'
-shows up as other tokens (one rank's heads missing in a page flipped most of a random
-model's greedy tokens, 10 of 10 prompts, before the fix). ``python -m hostkv check`` must
-pass too. Where the faulty engine's own tokens are sure to rest on verified KV (not in
+shows up as other tokens (before the connector froze a request at its first failed step,
+phase 1 committed pages rank 1 never wrote, and 4 of its 9 prompts came out otherwise, from
+their second token on). ``python -m hostkv check`` must pass too. Where the faulty engine's own tokens are sure to rest on verified KV (not in
 phase 3, see there) they must equal the clean engine's recomputed ones.
 
 Greedy float32 decoding of a tiny random Llama; short generations keep a near-tie (CPU
@@ -45,7 +45,8 @@ import pytest
 
 import hostkv
 from conftest import unlink_quietly
-from lib.vllm_engine import BLOCK_SIZE, Engine, stop_engines, unlink_vllm_shm, vllm_shm, write_model
+from lib.vllm_engine import (BLOCK_SIZE, Engine, stop_engines, unlink_vllm_shm, vllm_shm,
+                             write_model)
 from lib.vllm_helpers import random_tokens
 
 if importlib.util.find_spec("vllm") is None:
@@ -56,7 +57,8 @@ MAX_TOKENS = 10
 FAULTY = ("FaultyHostKVConnector", "lib.faulty_connector")
 
 
-def _family_prompts(rng: random.Random, families: int = 3, per_family: int = 3) -> List[List[int]]:
+def _family_prompts(rng: random.Random, families: int = 3,
+                    per_family: int = 3) -> List[List[int]]:
     """Prompts that share prefixes: each family's prompts start with the same two blocks,
     then go their own ways (4 to 7 blocks in all, several steps of two blocks each)."""
     prompts = []
@@ -217,7 +219,7 @@ def _save_faults(world: Dict, async_saves: bool, salt: str) -> None:
     assert after.get("save_faults", 0) > before.get("save_faults", 0), (before, after)
     expected = _clean_reads(world, prompts, salt)
     # Failed saves never change what the faulty engine computes.
-    assert outs == expected
+    assert outs == expected, _first_differences(outs, expected)
     _check_segment(world["segment"])
 
 
@@ -264,10 +266,11 @@ def test_rank_loads_fail(engines):
 
 
 def test_hard_eviction_beside_failing_saves(engines):
-    """Another process evicts pages as fast as it can take the lock while the faulty engine
-    looks up, borrows and loads the clean engine's pages (some evicted between its lookup
-    and its borrow: vLLM recomputes them) and saves its own (rank 1's failing at random):
-    the faulty engine's tokens are right, and what is left in the segment is too."""
+    """Another process (this one: a thread with its own handle) evicts pages every few
+    milliseconds while the faulty engine looks up, borrows and loads the clean engine's
+    pages (a block evicted between lookup and borrow goes to vLLM as a load error, and is
+    recomputed) and saves its own (rank 1's failing at random): the faulty engine's tokens
+    are right, and what is left in the segment is too."""
     world = engines
     faulty, clean = world["faulty"], world["clean"]
     rng = world["rng"]
@@ -316,5 +319,5 @@ def test_hard_eviction_beside_failing_saves(engines):
     # What survived the evictions may be nothing of the faulty engine's.
     expected = _clean_reads(world, nexts, "recompute-evicted", local=_own(first, first_outs),
                             must_hit=False)
-    assert outs == expected
+    assert outs == expected, _first_differences(outs, expected)
     _check_segment(world["segment"])

@@ -254,7 +254,8 @@ class FaultyHostKVConnector(HostKVConnector):
         self._switch()
         faults = self._faults
         faults.step_loads = []
-        if self._worker is not None and self.has_connector_metadata():
+        if (self._worker is not None and self._worker.rank == self._fault_rank
+                and self.has_connector_metadata()):
             meta = self._get_connector_metadata()
             faults.step_loads = list(getattr(meta, "loads", []))
             if meta.loads or meta.saves:
