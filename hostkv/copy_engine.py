@@ -24,14 +24,18 @@ import dataclasses
 import functools
 import re
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from hostkv._blockcopy import check_blocks, copy_layers, populate_pages
+from hostkv._copyplan import CopyPlan
 from hostkv.config import KVLayout
 from hostkv.transfers import CopyThread, Transfer
+
+if TYPE_CHECKING:
+    from hostkv.cuda_copy import CudaCopier
 
 __all__ = ["BlockLayout", "CopyEngine", "CopyPlan", "head_slice_for_rank"]
 
@@ -136,46 +140,6 @@ def head_slice_for_rank(total_heads: int, rank: int, world: int) -> Tuple[int, i
     replicas = world // total_heads
     head = rank // replicas
     return head, head + 1, rank % replicas == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class CopyPlan:
-    """One layer's copy, as the compiled loop takes it: a grid of contiguous runs per block.
-
-    Attributes:
-        shape: The grid's axes (runs of ``run`` bytes), outermost first.
-        pool_strides, engine_strides: Each grid axis's stride in bytes on either side.
-        run: Bytes of one contiguous run.
-    """
-
-    shape: Tuple[int, ...]
-    pool_strides: Tuple[int, ...]
-    engine_strides: Tuple[int, ...]
-    run: int
-
-    @staticmethod
-    def build(shape: Sequence[int], pool_strides: Sequence[int],
-              engine_strides: Sequence[int], itemsize: int) -> "CopyPlan":
-        """Coalesces a block's element grid into the fewest, longest runs.
-
-        Axes of size 1 drop out; the innermost axes contiguous on both sides become the
-        run; then neighbours that are contiguous with each other on both sides merge.
-        """
-        axes = [(int(n), int(p), int(e)) for n, p, e in zip(shape, pool_strides, engine_strides)
-                if n != 1]
-        run = itemsize
-        while axes and axes[-1][1] == run and axes[-1][2] == run:
-            run *= axes.pop()[0]
-        merged: List[Tuple[int, int, int]] = []
-        for n, p, e in axes:
-            if merged:
-                on, op, oe = merged[-1]
-                if op == p * n and oe == e * n:
-                    merged[-1] = (on * n, p, e)
-                    continue
-            merged.append((n, p, e))
-        return CopyPlan(tuple(a[0] for a in merged), tuple(a[1] for a in merged),
-                        tuple(a[2] for a in merged), run)
 
 
 def _canonical_view(tensor: torch.Tensor, block_layout: BlockLayout,
@@ -316,11 +280,9 @@ class CopyEngine:
         self.bytes_per_page = (layout.kv_planes * page_size * (stop - first) * layout.head_dim
                                * itemsize * layout.num_layers)
         self._thread: Optional[CopyThread] = None
-        self._cuda = None
+        self._cuda: Optional[CudaCopier] = None
         if self.device.type == "cuda":
-            from hostkv.cuda_copy import CudaCopier
-
-            self._cuda = CudaCopier(self)
+            self._cuda = self._cuda_copier()
         elif self.device.type != "cpu":
             raise ValueError(f"hostkv: KV tensors on {self.device}: the copy engine moves "
                              "blocks of CPU and CUDA tensors")
@@ -335,6 +297,19 @@ class CopyEngine:
         if tensor.dtype != dtype:
             raise ValueError(f"hostkv: {block_layout.name or block_layout.axes}: a KV tensor "
                              f"of dtype {tensor.dtype}, the pages hold {dtype}")
+
+    def _cuda_copier(self, memcpy: Optional[int] = None, register: bool = True) -> "CudaCopier":
+        """The GPU path, handed the views it copies between and never this engine: a copier
+        that held its engine would make a reference cycle, which keeps the pool's views
+        alive until the garbage collector runs, and the cache's close() raises BufferError
+        while they live (a worker's shutdown would hold its lease until the process exits).
+
+        ``memcpy`` and ``register`` as :class:`hostkv.cuda_copy.CudaCopier` takes them (the
+        tests build the GPU path over CPU tensors with a host memcpy)."""
+        from hostkv.cuda_copy import CudaCopier
+
+        return CudaCopier(self.pool, self.pool_bytes, self.engine_views, memcpy=memcpy,
+                          register=register)
 
     def _indices(self, blocks: Sequence[int], pages: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
         block_index = np.ascontiguousarray(blocks, dtype=np.int64)
