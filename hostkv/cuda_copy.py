@@ -8,7 +8,10 @@ that first waits for the compute stream (the forward wrote the KV), and a CUDA e
 the copies says when it is over: nothing on the host waits for it.
 
 A load runs the other way on a load stream, layer by layer, with an event per layer, so
-the forward waits for a layer's KV only when it reaches that layer.
+a forward that can wait per layer waits for a layer's KV only when it reaches that layer
+(``wait_layer``); ``wait_all_layers`` orders it after every layer's (what ``hostkv.vllm``
+does: a full CUDA graph's replay runs no per-layer hook). Either is a stream waiting on an
+event; the host never blocks.
 
 The pool is registered with ``cudaHostRegister`` (page-locked, so the DMA engine reads and
 writes it directly) in chunks of at most 64 GiB, from a background thread; until then,
