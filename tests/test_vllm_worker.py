@@ -6,6 +6,7 @@ its loads without vLLM's per-layer hooks (which a full CUDA graph's replay skips
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 
@@ -154,6 +155,15 @@ def test_on_a_gpu_the_forward_reads_loaded_blocks_without_the_per_layer_hooks(
     del pool
     try:
         worker.register_kv_caches(tensors)
+        # Copies from pageable memory are synchronous (CUDA syncs the stream first): only
+        # once the pool is registered does a held-back load stay in flight.
+        registration = worker.engine.registration()
+        deadline = time.monotonic() + 30
+        while (registration.registered_bytes < registration.nbytes and not registration.failed
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        if registration.registered_bytes < registration.nbytes:
+            pytest.skip(f"the pool was not registered with CUDA: {registration.failed}")
         copier = worker.engine._cuda
         enqueue = copier.enqueue_load_layer
 
