@@ -41,6 +41,7 @@ class _StepCopies:
     saving: List[str]              # requests whose blocks the save reads
     pages: int
     loading: List[str] = dataclasses.field(default_factory=list)  # requests loaded
+    loaded_blocks: List[int] = dataclasses.field(default_factory=list)
 
 
 class WorkerSide:
@@ -78,6 +79,7 @@ class WorkerSide:
         self.finished_sending: Set[str] = set()
         self.loading: Optional[Transfer] = None
         self.loading_reqs: List[str] = []
+        self.loading_blocks: List[int] = []
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         """Maps vLLM's per-layer KV tensors onto the pages (start-up: raises, naming the
@@ -144,6 +146,7 @@ class WorkerSide:
         self.load_failed = set()
         self.loading = None
         self.loading_reqs = []
+        self.loading_blocks = []
         if not meta.loads:
             return
         pages = [p for _, ps, _ in meta.loads for p in ps]
@@ -159,6 +162,7 @@ class WorkerSide:
             return
         self.loading = transfer
         self.loading_reqs = sorted({req_id for req_id, _, _ in meta.loads})
+        self.loading_blocks = blocks
         # Every step, the forward waits for every layer's load before it starts: vLLM
         # replays a full CUDA graph (FULL_AND_PIECEWISE, for uniform-decode batches)
         # without running the per-layer hooks, so a wait left to wait_for_layer_load is
@@ -198,9 +202,11 @@ class WorkerSide:
                     self.saving[req_id] = self.saving.get(req_id, 0) + 1
         if meta.loads or meta.saves:
             self.inflight.append(_StepCopies(meta.step, transfer, self.loading, failed,
-                                             saving, pages, self.loading_reqs))
+                                             saving, pages, self.loading_reqs,
+                                             self.loading_blocks))
         self.loading = None
         self.loading_reqs = []
+        self.loading_blocks = []
         self.load_failed = set()
         if not self.async_saves:
             self.drain()
@@ -217,11 +223,13 @@ class WorkerSide:
                 break
             self.inflight.popleft()
             if head.load is not None and head.load.error is not None:
-                # Too late to tell vLLM (the forward ran): no KV of these requests that
-                # rests on the load is ever committed.
+                # Found after the forward: vLLM still recomputes the blocks (it takes
+                # load errors after the step), and the scheduler commits nothing that
+                # rests on them.
                 self.failures.note("load", head.load.error)
                 self.counters.add("failures", 1)
                 head.failed |= set(head.loading)
+                self.bad_blocks.update(head.loaded_blocks)
             save = head.save
             if save is not None:
                 if save.error is not None:

@@ -14,10 +14,10 @@ import os
 import signal
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from workers.vllm_engine_child import BLOCK_SIZE, engine_main, save_model
+from workers.vllm_engine_child import BLOCK_SIZE, engine_main, save_adapter, save_model
 
 __all__ = ["BLOCK_SIZE", "Engine", "stop_engines", "unlink_vllm_shm", "vllm_shm",
-           "write_model"]
+           "write_adapter", "write_model"]
 
 START_TIMEOUT = 400.0      # an engine takes ~20-30 s to start, more on a loaded machine
 CALL_TIMEOUT = 300.0
@@ -36,6 +36,19 @@ def write_model(path: str, num_layers: int = 2, num_kv_heads: int = 2, seed: int
     if proc.exitcode != 0:
         proc.kill()
         raise RuntimeError(f"writing the model to {path} failed (exit {proc.exitcode})")
+    return path
+
+
+def write_adapter(path: str, num_layers: int = 2, seed: int = 0) -> str:
+    """Writes a LoRA adapter of random weights for write_model's Llama (PEFT's files), in a
+    spawned child. Returns path."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=save_adapter, args=(path, num_layers, seed))
+    proc.start()
+    proc.join(300)
+    if proc.exitcode != 0:
+        proc.kill()
+        raise RuntimeError(f"writing the adapter to {path} failed (exit {proc.exitcode})")
     return path
 
 
@@ -82,11 +95,17 @@ class Engine:
         if kind != "ready":
             raise RuntimeError(f"engine failed to start:\n{value}\nlog:\n{self.log()}")
 
-    def submit(self, prompts: Sequence[Sequence[int]], max_tokens: int,
-               salts: Optional[Sequence[Optional[str]]] = None) -> None:
-        """Sends a generate call without waiting for it (see result())."""
+    def submit(self, prompts: Sequence[Any], max_tokens: int,
+               salts: Optional[Sequence[Optional[str]]] = None,
+               loras: Optional[Sequence[Optional[Tuple[str, int, str]]]] = None) -> None:
+        """Sends a generate call without waiting for it (see result()). A prompt is token
+        ids, or a numpy array of its embeddings (tokens x hidden size: an engine started
+        with enable_prompt_embeds=True); loras: per prompt, None or a LoRA adapter's
+        (name, int id, path) (an engine started with enable_lora=True)."""
         salts = list(salts) if salts is not None else [None] * len(prompts)
-        self.conn.send(("generate", [list(p) for p in prompts], max_tokens, salts))
+        prompts = [p if hasattr(p, "dtype") else list(p) for p in prompts]
+        self.conn.send(("generate", prompts, max_tokens, salts,
+                        None if loras is None else list(loras)))
         self.pending = True
 
     def result(self, timeout: float = CALL_TIMEOUT) -> Tuple[List[List[int]], List[int], float]:
@@ -97,11 +116,12 @@ class Engine:
             raise RuntimeError(f"generate failed:\n{value}")
         return value
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
-                 salts: Optional[Sequence[Optional[str]]] = None
+    def generate(self, prompts: Sequence[Any], max_tokens: int,
+                 salts: Optional[Sequence[Optional[str]]] = None,
+                 loras: Optional[Sequence[Optional[Tuple[str, int, str]]]] = None
                  ) -> Tuple[List[List[int]], List[int], float]:
         """submit() then result()."""
-        self.submit(prompts, max_tokens, salts)
+        self.submit(prompts, max_tokens, salts, loras)
         return self.result()
 
     def metrics(self, timeout: float = CALL_TIMEOUT) -> Dict[str, float]:
