@@ -146,6 +146,31 @@ def _with(request, **fields):
     return request
 
 
+def test_a_hub_checkpoint_is_keyed_by_its_commit_on_every_host(tmp_path, monkeypatch):
+    """Two hosts that each downloaded one commit of a hub model (their own cache location,
+    their own file times) key it alike, so they share pages through a remote tier; another
+    commit, or other files, key it otherwise."""
+    identity = vllm_module().identity
+
+    def snapshot(host: str, commit: str, weights: bytes, when: int) -> str:
+        path = tmp_path / host / "snapshots" / commit
+        path.mkdir(parents=True)
+        (path / "config.json").write_text('{"layers": 2}')
+        (path / "model.safetensors").write_bytes(weights)
+        for name in ("config.json", "model.safetensors"):
+            os.utime(path / name, ns=(when, when))
+        return str(path)
+
+    def fingerprint(path: str) -> bytes:
+        monkeypatch.setattr(identity, "_hub_snapshot", lambda repo, revision: path)
+        return identity.checkpoint_fingerprint("org/not-a-local-path")
+
+    one = fingerprint(snapshot("host1", "abc123", b"w" * 64, 10**18))
+    assert one == fingerprint(snapshot("host2", "abc123", b"w" * 64, 2 * 10**18))
+    assert one != fingerprint(snapshot("host3", "def456", b"w" * 64, 10**18))
+    assert one != fingerprint(snapshot("host4", "abc123", b"w" * 65, 10**18))
+
+
 def test_request_namespaces_separate_every_input(segment_name, tmp_path):
     """Salt, LoRA name, LoRA path, the adapter's files and multimodal items each change a
     request's namespace; the same inputs give the same namespace. A cache salt cannot pass

@@ -87,10 +87,11 @@ def _walk(root: str) -> Iterable[Tuple[str, str]]:
                 return
 
 
-def files_fingerprint(path: str) -> bytes:
+def files_fingerprint(path: str, times: bool = True) -> bytes:
     """A fingerprint of the files at path (a directory or one file): each file's name, size
-    and modification time (ns), and the content of its config files. Stat-based: it never
-    reads the weights. A path that does not exist gives the digest of its name alone."""
+    and (with ``times``) modification time (ns), and the content of its config files.
+    Stat-based: it never reads the weights. A path that does not exist gives the digest of
+    its name alone."""
     fields: list = [b"files"]
     if os.path.isdir(path):
         entries = list(_walk(path))
@@ -103,7 +104,7 @@ def files_fingerprint(path: str) -> bytes:
             st = os.stat(full)             # through symlinks: an HF snapshot's blobs
         except OSError:
             continue
-        fields += [rel, st.st_size, st.st_mtime_ns]
+        fields += [rel, st.st_size, st.st_mtime_ns if times else 0]
         if os.path.basename(rel) in _CONFIG_FILES and st.st_size <= _MAX_CONFIG_BYTES:
             try:
                 with open(full, "rb") as f:
@@ -132,7 +133,11 @@ def checkpoint_fingerprint(model: str, revision: Optional[str] = None) -> bytes:
         return fields_digest(b"local", os.path.realpath(model), files_fingerprint(model))
     snapshot = _hub_snapshot(model, revision)
     if snapshot is not None:
-        return fields_digest(b"hub", model, snapshot, files_fingerprint(snapshot))
+        # The snapshot's directory is named by the commit, which fixes its content: the
+        # cache's location and the files' times differ from host to host (each downloaded
+        # its own copy), and hosts must agree to share pages through a remote tier.
+        return fields_digest(b"hub", model, os.path.basename(os.path.normpath(snapshot)),
+                             files_fingerprint(snapshot, times=False))
     return fields_digest(b"name", model, revision or "")
 
 
