@@ -390,8 +390,10 @@ def test_a_failed_load_freezes_every_request_that_holds_its_blocks(segment_name)
         offered, _ = sched.get_num_new_matched_tokens(r1, 0)
         b1 = list(range(10, 17))
         sched.update_state_after_alloc(r1, vllm_blocks(b1), offered)
-        one = sched.build_connector_meta(_new(r1, b1, offered, 2 * BLOCK_SIZE))
+        first = _new(r1, b1, offered, 2 * BLOCK_SIZE)
+        one = sched.build_connector_meta(first)
         assert [b for _, _, bs in one.loads for b in bs] == b1[:4]
+        assert first.has_sync_kv_loads          # vLLM starts the loads before the forward
         r2 = vllm_request("r2", history + random_tokens(rng, 2 * BLOCK_SIZE + 1))
         assert sched.get_num_new_matched_tokens(r2, 4 * BLOCK_SIZE) == (0, False)
         b2 = b1[:4] + [30, 31, 32]

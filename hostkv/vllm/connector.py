@@ -207,8 +207,8 @@ class HostKVConnector(KVConnectorBase_V1):
             self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Orders the layer's attention after its KV's load (on a CPU the loads are over
-        before the forward starts)."""
+        """Nothing to wait for: start_load_kv ordered the whole forward after every
+        layer's load (a full CUDA graph's replay never calls this hook)."""
         if self._worker is not None:
             try:
                 self._worker.wait_for_layer_load(layer_name)

@@ -462,6 +462,10 @@ class SchedulerSide:
             involved[load.req_id] = load.st
         if loads:
             self.step_loads[step] = [(load.st, load.blocks) for load in loads]
+            # The loads feed this very step's forward: vLLM must start them before it.
+            # It does for the steps that admit a request with external tokens, which is
+            # where every load comes from; said here so that no other path can differ.
+            out.has_sync_kv_loads = True
         for st, end, pages in saves:
             meta.saves.append((st.req_id, st.blocks[st.scheduled_upto:end], pages))
             st.inflight[step] = (st.scheduled_upto, end)
