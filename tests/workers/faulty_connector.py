@@ -1,7 +1,7 @@
 """A HostKVConnector whose copies fail at random on one tensor-parallel rank (tests only).
 
-Real engines load it (``kv_connector_module_path: "lib.faulty_connector"``, with tests/ on
-the engine processes' path) to check the connector's promise under the faults it is built
+Real engines load it (``kv_connector_module_path: "workers.faulty_connector"``, with tests/
+on the engine processes' path) to check the connector's promise under the faults it is built
 for: a page is committed only if every rank wrote every byte of it, from KV computed on
 verified inputs. The product code has no fault hooks: the subclass wraps the worker's
 :class:`hostkv.copy_engine.CopyEngine` on the chosen rank, so the faults enter exactly where
