@@ -157,7 +157,7 @@ class Harness:
         self.opts = opts
         self.rng = random.Random(opts.seed)
         self.segment = segment
-        self.log: deque = deque(maxlen=40)        # the last events, for the failure message
+        self.log: deque = deque(maxlen=int(os.environ.get("HOSTKV_MODEL_LOG", "40")))        # the last events, for the failure message
         self.step_no = 0
         tp = opts.tp
         extra = {"num_pages": opts.num_pages, "async_saves": opts.async_saves}
@@ -467,6 +467,9 @@ class Harness:
             self.computed[req_id] = cached.num_computed_tokens[i]
         for req_id in out.finished_req_ids:
             self.block_tables.pop(req_id, None)
+        for req_id, n in self.scheduled.items():
+            self.log.append(f"step {self.step_no}: run {req_id} [{self.computed[req_id]}, "
+                            f"{self.computed[req_id] + n}) blocks {self.block_tables[req_id]}")
         # A request samples in this step unless it is in the middle of its prefill.
         self.sampling = {r for r in out.num_scheduled_tokens
                          if not self.scheduler.requests[r].is_prefill_chunk}
@@ -579,11 +582,15 @@ class Harness:
                         want = expected_kv(prefix_hashes(list(key[1]))[k * BS:])
                         self.expected_pages[key] = want
                     if not np.array_equal(pool[page].reshape(want.shape), want):
-                        poison = bool((pool[page] == POISON).any())
-                        wrong = (f"committed page {page} (page {k} of a path of {len(pages)})"
-                                 " does not hold its tokens' KV" +
-                                 (" (it holds poison: KV computed on wrong KV)" if poison
-                                  else ""))
+                        have = pool[page].reshape(want.shape)
+                        what = ("poison: KV computed on wrong KV" if (have == POISON).any()
+                                else "never written" if (have == UNWRITTEN).any()
+                                else "other KV")
+                        owners = [r for r, (prompt, m) in self.truth.items()
+                                  if self.tokens_upto(r, len(key[1])) == list(key[1])]
+                        wrong = (f"committed page {page} (page {k} of a path of {len(pages)},"
+                                 f" tokens of {owners}) holds {what}")
+                        del have
                         break
                 if wrong:
                     break
