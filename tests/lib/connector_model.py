@@ -61,7 +61,7 @@ class Options:
     token_budget: int = 48          # small: long prompts are prefilled in chunks
     num_blocks: int = 28            # vLLM's KV blocks: small, so requests get preempted
     num_pages: int = 40             # hostkv's pages: small, so pages get evicted
-    fault_rate: float = 0.08        # per step and per kind of fault
+    fault_rate: float = 0.04        # per step and per kind of fault
 
 
 def prefix_hashes(tokens: List[int]) -> np.ndarray:
@@ -186,7 +186,9 @@ class Harness:
                                             UNWRITTEN) for name in LAYER_NAMES}
                 worker.register_kv_caches(tensors)
                 self.workers.append(worker)
-                self.tensors.append(tensors)
+                # numpy views of the same memory: the forward's reads and writes (torch's
+                # indexing by lists is ~100x slower here).
+                self.tensors.append({name: t.numpy() for name, t in tensors.items()})
         finally:
             connector_module._tensor_parallel_rank = original_rank
         self.other = hostkv.HostKVCache.attach(segment)
@@ -195,7 +197,10 @@ class Harness:
         self.depth = 2 if opts.async_scheduling else 1
         # req_id -> (prompt, max_tokens); the generated token at position p is a function
         # of the request and p, so every token a request will ever hold is known.
-        self.truth: Dict[str, Tuple[List[int], int]] = {}
+        # Every request ever added (vLLM's Request: its token ids, also after it ended), and
+        # the token each last sampled.
+        self.requests: Dict[str, Any] = {}
+        self.last_sampled: Dict[str, int] = {}
         self.hashes: Dict[str, np.ndarray] = {}
         self.next_req = 0
         self.block_tables: Dict[str, List[int]] = {}
@@ -207,21 +212,27 @@ class Harness:
 
     # -- the model's truth ------------------------------------------------------------------
 
-    def token(self, req_id: str, p: int) -> int:
-        prompt, _ = self.truth[req_id]
-        if p < len(prompt):
-            return prompt[p]
-        return (int(req_id[1:]) * 7919 + p * 104729) % 997 + 3
+    def sample(self, req_id: str, p: int) -> int:
+        """The token the "model" samples for position p of a request: one per request.
+        vLLM appends a step's token wherever the request ends when the output arrives,
+        which after a load error (a step's output dropped, the next one's kept) is not the
+        position it was sampled for; a token independent of the position keeps every
+        token id, and so every block's correct KV, the same whichever step sampled it."""
+        return int(req_id[1:]) * 7919 % 997 + 3
 
     def tokens_upto(self, req_id: str, n: int) -> List[int]:
-        return [self.token(req_id, p) for p in range(n)]
+        """The request's token ids [0, n) as the model runner has them: vLLM's, then the
+        tokens it sampled in steps whose output vLLM has not processed yet."""
+        tokens = list(self.requests[req_id].all_token_ids[:n])
+        return tokens + [self.sample(req_id, p) for p in range(len(tokens), n)]
 
     def hashes_upto(self, req_id: str, n: int) -> np.ndarray:
+        tokens = self.tokens_upto(req_id, n)
         have = self.hashes.get(req_id)
-        if have is None or len(have) < n:
-            have = prefix_hashes(self.tokens_upto(req_id, max(n, 64)))
+        if have is None or have[0][:n] != tokens:
+            have = (tokens, prefix_hashes(tokens))
             self.hashes[req_id] = have
-        return have[:n]
+        return have[1][:n]
 
     def note(self, what: str) -> None:
         self.log.append(f"step {self.step_no}: {what}")
@@ -244,13 +255,12 @@ class Harness:
         rng = self.rng
         req_id = f"r{self.next_req}"
         self.next_req += 1
-        served = [r for r in self.truth if r not in self.aborted]
+        served = [r for r in self.requests if r not in self.aborted]
         kind = rng.random()
         if served and kind < 0.35:
             # Another turn of an earlier conversation: its prompt and what it generated.
             base = rng.choice(served)
-            prompt, max_tokens = self.truth[base]
-            prompt = self.tokens_upto(base, len(prompt) + rng.randrange(0, max_tokens + 1))
+            prompt = list(self.requests[base].all_token_ids)
         elif kind < 0.7:
             # A shared system prompt.
             base_rng = random.Random(rng.randrange(3))
@@ -259,11 +269,11 @@ class Harness:
             prompt = []
         prompt = prompt + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 60))]
         max_tokens = rng.randrange(1, 24)
-        self.truth[req_id] = (prompt, max_tokens)
         init_none_hash(sha256)
         request = Request(req_id, list(prompt),
                           SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
                           block_hasher=get_request_block_hasher(BS, sha256))
+        self.requests[req_id] = request
         self.scheduler.add_request(request)
         self.note(f"add {req_id} prompt {len(prompt)} max_tokens {max_tokens}")
 
@@ -387,6 +397,9 @@ class Harness:
             self.note(f"meta {meta.step} load {req_id} blocks {blocks}")
         for req_id, blocks, pages in meta.saves:
             self.note(f"meta {meta.step} save {req_id} blocks {blocks}")
+        if meta.preempted:
+            # A held copy would hold handle_preemptions' wait forever; real copies end.
+            self._release_holds(all_=True)
         for rank, worker in enumerate(self.workers):
             engine = worker._worker.engine
             if meta.loads and rng.random() < self.opts.fault_rate:
@@ -444,8 +457,11 @@ class Harness:
         sampled = []
         for req_id in req_ids:
             computed_end = self.computed[req_id] + out.num_scheduled_tokens[req_id]
-            sampled.append([self.token(req_id, computed_end)]
-                           if req_id in self.sampling else [])
+            if req_id in self.sampling:
+                self.last_sampled[req_id] = self.sample(req_id, computed_end)
+                sampled.append([self.last_sampled[req_id]])
+            else:
+                sampled.append([])
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
@@ -481,7 +497,7 @@ class Harness:
         tp = self.opts.tp
         parts = []
         for name in LAYER_NAMES:
-            t = self.tensors[rank][name][blocks].numpy()        # [b, h, t, 2*dim]
+            t = self.tensors[rank][name][blocks]                # [b, h, t, 2*dim]
             t = t.reshape(len(blocks), HEADS // tp, BS, 2, DIM).transpose(3, 0, 2, 1, 4)
             parts.append(t.reshape(2, len(blocks) * BS, HEADS // tp, DIM)[:, :n])
         return np.stack(parts)
@@ -489,8 +505,6 @@ class Harness:
     def _write(self, blocks: List[int], start: int, values: np.ndarray) -> None:
         """Writes [layers, 2, n, heads, dim] at positions [start, start + n) on every rank
         (each its own heads)."""
-        import torch
-
         tp = self.opts.tp
         local = HEADS // tp
         n = values.shape[2]
@@ -501,9 +515,7 @@ class Harness:
             heads = values[:, :, :, rank * local:(rank + 1) * local]   # [l, 2, n, h, d]
             for li, name in enumerate(LAYER_NAMES):
                 v = heads[li].transpose(1, 2, 0, 3).reshape(n, local, 2 * DIM)  # [n, h, 2d]
-                t = self.tensors[rank][name]
-                t[torch.from_numpy(blk), :, torch.from_numpy(slot)] = torch.from_numpy(
-                    np.ascontiguousarray(v))
+                self.tensors[rank][name][blk, :, slot] = v
 
     def _forward(self, out: Any) -> List[Tuple[str, int]]:
         """Computes every scheduled request's tokens; returns (request, block) for each
@@ -586,8 +598,8 @@ class Harness:
                         what = ("poison: KV computed on wrong KV" if (have == POISON).any()
                                 else "never written" if (have == UNWRITTEN).any()
                                 else "other KV")
-                        owners = [r for r, (prompt, m) in self.truth.items()
-                                  if self.tokens_upto(r, len(key[1])) == list(key[1])]
+                        owners = [r for r, request in self.requests.items()
+                                  if list(request.all_token_ids[:len(key[1])]) == list(key[1])]
                         wrong = (f"committed page {page} (page {k} of a path of {len(pages)},"
                                  f" tokens of {owners}) holds {what}")
                         del have
