@@ -61,7 +61,7 @@ class Options:
     token_budget: int = 48          # small: long prompts are prefilled in chunks
     num_blocks: int = 28            # vLLM's KV blocks: small, so requests get preempted
     num_pages: int = 40             # hostkv's pages: small, so pages get evicted
-    fault_rate: float = 0.04        # per step and per kind of fault
+    fault_rate: float = 0.08        # per step and per kind of fault
 
 
 def prefix_hashes(tokens: List[int]) -> np.ndarray:
