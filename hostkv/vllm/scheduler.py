@@ -529,6 +529,12 @@ class SchedulerSide:
             for load in loads:
                 meta.bad_blocks.extend(load.blocks)
                 self.unheld_late.append((load.st, load.first))
+            # The step's blocks for each scheduled request (new, resumed or appended) are
+            # not recorded: a later save would copy the wrong vLLM blocks into its pages.
+            for req_id in list(getattr(out, "num_scheduled_tokens", None) or ()):
+                scheduled = self.reqs.get(req_id)
+                if scheduled is not None:
+                    self.unheld_late.append((scheduled, None))
             # Requests admitted after the owner in this step may have taken the unloaded
             # blocks as vLLM prefix-cache hits.
             owners = {load.req_id for load in loads}
