@@ -89,7 +89,8 @@ def test_a_step_is_reported_only_once_its_save_is_over(segment_name):
         assert worker.take_finished_sending() == set()
         release.set()
         worker.drain()
-        assert worker.done == [(1, 0, [])]
+        # Step 2 copied nothing; it is reported too, after step 1 (steps in order).
+        assert worker.done == [(1, 0, []), (2, 0, [])]
         assert worker.take_finished_sending() == {"r1"}
         assert worker.take_finished_sending() == set()      # reported once
         assert _page_equals_block(cache, tensors, 2, 4)

@@ -286,10 +286,13 @@ def test_hard_eviction_beside_failing_saves(engines):
         try:
             with hostkv.HostKVCache.attach(world["segment"]) as cache:
                 evictor_rng = random.Random(5)
-                # From the faulty engine's first sequence on (the clean engine is idle):
+                # From the faulty engine's first allocation on (the clean engine is idle):
                 # its first requests then surely borrow and load, and the later ones' lookups
                 # race the evictions. Evicting from the start could leave nothing to load.
-                while not stop.is_set() and cache.stats().active_sequences == 0:
+                # Its counter, not its live sequences: a sequence may come and go between
+                # two looks.
+                allocated = cache.stats().pages_allocated
+                while not stop.is_set() and cache.stats().pages_allocated == allocated:
                     time.sleep(0.001)
                 while not stop.is_set():
                     evicted[0] += cache.evict(evictor_rng.randrange(1, 5))

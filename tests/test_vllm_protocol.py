@@ -201,7 +201,7 @@ def test_a_step_built_without_the_lock_reports_every_promised_load_bad(segment_n
     """The lock is busy when vLLM asks for a step's metadata: vLLM runs the forward
     anyway, so the step's promised loads go to it as bad blocks (never loaded later into
     blocks it computed on), finishing requests stay finishing, preempted ones are named;
-    the request saves nothing until vLLM recomputes from its first unloaded block."""
+    the request, whose blocks of that step were never recorded, saves nothing more."""
     hv = vllm_module()
     sched = _scheduler(hv, segment_name, lock_timeout=0.05, async_saves=True)
     connector = _connector_with(hv, sched)
@@ -226,12 +226,13 @@ def test_a_step_built_without_the_lock_reports_every_promised_load_bad(segment_n
         assert (meta.loads, meta.saves) == ([], [])
         assert meta.bad_blocks == blocks[:4]
         assert (meta.finishing, meta.preempted) == (["gone"], ["p"])
-        # The next step, planned before vLLM learnt of the bad blocks, saves nothing;
-        # nor does any later one that still computes on top of them.
+        # The blocks vLLM gave the request in that step were never recorded, so nothing
+        # of it is saved again: not the next step, planned before vLLM learnt of the bad
+        # blocks, nor one that recomputes them.
         nxt = connector.build_connector_meta(_cached(request, 6 * BLOCK_SIZE, 1))
         assert (nxt.loads, nxt.saves, nxt.bad_blocks) == ([], [], [])
         again = connector.build_connector_meta(_cached(request, 0, 6 * BLOCK_SIZE + 1))
-        assert _saved(again) == blocks[4:6]
+        assert again.saves == [] and sched.reqs["r"].frozen
         connector.request_finished(request, blocks)
         assert sched.counters.values["failures"] >= 1
     finally:
@@ -413,6 +414,32 @@ def test_a_failed_load_freezes_every_request_that_holds_its_blocks(segment_name)
         assert set(b1[:4]) <= sched.kv_cache_manager.evicted
         sched.request_finished(r1)
         sched.request_finished(r2)
+        sched.cache.check()
+    finally:
+        sched.shutdown()
+
+
+def test_a_finished_request_whose_report_was_lost_is_released_at_a_later_step(segment_name):
+    """A request finishes; the report of its last step is lost. Its sequence (and the pages
+    it reserved) waits for that report, until the report of any later step, one without
+    copies too, shows it lost: then it is released, its save never committed. (Workers
+    report every step, copies or not, so an engine that goes on decoding reports one.)"""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    sched = _scheduler(hv, segment_name)
+    try:
+        request = vllm_request("r", random_tokens(random.Random(10), BLOCK_SIZE + 1))
+        sched.get_num_new_matched_tokens(request, 0)
+        sched.update_state_after_alloc(request, vllm_blocks([0, 1]), 0)
+        one = sched.build_connector_meta(_new(request, [0, 1], 0, BLOCK_SIZE + 1))
+        assert _saved(one) == [0]
+        sched.request_finished(request)
+        assert sched.cache.stats().active_sequences == 1
+        idle = sched.build_connector_meta(SchedulerOutput.make_empty())
+        _report(hv, sched, (idle.step, 0, []))           # step one's report never came
+        stats = sched.cache.stats()
+        assert (stats.active_sequences, stats.cached_pages) == (0, 0)
         sched.cache.check()
     finally:
         sched.shutdown()

@@ -200,7 +200,10 @@ class WorkerSide:
                 pages = len(page_ids)
                 for req_id in saving:
                     self.saving[req_id] = self.saving.get(req_id, 0) + 1
-        if meta.loads or meta.saves:
+        if meta.step > 0:
+            # Every step is reported, copies or not: a later step's report is how the
+            # scheduler learns that an older one's was lost, and releases what waited
+            # for it.
             self.inflight.append(_StepCopies(meta.step, transfer, self.loading, failed,
                                              saving, pages, self.loading_reqs,
                                              self.loading_blocks))
