@@ -14,7 +14,6 @@ cdef class Segment(SegmentLock):
     cdef _map(self, name, int fd, int64_t size)
     cdef _populate_metadata(self)
     cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions)
-    cdef _reserve(self, name, int fd, HkvConfig* ccfg, HkvRegions* regions)
     cdef _bind_regions(self)
     cdef _validate(self)
     cdef int dead_leases(self) except -1
