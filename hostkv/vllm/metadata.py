@@ -28,6 +28,10 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
             until every worker reports them finished sending (its saves are over).
         preempted: Requests vLLM preempted this step: their blocks go to other requests,
             so a worker finishes their saves before this step's forward.
+        segment_id: The id of the segment the scheduler's pages are in
+            (``HostKVCache.segment_id``); 0: unknown. A worker that mapped a segment of
+            another id (the name was unlinked and made again between their opens) copies
+            nothing: its loads are reported bad, its saves failed.
     """
 
     step: int = 0
@@ -36,6 +40,7 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
     bad_blocks: List[int] = dataclasses.field(default_factory=list)
     finishing: List[str] = dataclasses.field(default_factory=list)
     preempted: List[str] = dataclasses.field(default_factory=list)
+    segment_id: int = 0
 
 
 @dataclasses.dataclass

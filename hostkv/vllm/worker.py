@@ -22,6 +22,7 @@ import torch
 
 from hostkv.cache import HostKVCache
 from hostkv.copy_engine import CopyEngine
+from hostkv.errors import IncompatibleSegmentError
 from hostkv.transfers import Transfer
 from hostkv.vllm.layout import EngineKV, describe_layout
 from hostkv.vllm.metadata import HostKVConnectorMetadata
@@ -83,6 +84,8 @@ class WorkerSide:
         # every layer's was, the forward is known to wait per layer.
         self.layer_waits: Set[str] = set()
         self.per_layer_waits = False
+        self.segment_id = cache.segment_id
+        self.mismatched_step = -1
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         """Maps vLLM's per-layer KV tensors onto the pages (start-up: raises, naming the
@@ -140,6 +143,22 @@ class WorkerSide:
             raise RuntimeError("vLLM's KV caches are not registered (asleep?)")
         return self.engine
 
+    def _other_segment(self, meta: HostKVConnectorMetadata) -> bool:
+        """Whether the scheduler's pages are in another segment than this worker mapped
+        (the name was unlinked and made again between their opens): its page numbers mean
+        nothing here. Counted once a step, logged once."""
+        theirs = getattr(meta, "segment_id", 0)
+        if not theirs or theirs == self.segment_id:
+            return False
+        if self.mismatched_step != meta.step:
+            self.mismatched_step = meta.step
+            self.failures.note("segment", IncompatibleSegmentError(
+                f"the scheduler's segment {self.cache.name!r} has id {theirs:#x}, this "
+                f"worker mapped id {self.segment_id:#x} (unlinked and made again between "
+                "their opens): this worker copies nothing"))
+            self.counters.add("failures", 1)
+        return True
+
     def start_load_kv(self, meta: HostKVConnectorMetadata) -> None:
         """Copies this step's borrowed pages into their blocks (before the forward; on a
         GPU they are enqueued, and each layer's attention waits for its own)."""
@@ -149,6 +168,11 @@ class WorkerSide:
         self.loading = None
         self.loading_reqs = []
         if not meta.loads:
+            return
+        if self._other_segment(meta):
+            # Its loads are recomputed, and nothing of these requests is committed.
+            self.bad_blocks.update(b for _, _, bs in meta.loads for b in bs)
+            self.load_failed = {req_id for req_id, _, _ in meta.loads}
             return
         pages = [p for _, ps, _ in meta.loads for p in ps]
         blocks = [b for _, _, bs in meta.loads for b in bs]
@@ -189,6 +213,9 @@ class WorkerSide:
             self.per_layer_waits = len(self.layer_waits) == len(self.layer_index)
         failed = set(self.load_failed)
         saves = [s for s in meta.saves if s[0] not in self.load_failed]
+        if saves and self._other_segment(meta):
+            failed |= {req_id for req_id, _, _ in saves}
+            saves = []
         transfer: Optional[Transfer] = None
         saving: List[str] = []
         pages = 0
