@@ -613,6 +613,8 @@ cdef class Segment(SegmentLock):
                     log_store_i32(self, &lease.ls_pid, getpid())
                     log_store_i64(self, <int64_t*>&lease.ls_generation, <int64_t>lease.ls_generation + 1)
                     log_store_i64(self, &lease.ls_registered_ns, now_ns(CLOCK_REALTIME))
+                    log_store_i32(self, &lease.ls_parent_slot, -1)
+                    log_store_i64(self, <int64_t*>&lease.ls_parent_generation, 0)
                     log_store_i32(self, &self.hdr.hdr_active_leases, self.hdr.hdr_active_leases + 1)
                     self.commit()
                 except BaseException:
@@ -651,15 +653,40 @@ cdef class Segment(SegmentLock):
             lease_call(self.lease_holder, LEASE_DROP, NULL)
 
     cdef int dead_leases(self) except -1:
-        """How many lease slots are held by dead processes (probes only, changes nothing
-        the sweep would not)."""
+        """How many lease slots are held by dead processes that a sweep would reclaim now
+        (not those quarantined for a live member of their group: see has_live_member).
+        Probes only, changes nothing the sweep would not."""
         cdef int32_t slot
         cdef int dead = 0
+        cdef HkvLease* lease
         for slot in range(self.hdr.hdr_config.cfg_max_processes):
-            if slot != self.lease_slot and self.lease_at(slot).ls_state == HKV_LEASE_ACTIVE:
-                if not self.lease_alive(slot):
+            lease = self.lease_at(slot)
+            if slot != self.lease_slot and lease.ls_state == HKV_LEASE_ACTIVE:
+                if not self.lease_alive(slot) and not self.has_live_member(slot, lease.ls_generation):
                     dead += 1
         return dead
+
+    cdef bint has_live_member(self, int32_t slot, uint64_t generation) except -1:
+        """Whether a live process's lease names lease (slot, generation) as its parent: a
+        process that works for it (a vLLM worker for its engine's scheduler) and may still
+        be writing the pages its sequences reserved. While one lives, a dead parent's
+        sequences stay as they are (quarantined), so no page of theirs is handed out while
+        a member may write it. Compares values only: nothing read here is followed."""
+        cdef int32_t other
+        cdef HkvLease* lease
+        for other in range(self.hdr.hdr_config.cfg_max_processes):
+            if other == slot:
+                continue
+            lease = self.lease_at(other)
+            if (lease.ls_state != HKV_LEASE_ACTIVE or lease.ls_parent_generation == 0
+                    or lease.ls_parent_slot != slot or lease.ls_parent_generation != generation):
+                continue
+            if other == self.lease_slot and self.fork_epoch == fork_epoch():
+                return True
+            check_mutex(self, &lease.ls_mutex, f"lease slot {other}")
+            if probe_mutex(&lease.ls_mutex) == EBUSY:
+                return True
+        return False
 
     cdef int sweep_leases(self) except -1:
         """Frees the lease of every process that has died, and what it held. Returns how
@@ -688,6 +715,8 @@ cdef class Segment(SegmentLock):
             # Unheld or owner-dead: the process is gone (a live one always holds it).
             if rc != 0 and rc != EOWNERDEAD and rc != ENOTRECOVERABLE:
                 raise os_error(rc, f"probe lease slot {slot}", self.name)
+            if self.has_live_member(slot, lease.ls_generation):
+                continue                       # quarantined until its group's last member dies
             for i in range(_num_dead_lease_hooks):
                 _dead_lease_hooks[i](self, slot)
             log_store_i32(self, <int32_t*>&lease.ls_state, HKV_LEASE_FREE)
@@ -856,6 +885,72 @@ cdef class Segment(SegmentLock):
         check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
         return probe_mutex(&lease.ls_mutex) == EBUSY
 
+    def lease_identity(self):
+        """(slot, generation) of this handle's lease, or None for an observer."""
+        self._check_open()
+        if self.fork_epoch != fork_epoch():
+            self._after_fork()
+        if self.lease_slot < 0:
+            return None
+        return (self.lease_slot, self.lease_generation)
+
+    def lease_alive_as(self, int32_t slot, uint64_t generation):
+        """Whether lease (slot, generation) is held by a live process: the slot is active,
+        still that registration (a slot taken again is another process), and its mutex
+        held. No lock: one probe, cheap enough to ask before each submission of copies."""
+        cdef HkvLease* lease
+        self._check_open()
+        check_shape(self)
+        if not 0 <= slot < self.hdr.hdr_config.cfg_max_processes:
+            return False
+        lease = self.lease_at(slot)
+        if lease.ls_state != HKV_LEASE_ACTIVE or lease.ls_generation != generation:
+            return False
+        return self.lease_alive(slot) and lease.ls_generation == generation
+
+    def join_lease_group(self, int32_t slot, uint64_t generation):
+        """Names lease (slot, generation) as the parent of this handle's lease: this process
+        works for it (writes pages its sequences reserved). While this lease lives, the
+        parent's sequences are not released if the parent dies: their pages stay
+        quarantined, never handed out while this process may still write them; the sweep
+        after this lease's end (close or death) releases them.
+
+        Returns True once joined, False when that lease is not held by a live process (gone,
+        or taken again): then nothing of it may be written. A logged mutation.
+
+        Raises:
+            ValueError: an observer (no lease), a slot outside the table, generation 0,
+                or this handle's own lease.
+        """
+        cdef HkvLease* parent
+        cdef HkvLease* own
+        self._check_open()
+        if self.fork_epoch != fork_epoch():
+            self._after_fork()
+        if self.lease_slot < 0:
+            raise ValueError("an observer's handle has no lease to join a group with")
+        if not 0 <= slot < self.hdr.hdr_config.cfg_max_processes or generation == 0:
+            raise ValueError(
+                f"lease ({slot}, {generation}) is not a lease of this segment (slots [0, "
+                f"{self.hdr.hdr_config.cfg_max_processes}), generations from 1)")
+        if slot == self.lease_slot:
+            raise ValueError(f"lease slot {slot} is this handle's own")
+        self.begin()
+        try:
+            parent = self.lease_at(slot)
+            own = self.lease_at(self.lease_slot)
+            if (parent.ls_state != HKV_LEASE_ACTIVE or parent.ls_generation != generation
+                    or not self.lease_alive(slot)):
+                self.commit()
+                return False
+            if own.ls_parent_slot != slot or own.ls_parent_generation != generation:
+                log_store_i32(self, &own.ls_parent_slot, slot)
+                log_store_i64(self, <int64_t*>&own.ls_parent_generation, <int64_t>generation)
+            self.commit()
+            return True
+        finally:
+            self.end()
+
     def metrics_info(self):
         """The metrics region as plain Python values (call with the lock held)."""
         self._check_open()
@@ -900,6 +995,13 @@ cdef class Segment(SegmentLock):
         problem = lease_table_problem(<HkvLease*>(self.base + self.hdr.hdr_regions.reg_leases),
                                       self.hdr.hdr_config.cfg_max_processes,
                                       self.hdr.hdr_active_leases)
+        for slot in range(self.hdr.hdr_config.cfg_max_processes):
+            lease = self.lease_at(slot)
+            if lease.ls_state == HKV_LEASE_ACTIVE and lease.ls_parent_generation != 0 and (
+                    not 0 <= lease.ls_parent_slot < self.hdr.hdr_config.cfg_max_processes
+                    or lease.ls_parent_slot == slot):
+                problem = problem or (f"lease slot {slot} names lease slot "
+                                      f"{lease.ls_parent_slot} as its parent")
         if problem is not None:
             self.corrupt(problem)
         if self.lease_slot >= 0 and self.fork_epoch == fork_epoch():

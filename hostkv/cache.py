@@ -201,6 +201,13 @@ class PrefaultStatus:
     huge_policy: str
 
 
+def _lease_args(slot: Any, generation: Any) -> Tuple[int, int]:
+    """A lease's (slot, generation), checked: an int32 and a uint64."""
+    return (int_in(slot, -2**31, 2**31, ValueError, "slot", "an integer", "be an int32"),
+            int_in(generation, 0, 2**64, ValueError, "generation", "an integer",
+                   "be in [0, 2**64)"))
+
+
 class HostKVCache:
     """A handle on a hostkv segment: the shared page pool and prefix cache.
 
@@ -614,8 +621,45 @@ class HostKVCache:
         return _radix.evict(self._segment, _page_count(num_pages, "num_pages"))
 
     def reap(self) -> int:
-        """Releases what dead processes held, now. Returns how many dead processes it found."""
+        """Releases what dead processes held, now. Returns how many dead processes it found.
+
+        A dead process whose lease group still has a live member (see
+        :meth:`join_lease_group`) is left as it is, its pages quarantined, until the last
+        member has closed or died."""
         return self._segment.reap()
+
+    @property
+    def lease_identity(self) -> Optional[Tuple[int, int]]:
+        """(slot, generation) of this handle's lease in the segment (None: an observer).
+
+        Another process of the same job passes it to :meth:`join_lease_group`."""
+        return self._segment.lease_identity()
+
+    def lease_alive(self, slot: int, generation: int) -> bool:
+        """Whether lease (slot, generation) is held by a live process. One probe of its
+        mutex, no lock: cheap enough to ask before each submission of copies."""
+        return self._segment.lease_alive_as(*_lease_args(slot, generation))
+
+    def join_lease_group(self, slot: int, generation: int) -> bool:
+        """Makes this handle's lease a member of lease (slot, generation)'s group: this
+        process writes pages that lease's sequences reserved (a vLLM worker for its
+        engine's scheduler, which owns the sequences).
+
+        If that lease's process dies while this one lives, its sequences are not released
+        and their pages are not handed out to anyone (they stay quarantined): this process
+        may still be writing them. The sweep after this handle's close, or its process's
+        death, releases them (the last live member's, where several joined). Call it before
+        the first copy into those pages.
+
+        Returns:
+            True once joined (idempotent); False when that lease is not held by a live
+            process: nothing its sequences reserved may be written.
+
+        Raises:
+            ValueError: an observer's handle, a lease outside the table, or its own lease.
+            LockTimeoutError: the segment's lock was not had within lock_timeout.
+        """
+        return self._segment.join_lease_group(*_lease_args(slot, generation))
 
     def pages_array(self) -> np.ndarray:
         """The page pool as a writable uint8 array [num_pages, page_bytes], without copying.
