@@ -113,3 +113,54 @@ def test_a_worker_that_mapped_another_segment_copies_nothing(segment_name, caplo
     finally:
         worker.shutdown()
         scheduler_cache.close()
+
+
+def test_a_worker_joins_its_schedulers_group_and_stops_saving_once_it_is_dead(
+        segment_name, procs):
+    """The worker joins its scheduler's lease group before its first copy (so a dead
+    scheduler's pages stay quarantined while the worker lives), and saves nothing once the
+    scheduler's lease is dead: its requests are reported failed, the pool untouched."""
+    import multiprocessing
+
+    hv = vllm_module()
+    import torch
+
+    from hostkv.copy_engine import VLLM
+    from test_lease_groups import _scheduler
+
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float32")
+    kv = hv.EngineKV(layout, BLOCK_SIZE, ("l0", "l1"), VLLM, tp_world=1, backend="test")
+    cache = hv.open_segment(hv.HostKVSettings(segment=segment_name, num_pages=32), layout,
+                            BLOCK_SIZE)
+    answers = multiprocessing.get_context("spawn").Queue()
+    scheduler = procs(_scheduler, segment_name, answers, None)
+    lease, _ = answers.get(timeout=60)
+    worker = hv.worker.WorkerSide(cache, kv, 0, hv.metrics.Failures(), hv.metrics.Counters())
+    tensors = {name: torch.randn(6, 4, BLOCK_SIZE, 128) for name in ("l0", "l1")}
+    try:
+        worker.register_kv_caches(tensors)
+        meta = hv.HostKVConnectorMetadata(step=1, saves=[("r1", [4], [20])],
+                                          segment_id=cache.segment_id, scheduler_lease=lease)
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        assert worker.done == [(1, 0, [])]
+        assert worker.parent == lease
+        scheduler.kill()
+        scheduler.join(60)
+        pool = cache.pages_tensor()
+        pool[21].fill_(7.0)
+        meta = hv.HostKVConnectorMetadata(step=2, saves=[("r2", [5], [21])],
+                                          segment_id=cache.segment_id, scheduler_lease=lease)
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        assert worker.done[-1] == (2, 0, ["r2"])
+        assert bool((pool[21] == 7.0).all())                   # nothing saved
+        del pool
+        assert cache.reap() == 0            # its pages stay quarantined: the worker lives
+    finally:
+        worker.shutdown()
+    with hostkv.HostKVCache.attach(segment_name) as after:
+        after.reap()                        # the worker closed: the scheduler is released
+        assert after.stats().active_processes == 1
+        assert after.stats().free_pages == 32
+        after.check()

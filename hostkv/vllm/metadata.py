@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -32,6 +32,11 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
             (``HostKVCache.segment_id``); 0: unknown. A worker that mapped a segment of
             another id (the name was unlinked and made again between their opens) copies
             nothing: its loads are reported bad, its saves failed.
+        scheduler_lease: The scheduler's lease in the segment, (slot, generation)
+            (``HostKVCache.lease_identity``); None: unknown. Each worker joins its group
+            before its first copy, so that, should the scheduler die, the pages its
+            sequences reserved stay quarantined while a worker may still write them; and
+            a worker stops saving once that lease is dead.
     """
 
     step: int = 0
@@ -41,6 +46,7 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
     finishing: List[str] = dataclasses.field(default_factory=list)
     preempted: List[str] = dataclasses.field(default_factory=list)
     segment_id: int = 0
+    scheduler_lease: Optional[Tuple[int, int]] = None
 
 
 @dataclasses.dataclass

@@ -402,7 +402,7 @@ class SchedulerSide:
         meta = HostKVConnectorMetadata(
             step=step, loads=[(ld.req_id, ld.pages, ld.blocks) for ld in loads],
             bad_blocks=bad, finishing=finishing)
-        meta.segment_id = self.cache.segment_id
+        meta.segment_id, meta.scheduler_lease = self.cache.segment_id, self.cache.lease_identity
         try:
             saves = self._plan_saves(out)
         except Exception as exc:          # noqa: BLE001 - fail open, forgetting nothing
