@@ -24,14 +24,19 @@ import dataclasses
 import functools
 import re
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from hostkv._blockcopy import check_blocks, copy_layers, populate_pages
+from hostkv._copyplan import CopyPlan
+from hostkv._validate import is_bool
 from hostkv.config import KVLayout
 from hostkv.transfers import CopyThread, Transfer
+
+if TYPE_CHECKING:
+    from hostkv.cuda_copy import CudaCopier
 
 __all__ = ["BlockLayout", "CopyEngine", "CopyPlan", "head_slice_for_rank"]
 
@@ -138,46 +143,6 @@ def head_slice_for_rank(total_heads: int, rank: int, world: int) -> Tuple[int, i
     return head, head + 1, rank % replicas == 0
 
 
-@dataclasses.dataclass(frozen=True)
-class CopyPlan:
-    """One layer's copy, as the compiled loop takes it: a grid of contiguous runs per block.
-
-    Attributes:
-        shape: The grid's axes (runs of ``run`` bytes), outermost first.
-        pool_strides, engine_strides: Each grid axis's stride in bytes on either side.
-        run: Bytes of one contiguous run.
-    """
-
-    shape: Tuple[int, ...]
-    pool_strides: Tuple[int, ...]
-    engine_strides: Tuple[int, ...]
-    run: int
-
-    @staticmethod
-    def build(shape: Sequence[int], pool_strides: Sequence[int],
-              engine_strides: Sequence[int], itemsize: int) -> "CopyPlan":
-        """Coalesces a block's element grid into the fewest, longest runs.
-
-        Axes of size 1 drop out; the innermost axes contiguous on both sides become the
-        run; then neighbours that are contiguous with each other on both sides merge.
-        """
-        axes = [(int(n), int(p), int(e)) for n, p, e in zip(shape, pool_strides, engine_strides)
-                if n != 1]
-        run = itemsize
-        while axes and axes[-1][1] == run and axes[-1][2] == run:
-            run *= axes.pop()[0]
-        merged: List[Tuple[int, int, int]] = []
-        for n, p, e in axes:
-            if merged:
-                on, op, oe = merged[-1]
-                if op == p * n and oe == e * n:
-                    merged[-1] = (on * n, p, e)
-                    continue
-            merged.append((n, p, e))
-        return CopyPlan(tuple(a[0] for a in merged), tuple(a[1] for a in merged),
-                        tuple(a[2] for a in merged), run)
-
-
 def _canonical_view(tensor: torch.Tensor, block_layout: BlockLayout,
                     sizes: Dict[str, int]) -> torch.Tensor:
     """The tensor viewed (no copy) as [layer?, block, kv, token, head, dim]."""
@@ -212,6 +177,104 @@ def _canonical_view(tensor: torch.Tensor, block_layout: BlockLayout,
             names.append(name)
     order = [names.index(name) for name in ("layer", "block") + _CANONICAL if name in names]
     return view.permute(order)
+
+
+def _index_array(values: Sequence[int], what: str) -> np.ndarray:
+    """Block or page indices as a 1-D integer array, not yet range-checked.
+
+    Python and numpy integers, in a sequence or a numpy (or CPU torch) integer array; one
+    integer is one index. numpy would take ``1.9`` for block 1 and ``True`` for block 1
+    without a word, so floats and bools, numpy's included, are refused, as hostkv refuses
+    them everywhere (``hostkv._validate``).
+
+    Raises:
+        ValueError: anything else, naming the values.
+    """
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
+        return values                    # the common case, first and cheap
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise ValueError(f"hostkv: {what} must be integers, got {type(values).__name__}: "
+                         f"{exc}") from None
+    if arr.size == 0 and arr.ndim == 1:
+        return np.empty(0, dtype=np.int64)   # numpy makes [] float64
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"hostkv: {what} must be integers, got {arr.dtype} values "
+                         f"{_head(arr)}")
+    if arr.ndim == 0:
+        return arr.reshape(1)
+    if arr.ndim != 1:
+        raise ValueError(f"hostkv: {what} must be a 1-D sequence of integers, got shape "
+                         f"{arr.shape}: {_head(arr)}")
+    if not isinstance(values, np.ndarray):
+        # numpy turns True among integers into 1: look at the elements that became 0 or 1.
+        for i in np.flatnonzero(arr <= 1).tolist():
+            element = values[i]
+            if is_bool(element):
+                raise ValueError(f"hostkv: {what}[{i}] is {element!r}: {what} must be "
+                                 "integers, not bools")
+    return arr
+
+
+def _head(arr: np.ndarray) -> str:
+    """An array's first values, for messages."""
+    values = arr.reshape(-1)[:16].tolist()
+    return f"{values}{' ...' if arr.size > 16 else ''}"
+
+
+def _pool_bytes(pool: torch.Tensor, layout: KVLayout, page_size: int) -> torch.Tensor:
+    """The pool's bytes as a flat uint8 tensor over the same memory, once the pool is seen
+    to hold whole pages of ``layout`` and ``page_size``.
+
+    Raises:
+        ValueError: not a tensor, not a CPU tensor, not contiguous (reshape would copy it:
+            the copies would fill the copy), or pages of another size (a pool whose first
+            axis is not its pages, or a segment of another page size or layout: its bytes
+            would be read as pages of this one).
+    """
+    if not isinstance(pool, torch.Tensor):
+        raise ValueError(f"hostkv: the pool must be a torch.Tensor, got {type(pool).__name__}")
+    if pool.device.type != "cpu":
+        raise ValueError(f"hostkv: the pool is host memory, got a tensor on {pool.device}")
+    if not pool.is_contiguous():
+        raise ValueError(f"hostkv: the pool must be contiguous, got shape {tuple(pool.shape)} "
+                         f"stride {tuple(pool.stride())}")
+    page_bytes = layout.page_bytes(page_size)
+    nbytes = pool.numel() * pool.element_size()
+    # A pool of more than one axis has one page per index of its first (pages_tensor(),
+    # pages_array()); a flat pool, only its size to go by.
+    per_page = nbytes // pool.shape[0] if pool.dim() > 1 and pool.shape[0] else page_bytes
+    if per_page != page_bytes or nbytes % page_bytes or nbytes == 0:
+        raise ValueError(
+            f"hostkv: a pool of shape {tuple(pool.shape)} {pool.dtype} ({nbytes} bytes"
+            f"{f', {per_page} a page' if pool.dim() > 1 else ''}) does not hold pages of "
+            f"{page_size} tokens x {layout.token_bytes} bytes ({page_bytes} bytes a page)")
+    flat = pool.reshape(-1)
+    return flat if pool.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _check_layers_agree(views: Sequence[torch.Tensor]) -> None:
+    """Every layer's view has the same number of blocks and lives on the same device: the
+    compiled loop checks the indices against one count, and reads every layer's memory
+    from one side.
+
+    Raises:
+        ValueError: naming the layers that differ from layer 0, and how.
+    """
+    blocks = [int(view.shape[0]) for view in views]
+    odd = [(layer, n) for layer, n in enumerate(blocks) if n != blocks[0]]
+    if odd:
+        listed = ", ".join(f"layer {layer} has {n}" for layer, n in odd[:8])
+        raise ValueError(f"hostkv: the KV tensors' layers hold different numbers of blocks: "
+                         f"layer 0 has {blocks[0]}, {listed}"
+                         f"{' ...' if len(odd) > 8 else ''}")
+    devices = [(layer, view.device) for layer, view in enumerate(views)
+               if view.device != views[0].device]
+    if devices:
+        layer, device = devices[0]
+        raise ValueError(f"hostkv: the KV tensors' layers live on different devices: layer 0 "
+                         f"on {views[0].device}, layer {layer} on {device}")
 
 
 @dataclasses.dataclass
@@ -261,7 +324,9 @@ class CopyEngine:
 
     Raises:
         ValueError: a tensor whose shape, dtype or device does not fit the layout (the
-            message names the layout, the shape and the axis).
+            message names the layout, the shape and the axis); layers of different block
+            counts or devices (naming them); a pool that does not hold whole pages of this
+            layout and page size, or is not a contiguous CPU tensor.
     """
 
     _cpu: Optional[_CpuCopies] = None   # the CPU path's setup, made by its first copy
@@ -279,7 +344,7 @@ class CopyEngine:
                              f"{layout.num_kv_heads}")
         self.heads = (first, stop)
         dtype = getattr(torch, layout.dtype)
-        pool_bytes = pool.reshape(-1).view(torch.uint8) if pool.dtype != torch.uint8 else pool.reshape(-1)
+        pool_bytes = _pool_bytes(pool, layout, page_size)
         self.pool_bytes = pool_bytes
         num_pages = pool_bytes.numel() // layout.page_bytes(page_size)
         # [pages, layers, kv, tokens, heads, dim] with this rank's heads.
@@ -305,6 +370,7 @@ class CopyEngine:
             for tensor in tensors:
                 self._check_tensor(tensor, dtype, block_layout)
                 views.append(_canonical_view(tensor, block_layout, sizes))
+        _check_layers_agree(views)
         self.engine_views = views          # each [blocks, kv, tokens, heads, dim]
         self.device = views[0].device
         self.num_blocks = views[0].shape[0]
@@ -316,11 +382,9 @@ class CopyEngine:
         self.bytes_per_page = (layout.kv_planes * page_size * (stop - first) * layout.head_dim
                                * itemsize * layout.num_layers)
         self._thread: Optional[CopyThread] = None
-        self._cuda = None
+        self._cuda: Optional[CudaCopier] = None
         if self.device.type == "cuda":
-            from hostkv.cuda_copy import CudaCopier
-
-            self._cuda = CudaCopier(self)
+            self._cuda = self._cuda_copier()
         elif self.device.type != "cpu":
             raise ValueError(f"hostkv: KV tensors on {self.device}: the copy engine moves "
                              "blocks of CPU and CUDA tensors")
@@ -336,12 +400,31 @@ class CopyEngine:
             raise ValueError(f"hostkv: {block_layout.name or block_layout.axes}: a KV tensor "
                              f"of dtype {tensor.dtype}, the pages hold {dtype}")
 
+    def _cuda_copier(self, memcpy: Optional[int] = None, register: bool = True) -> "CudaCopier":
+        """The GPU path, handed the views it copies between and never this engine: a copier
+        that held its engine would make a reference cycle, which keeps the pool's views
+        alive until the garbage collector runs, and the cache's close() raises BufferError
+        while they live (a worker's shutdown would hold its lease until the process exits).
+
+        ``memcpy`` and ``register`` as :class:`hostkv.cuda_copy.CudaCopier` takes them (the
+        tests build the GPU path over CPU tensors with a host memcpy)."""
+        from hostkv.cuda_copy import CudaCopier
+
+        return CudaCopier(self.pool, self.pool_bytes, self.engine_views, memcpy=memcpy,
+                          register=register)
+
     def _indices(self, blocks: Sequence[int], pages: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
-        block_index = np.ascontiguousarray(blocks, dtype=np.int64)
-        page_index = np.ascontiguousarray(pages, dtype=np.int64)
-        if block_index.ndim != 1 or block_index.shape != page_index.shape:
+        """The step's block and page indices, checked (integers, equal lengths, in range)
+        before anything is copied, as contiguous int64 arrays."""
+        block_index = _index_array(blocks, "blocks")
+        page_index = _index_array(pages, "pages")
+        if block_index.shape != page_index.shape:
             raise ValueError(f"hostkv: {block_index.size} blocks for {page_index.size} pages")
-        return block_index, page_index
+        self._check_range(block_index, page_index)
+        # After the range check: a uint64 index past int64's range would wrap to a
+        # negative one here.
+        return (np.ascontiguousarray(block_index, dtype=np.int64),
+                np.ascontiguousarray(page_index, dtype=np.int64))
 
     def _check_range(self, block_index: np.ndarray, page_index: np.ndarray) -> None:
         if block_index.size and (block_index.min() < 0 or block_index.max() >= self.num_blocks):
@@ -361,10 +444,10 @@ class CopyEngine:
         wrote the KV); on a CPU they run on the copy thread (``asynchronous``) or inline.
 
         Raises:
-            ValueError: unequal lengths or an index out of range; nothing was copied.
+            ValueError: an index that is not an integer (a float, a bool), unequal
+                lengths or an index out of range; nothing was copied.
         """
         block_index, page_index = self._indices(blocks, pages)
-        self._check_range(block_index, page_index)
         if not self.writes or block_index.size == 0:
             return Transfer.finished(0)
         nbytes = block_index.size * self.bytes_per_page
@@ -388,10 +471,10 @@ class CopyEngine:
         orders the current stream after that layer's copy without blocking the host.
 
         Raises:
-            ValueError: unequal lengths or an index out of range; nothing was copied.
+            ValueError: an index that is not an integer (a float, a bool), unequal
+                lengths or an index out of range; nothing was copied.
         """
         block_index, page_index = self._indices(blocks, pages)
-        self._check_range(block_index, page_index)
         nbytes = block_index.size * self.bytes_per_page
         if self._cuda is not None and block_index.size:
             return self._cuda.load(page_index, block_index, nbytes)
@@ -419,7 +502,8 @@ class CopyEngine:
             Bytes written (0 on a rank that does not write).
 
         Raises:
-            ValueError: unequal lengths or an index out of range; nothing was copied.
+            ValueError: an index that is not an integer (a float, a bool), unequal
+                lengths or an index out of range; nothing was copied.
         """
         transfer = self.submit_save(blocks, pages)
         transfer.wait()
@@ -434,7 +518,8 @@ class CopyEngine:
             Bytes read.
 
         Raises:
-            ValueError: unequal lengths or an index out of range; nothing was copied.
+            ValueError: an index that is not an integer (a float, a bool), unequal
+                lengths or an index out of range; nothing was copied.
         """
         transfer = self.submit_load(pages, blocks)
         transfer.wait()

@@ -8,14 +8,19 @@ that first waits for the compute stream (the forward wrote the KV), and a CUDA e
 the copies says when it is over: nothing on the host waits for it.
 
 A load runs the other way on a load stream, layer by layer, with an event per layer, so
-the forward waits for a layer's KV only when it reaches that layer.
+a forward that can wait per layer waits for a layer's KV only when it reaches that layer
+(``wait_layer``); ``wait_all_layers`` orders it after every layer's (what ``hostkv.vllm``
+does: a full CUDA graph's replay runs no per-layer hook). Either is a stream waiting on an
+event; the host never blocks.
 
 The pool is registered with ``cudaHostRegister`` (page-locked, so the DMA engine reads and
 writes it directly) in chunks of at most 64 GiB, from a background thread; until then,
 and if registration fails (logged once, counted), the same copies run through the
 driver's pageable path, slower but correct.
 
-Needs torch with CUDA; ``hostkv.copy_engine`` imports it only for CUDA tensors.
+Needs torch with CUDA; ``hostkv.copy_engine`` imports it only for CUDA tensors, and this
+module never imports it back (what both need, :class:`hostkv._copyplan.CopyPlan`, lives in a
+module of its own).
 """
 
 from __future__ import annotations
@@ -24,16 +29,14 @@ import ctypes
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from hostkv._copyplan import CopyPlan
 from hostkv._cudacopy import memcpy_batch
 from hostkv.transfers import Transfer
-
-if TYPE_CHECKING:
-    from hostkv.copy_engine import CopyEngine
 
 __all__ = ["CudaCopier", "HostRegistration", "run_offsets"]
 
@@ -165,46 +168,50 @@ class LoadTransfer(_CudaTransfer):
 class CudaCopier:
     """The GPU side of a :class:`hostkv.copy_engine.CopyEngine` (built by it).
 
+    It is handed the views it copies between and keeps the engine's per-layer views and
+    the pool's addresses, never the engine nor a view of the pool: the engine holds it,
+    and a reference back would make a cycle that keeps the pool mapped past the engine
+    (``HostKVCache.close()`` raises while a view of the pool lives).
+
     Args:
-        engine: The copy engine (its pool view, engine views and layout).
+        pool: This rank's view of the pool, ``[pages, layers, kv, tokens, heads, dim]``
+            (read for its addresses and strides, not kept).
+        pool_bytes: The whole pool as flat bytes: what is registered with CUDA (not kept).
+        engine_views: Each layer's engine blocks, ``[blocks, kv, tokens, heads, dim]``.
         memcpy: The copy function's address; None: the driver's ``cuMemcpyAsync``.
         register: Register the pool with CUDA in the background.
     """
 
-    def __init__(self, engine: "CopyEngine", memcpy: Optional[int] = None,
+    def __init__(self, pool: torch.Tensor, pool_bytes: torch.Tensor,
+                 engine_views: Sequence[torch.Tensor], memcpy: Optional[int] = None,
                  register: bool = True) -> None:
-        self.engine = engine
-        layout = engine.layout
-        item = layout.itemsize
-        first, stop = engine.heads
+        self.engine_views = list(engine_views)
+        item = pool.element_size()
         # One page-layer of this rank, as the pool lays it out and as contiguous staging.
-        shape = (layout.kv_planes, engine.page_size, stop - first, layout.head_dim)
-        pool_strides = [s * item for s in engine.pool.stride()[2:]]
+        shape = tuple(int(n) for n in pool.shape[2:])
+        pool_strides = [s * item for s in pool.stride()[2:]]
         staging_strides = [int(np.prod(shape[i + 1:])) * item for i in range(len(shape))]
-        from hostkv.copy_engine import CopyPlan
-
         plan = CopyPlan.build(shape, pool_strides, staging_strides, item)
         self.run_bytes = plan.run
         self.pool_runs = run_offsets(plan.shape, plan.pool_strides)
         self.staging_runs = run_offsets(plan.shape, plan.engine_strides)
         self.block_bytes = int(np.prod(shape)) * item
-        self.page_stride = engine.pool.stride(0) * item
-        self.layer_stride = engine.pool.stride(1) * item
-        self.pool_address = engine.pool.data_ptr()
+        self.page_stride = pool.stride(0) * item
+        self.layer_stride = pool.stride(1) * item
+        self.pool_address = pool.data_ptr()
         self.memcpy = memcpy if memcpy is not None else _driver_memcpy_async()
-        self.device = engine.device
+        self.device = self.engine_views[0].device
         self.registration: Optional[HostRegistration] = None
-        if engine.device.type == "cuda":
+        if self.device.type == "cuda":
             # The least priority CUDA offers (0 on current devices, the default streams'):
             # a static method in torch, which its stub declares as an instance method.
             low = torch.cuda.Stream.priority_range()[0] if hasattr(  # type: ignore[call-arg]
                 torch.cuda.Stream, "priority_range") else 0
-            self.save_stream = torch.cuda.Stream(device=engine.device, priority=low)
-            self.load_stream = torch.cuda.Stream(device=engine.device, priority=low)
+            self.save_stream = torch.cuda.Stream(device=self.device, priority=low)
+            self.load_stream = torch.cuda.Stream(device=self.device, priority=low)
             if register:
-                whole = engine.pool_bytes
-                self.registration = HostRegistration(whole.data_ptr(), whole.numel(),
-                                                     engine.device)
+                self.registration = HostRegistration(pool_bytes.data_ptr(), pool_bytes.numel(),
+                                                     self.device)
 
     def runs(self, layer: int, pages: np.ndarray, staging: int) -> Tuple[np.ndarray, np.ndarray]:
         """The pool and staging addresses of every run of one layer's pages (page ``i``
@@ -229,7 +236,7 @@ class CudaCopier:
         keep = [blocks]
         dst: List[np.ndarray] = []
         src: List[np.ndarray] = []
-        for layer, view in enumerate(self.engine.engine_views):
+        for layer, view in enumerate(self.engine_views):
             staging = view.index_select(0, blocks).contiguous()
             keep.append(staging)
             pool, stage = self.runs(layer, page_index, staging.data_ptr())
@@ -242,7 +249,7 @@ class CudaCopier:
                            stream: int) -> torch.Tensor:
         """Enqueues one layer's pages into a staging tensor on ``stream`` and scatters it
         into the layer's blocks (on the current stream); answers the staging tensor."""
-        view = self.engine.engine_views[layer]
+        view = self.engine_views[layer]
         staging = torch.empty((page_index.size,) + tuple(view.shape[1:]), dtype=view.dtype,
                               device=self.device)
         pool, stage = self.runs(layer, page_index, staging.data_ptr())
@@ -273,7 +280,7 @@ class CudaCopier:
         with torch.cuda.stream(stream):
             blocks = torch.from_numpy(block_index).to(self.device)
             keep: List[torch.Tensor] = [blocks]
-            for layer in range(len(self.engine.engine_views)):
+            for layer in range(len(self.engine_views)):
                 keep.append(self.enqueue_load_layer(layer, page_index, blocks,
                                                     stream.cuda_stream))
                 event = torch.cuda.Event()

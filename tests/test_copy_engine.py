@@ -434,3 +434,94 @@ def test_a_plain_tensor_pool(store_path):
     engine.save([0, 11, 6], [9, 3, 4])
     assert torch.equal(pool.view(torch.float16).view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
                        _expected_pages(ref, [0, 11, 6], [9, 3, 4]))
+
+
+# -- what the engine refuses: indices that are not integers, layers and pools that differ ----
+
+
+def test_indices_must_be_integers_and_a_refused_call_changes_nothing(make_cache):
+    """numpy would truncate 1.9 to block 1 and take True for 1; every such index is
+    refused, naming it, before any byte moves. Python and numpy integers, in lists or
+    integer arrays of any width, are taken."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout)
+    pool = cache.pages_tensor()
+    tensors = [as_vllm(kv) for kv in reference_kv()]
+    engine = CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM)
+    before = [t.clone() for t in tensors]
+    cases = [
+        (([1.9], [2.7]), r"blocks must be integers, got float64 values \[1.9\]"),
+        (([1], [2.0]), r"pages must be integers, got float64 values \[2.0\]"),
+        (([True], [2]), r"blocks must be integers, got bool values \[True\]"),
+        (([3, True], [2, 4]), r"blocks\[1\] is True: blocks must be integers, not bools"),
+        (([3, 4], [np.False_, 5]), r"pages\[0\] is \S*False\S*: pages must be integers, not bools"),
+        ((np.array([1, 0], dtype=bool), [2, 4]), "blocks must be integers, got bool values"),
+        (([1, 2], np.array([2.0, 4.0], dtype=np.float32)), "pages must be integers, got float32"),
+        ((torch.tensor([1.5]), [2]), "blocks must be integers, got float32 values"),
+        ((["1"], [2]), "blocks must be integers, got <U1 values"),
+        (([[1, 2]], [[2, 4]]), r"blocks must be a 1-D sequence of integers, got shape \(1, 2\)"),
+        ((np.array([2 ** 63], dtype=np.uint64), [2]), r"a block outside \[0, 12\) in \[9223"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.save(*args)
+        with pytest.raises(ValueError, match=message):
+            engine.load(*args[::-1])                       # load(pages, blocks)
+    assert not pool.any()                                  # no save wrote a byte
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))   # nor any load
+    # Integers of every kind numpy and Python have.
+    for blocks, pages in [([np.int64(7), 0], [np.int32(2), 9]),
+                          (np.array([7, 0], dtype=np.uint8), np.array([2, 9], dtype=np.int16)),
+                          (np.array([7, 0], dtype=np.uint64)[::-1][::-1], [2, 9]),
+                          (torch.tensor([7, 0]), range(2, 10, 7))]:
+        pool.zero_()
+        engine.save(blocks, pages)
+        assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
+                           _expected_pages(reference_kv(), [7, 0], [2, 9]))
+    pool.zero_()
+    engine.save(np.int64(4), 3)                            # one integer: one index
+    assert torch.equal(pool.view(PAGES, LAYERS, 2, TOKENS, HEADS, DIM),
+                       _expected_pages(reference_kv(), [4], [3]))
+    assert engine.save([], []) == 0 and engine.save(np.array([], dtype=np.int64), ()) == 0
+    del engine, pool
+
+
+def test_layers_of_different_block_counts_are_refused(make_cache):
+    """The compiled loop checks every index against one block count: a layer with fewer
+    blocks would be read or written past its end."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout)
+    pool = cache.pages_tensor()
+    tensors = [as_vllm(kv) for kv in reference_kv()]
+    tensors[2] = tensors[2][:10]
+    with pytest.raises(ValueError, match="different numbers of blocks: layer 0 has 12, "
+                                         "layer 2 has 10"):
+        CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM)
+    del pool
+
+
+def test_a_pool_of_other_pages_is_refused(make_cache):
+    """A pool whose pages are another size (another page size or layout: its first axis
+    counts the pages) would have its bytes read as pages of this layout; a non-contiguous
+    one would be copied by reshape, and the engine would fill the copy."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    page_bytes = layout.page_bytes(TOKENS)
+    tensors = [as_vllm(kv) for kv in reference_kv()]
+    for pool in [torch.zeros(PAGES // 2, 2 * page_bytes, dtype=torch.uint8),   # 32 tokens
+                 torch.zeros(2 * PAGES, page_bytes // 2, dtype=torch.uint8),
+                 torch.zeros(PAGES, LAYERS + 1, 2, TOKENS, HEADS, DIM),        # another layout
+                 torch.zeros(PAGES * page_bytes + 4, dtype=torch.uint8)]:
+        with pytest.raises(ValueError, match=f"does not hold pages of {TOKENS} tokens x "
+                                             f"{layout.token_bytes} bytes"):
+            CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM)
+    pool = torch.zeros(page_bytes, PAGES, dtype=torch.uint8).t()
+    with pytest.raises(ValueError, match="the pool must be contiguous"):
+        CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM)
+    # A page-size mismatch with the segment itself: pages of 16 tokens read as 8.
+    cache = make_cache(layout)
+    half = [t[:, :, :TOKENS // 2] for t in tensors]
+    pool = cache.pages_tensor()
+    with pytest.raises(ValueError, match=r"\(10, 3, 2, 16, 4, 8\) torch.float32 .* does not "
+                                         "hold pages of 8 tokens"):
+        CopyEngine(pool, layout, TOKENS // 2, half, copy_engine.VLLM)
+    del pool

@@ -80,6 +80,36 @@ def test_a_cuda_transfers_wait_keeps_to_its_timeout():
     blocking = _CudaTransfer(8, _EventAfter(10 ** 9), time.perf_counter())
     assert blocking.wait() is True and blocking.event.synchronized
 
+
+def test_the_gpu_path_holds_no_reference_back_to_its_engine(make_cache):
+    """The copier the engine builds for CUDA tensors (here over CPU tensors, with a host
+    memcpy) holds the engine's views and the pool's addresses, never the engine: so once
+    the engine is closed and dropped, nothing keeps the pool's views alive, and the cache
+    closes at once, without the garbage collector (a cycle would make close() raise
+    BufferError at a worker's shutdown, and the lease be held until the process exits)."""
+    import gc
+    import weakref
+
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout)
+    tensors = [as_vllm(kv) for kv in reference_kv()]
+    enabled = gc.isenabled()
+    gc.disable()                       # a collection could break a cycle by chance
+    try:
+        engine = CopyEngine(cache.pages_tensor(), layout, TOKENS, tensors, copy_engine.VLLM)
+        engine._cuda = engine._cuda_copier(memcpy=host_memcpy_function(), register=False)
+        assert isinstance(engine._cuda, CudaCopier)
+        keep = engine._cuda.enqueue_save(np.array([3, 1]), np.array([0, 5]), 0)
+        engine.close()
+        gone = weakref.ref(engine)
+        del engine, keep
+        cache.close()
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
 # MLA pages have one latent per token: no head slices.
 SLICED = [pytest.param(block_layout, build, kind, heads, id=f"{name}-{rank}")
           for (block_layout, build, kind), name in zip(LAYOUTS, ["vllm", "flash-attn",
@@ -102,13 +132,13 @@ def test_gpu_path_runs_give_the_cpu_paths_bytes(make_cache, block_layout, build,
     cpu_pool, gpu_pool = cpu_cache.pages_tensor(), gpu_cache.pages_tensor()
     CopyEngine(cpu_pool, layout, TOKENS, tensors, block_layout, heads=heads).save(blocks, pages)
     engine = CopyEngine(gpu_pool, layout, TOKENS, tensors, block_layout, heads=heads)
-    copier = CudaCopier(engine, memcpy=host_memcpy_function(), register=False)
+    copier = engine._cuda_copier(memcpy=host_memcpy_function(), register=False)
     keep = copier.enqueue_save(blocks, pages, 0)
     assert torch.equal(gpu_pool, cpu_pool)
     # And back: each layer's pages into zeroed blocks.
     back = [torch.zeros_like(t) for t in tensors]
     loader = CopyEngine(gpu_pool, layout, TOKENS, back, block_layout, heads=heads)
-    load = CudaCopier(loader, memcpy=host_memcpy_function(), register=False)
+    load = loader._cuda_copier(memcpy=host_memcpy_function(), register=False)
     targets = torch.tensor([1, 5, 6, 10])
     for layer in range(LAYERS):
         keep.append(load.enqueue_load_layer(layer, pages, targets, 0))

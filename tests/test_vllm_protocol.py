@@ -316,3 +316,103 @@ def test_a_request_finished_without_the_lock_is_released_at_the_next_step(segmen
         sched.cache.check()
     finally:
         sched.shutdown()
+
+
+class _RecordingBlockCache:
+    """Stands in for vLLM's KVCacheManager where only its evict_blocks is used: records
+    which blocks the connector drops from vLLM's prefix cache."""
+
+    def __init__(self) -> None:
+        self.evicted: set = set()
+
+    def evict_blocks(self, block_ids) -> None:
+        self.evicted |= set(block_ids)
+
+
+def test_a_block_reported_bad_is_never_saved_by_a_request_that_shares_it(segment_name):
+    """R1 is promised six blocks and two are evicted before the borrow. vLLM cached R1's
+    blocks when it allocated them, and with the "recompute" policy keeps them: R2, admitted
+    after R1 in the same step, takes them as a prefix-cache hit. The connector drops them
+    from vLLM's prefix cache at once and, for R2 that already holds them, saves nothing
+    (R2's next block is computed on top of them)."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import NewRequestData
+
+    sched = _scheduler(hv, segment_name)
+    sched.kv_cache_manager = _RecordingBlockCache()
+    try:
+        rng = random.Random(8)
+        history = random_tokens(rng, 6 * BLOCK_SIZE + 8)
+        _commit_prefix(hv, sched, history)
+        r1 = vllm_request("r1", history + random_tokens(rng, 2 * BLOCK_SIZE))
+        offered, _ = sched.get_num_new_matched_tokens(r1, 0)
+        assert offered == 6 * BLOCK_SIZE
+        assert sched.cache.evict(2) == 2
+        b1 = list(range(20, 29))
+        sched.update_state_after_alloc(r1, vllm_blocks(b1), offered)
+        assert sched.kv_cache_manager.evicted == {24, 25}
+        r2 = vllm_request("r2", history + random_tokens(rng, 2 * BLOCK_SIZE))
+        assert sched.get_num_new_matched_tokens(r2, 6 * BLOCK_SIZE) == (0, False)
+        b2 = b1[:6] + [40, 41, 42]
+        sched.update_state_after_alloc(r2, vllm_blocks(b2), 0)
+        out = _new(r1, b1, offered, BLOCK_SIZE)
+        r2.num_computed_tokens = 6 * BLOCK_SIZE
+        out.scheduled_new_reqs.append(NewRequestData.from_request(r2, (b2,)))
+        out.num_scheduled_tokens["r2"] = BLOCK_SIZE
+        cached = sched.cache.stats().cached_pages
+        meta = sched.build_connector_meta(out)
+        assert meta.bad_blocks == [24, 25] and meta.saves == []
+        _report(hv, sched, (meta.step, 0, []))
+        assert sched.cache.stats().cached_pages == cached
+        assert sched.reqs["r2"].frozen
+        sched.request_finished(r1)
+        sched.request_finished(r2)
+        sched.cache.check()
+    finally:
+        sched.shutdown()
+
+
+def test_a_failed_load_freezes_every_request_that_holds_its_blocks(segment_name):
+    """R1 loads four blocks in step 1; R2, admitted in step 2 (planned before step 1's
+    report), takes them as vLLM prefix-cache hits and saves its own blocks on top. Rank 1's
+    load failed in step 1: R2's step-2 save, confirmed by every rank, commits nothing, and
+    vLLM's prefix cache drops the blocks."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import NewRequestData
+
+    sched = _scheduler(hv, segment_name, tp_world=2)
+    sched.kv_cache_manager = _RecordingBlockCache()
+    try:
+        rng = random.Random(9)
+        history = random_tokens(rng, 4 * BLOCK_SIZE)
+        _commit_prefix(hv, sched, history)
+        r1 = vllm_request("r1", history + random_tokens(rng, 2 * BLOCK_SIZE))
+        offered, _ = sched.get_num_new_matched_tokens(r1, 0)
+        b1 = list(range(10, 17))
+        sched.update_state_after_alloc(r1, vllm_blocks(b1), offered)
+        first = _new(r1, b1, offered, 2 * BLOCK_SIZE)
+        one = sched.build_connector_meta(first)
+        assert [b for _, _, bs in one.loads for b in bs] == b1[:4]
+        assert first.has_sync_kv_loads          # vLLM starts the loads before the forward
+        r2 = vllm_request("r2", history + random_tokens(rng, 2 * BLOCK_SIZE + 1))
+        assert sched.get_num_new_matched_tokens(r2, 4 * BLOCK_SIZE) == (0, False)
+        b2 = b1[:4] + [30, 31, 32]
+        sched.update_state_after_alloc(r2, vllm_blocks(b2), 0)
+        r2.num_computed_tokens = 4 * BLOCK_SIZE
+        two = _cached(r1, 6 * BLOCK_SIZE, 1)
+        two.scheduled_new_reqs = [NewRequestData.from_request(r2, (b2,))]
+        two.num_scheduled_tokens["r2"] = 2 * BLOCK_SIZE + 1
+        meta2 = sched.build_connector_meta(two)
+        assert ("r2", [30, 31], sched.view.page_table(sched.reqs["r2"].seq_id)[4:6].tolist()
+                ) in meta2.saves
+        cached = sched.cache.stats().cached_pages
+        _report(hv, sched, (one.step, 0, []), (one.step, 1, ["r1"]))
+        _report(hv, sched, (meta2.step, 0, []), (meta2.step, 1, []))
+        assert sched.cache.stats().cached_pages == cached
+        assert sched.reqs["r1"].frozen and sched.reqs["r2"].frozen
+        assert set(b1[:4]) <= sched.kv_cache_manager.evicted
+        sched.request_finished(r1)
+        sched.request_finished(r2)
+        sched.cache.check()
+    finally:
+        sched.shutdown()

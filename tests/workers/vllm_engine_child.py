@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 BLOCK_SIZE = 32
 
@@ -68,11 +68,39 @@ def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_di
     model.save_pretrained(path)
 
 
+def save_adapter(path: str, num_layers: int, seed: int, rank: int = 8) -> None:
+    """write_adapter's child: a LoRA adapter (PEFT's files) of random weights on the q and v
+    projections of write_model's Llama, large enough to change every output."""
+    set_env()
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for layer in range(num_layers):
+        for proj in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            # PEFT starts B at zero (an adapter that changes nothing): random both.
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, 128) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(128, rank) * 0.3
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
+              "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "bias": "none",
+              "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False,
+              "use_dora": False, "base_model_name_or_path": None}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+
+
 def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str,
-                llm_kwargs: Dict[str, Any], env: Dict[str, str]) -> None:
+                llm_kwargs: Dict[str, Any], env: Dict[str, str],
+                connector: Tuple[str, str] = ("HostKVConnector", "hostkv.vllm")) -> None:
     """The engine process: starts LLM(model, ...) with the connector (extra: its
-    kv_connector_extra_config; None: without it), writes its output to log_path, then serves
-    Engine's messages on conn until "exit"."""
+    kv_connector_extra_config; None: without it; connector: its class and module), writes
+    its output to log_path, then serves Engine's messages on conn until "exit"."""
     os.setsid()                                  # the engine's processes form one group
     os.environ.update(env)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -86,7 +114,7 @@ def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path
         kwargs: Dict[str, Any] = {"max_model_len": 2048, **llm_kwargs}
         if extra is not None:
             kwargs["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="HostKVConnector", kv_connector_module_path="hostkv.vllm",
+                kv_connector=connector[0], kv_connector_module_path=connector[1],
                 kv_role="kv_both", kv_connector_extra_config=extra)
         llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32",
                   block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
@@ -108,17 +136,31 @@ def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path
             except BaseException:                # noqa: BLE001 - reported to the parent
                 conn.send(("error", traceback.format_exc()))
             continue
-        _, prompts, max_tokens, salts = message
+        _, prompts, max_tokens, salts, loras = message
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
             inputs = []
             for tokens, salt in zip(prompts, salts):
-                item: Dict[str, Any] = {"prompt_token_ids": list(tokens)}
+                item: Dict[str, Any]
+                if hasattr(tokens, "dtype"):
+                    # A numpy array: the prompt's embeddings (an engine started with
+                    # enable_prompt_embeds=True).
+                    import torch
+
+                    item = {"prompt_embeds": torch.from_numpy(tokens)}
+                else:
+                    item = {"prompt_token_ids": list(tokens)}
                 if salt is not None:
                     item["cache_salt"] = salt
                 inputs.append(item)
+            lora_requests = None
+            if loras is not None:
+                from vllm.lora.request import LoRARequest
+
+                lora_requests = [None if lora is None else LoRARequest(*lora)
+                                 for lora in loras]
             start = time.perf_counter()
-            outs = llm.generate(inputs, params, use_tqdm=False)
+            outs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora_requests)
             wall = time.perf_counter() - start
             conn.send(("ok", ([list(o.outputs[0].token_ids) for o in outs],
                               [int(o.num_cached_tokens or 0) for o in outs], wall)))

@@ -1,0 +1,56 @@
+"""A layer's copy as a grid of contiguous runs: what the CPU and GPU copy paths share.
+
+:class:`hostkv.copy_engine.CopyEngine` builds one :class:`CopyPlan` per layer and hands it
+to the compiled CPU loop; :class:`hostkv.cuda_copy.CudaCopier` builds one for a page-layer
+against its staging tensor and turns it into the addresses of its DMA copies. Both import it
+from here, so neither of those two modules imports the other back.
+
+Pure Python, importing neither torch nor numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Sequence, Tuple
+
+__all__ = ["CopyPlan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+    """One layer's copy, as the compiled loop takes it: a grid of contiguous runs per block.
+
+    Attributes:
+        shape: The grid's axes (runs of ``run`` bytes), outermost first.
+        pool_strides, engine_strides: Each grid axis's stride in bytes on either side.
+        run: Bytes of one contiguous run.
+    """
+
+    shape: Tuple[int, ...]
+    pool_strides: Tuple[int, ...]
+    engine_strides: Tuple[int, ...]
+    run: int
+
+    @staticmethod
+    def build(shape: Sequence[int], pool_strides: Sequence[int],
+              engine_strides: Sequence[int], itemsize: int) -> "CopyPlan":
+        """Coalesces a block's element grid into the fewest, longest runs.
+
+        Axes of size 1 drop out; the innermost axes contiguous on both sides become the
+        run; then neighbours that are contiguous with each other on both sides merge.
+        """
+        axes = [(int(n), int(p), int(e)) for n, p, e in zip(shape, pool_strides, engine_strides)
+                if n != 1]
+        run = itemsize
+        while axes and axes[-1][1] == run and axes[-1][2] == run:
+            run *= axes.pop()[0]
+        merged: List[Tuple[int, int, int]] = []
+        for n, p, e in axes:
+            if merged:
+                on, op, oe = merged[-1]
+                if op == p * n and oe == e * n:
+                    merged[-1] = (on * n, p, e)
+                    continue
+            merged.append((n, p, e))
+        return CopyPlan(tuple(a[0] for a in merged), tuple(a[1] for a in merged),
+                        tuple(a[2] for a in merged), run)

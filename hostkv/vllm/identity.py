@@ -1,0 +1,255 @@
+"""What a KV page's bytes depend on besides its token ids: the key's namespace, or a bypass.
+
+hostkv's radix tree keys a page by (token ids, namespace), so everything else that changes
+a byte of a request's KV must be in its namespace, or the request must not use hostkv:
+
+- The engine (:func:`engine_identity`, once at the scheduler's start): the model's name and
+  revision, a fingerprint of its checkpoint as it is on disk (:func:`checkpoint_fingerprint`),
+  the HF config as vLLM loaded it (``hf_overrides`` and RoPE scaling applied), ``hf_overrides``
+  itself, dtype, KV-cache dtype, quantization, ``max_model_len`` (vLLM's LongRoPE picks its
+  factors by it), load format, model implementation, the page layout and the ``namespace``
+  setting. The segment outlives engines: a new checkpoint at the same path must never read
+  the old one's KV.
+- The request (:class:`RequestIdentity`): its ``cache_salt``, its LoRA adapter (name, path
+  and a fingerprint of the adapter's files) and its multimodal items (each one's identifier,
+  vLLM's hash of the item, with its placeholder's position).
+
+Fingerprints of files are stat-based (names, sizes, modification times) plus the content of
+the small config files: start-up never reads gigabytes of weights. A checkpoint rewritten in
+place gets new modification times; one restored with its old times (``cp -p``, ``rsync -t``
+of other weights of the same sizes) is not detected (docs/vllm.md, "Namespaces").
+
+Requests with prompt embeddings bypass hostkv (:func:`bypass_cause`): vLLM gives them the
+token ids 0 at every embedded position, and the namespace of a request is one value for its
+whole sequence, so the only exact key would be a hash of all the embeddings, which only an
+identical prompt would ever match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Set, Tuple
+
+from hostkv.vllm.metrics import Counters
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
+
+    from hostkv.config import KVLayout
+
+__all__ = ["RequestIdentity", "bypass_cause", "checkpoint_fingerprint", "engine_identity",
+           "fields_digest", "files_fingerprint", "multimodal_key"]
+
+logger = logging.getLogger("hostkv.vllm")
+
+# The version of what goes into a namespace: a change makes every old page unreachable
+# (never misread) for engines of the new version.
+_VERSION = b"hostkv-vllm-3"
+# Files whose content, not only their size and time, goes into a fingerprint: small, and
+# what decides how the weights are read.
+_CONFIG_FILES = ("config.json", "adapter_config.json", "params.json",
+                 "quantize_config.json", "hf_quant_config.json")
+# A directory with more files than this is fingerprinted by its first ones (sorted): a
+# model directory has tens, a cache directory mistaken for one must not stall the start.
+_MAX_FILES = 10000
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def fields_digest(*fields: Any) -> bytes:
+    """A 32-byte digest of the fields, each length-prefixed: no field's text can stand for
+    another's boundary (a cache salt holding ``"\\0lora\\0"`` never equals a salt and an
+    adapter)."""
+    digest = hashlib.blake2b(digest_size=32)
+    for value in fields:
+        data = value if isinstance(value, bytes) else str(value).encode()
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.digest()
+
+
+def _walk(root: str) -> Iterable[Tuple[str, str]]:
+    """(relative path, full path) of the files under root, sorted; hidden directories
+    (.git, .cache) skipped. Links to files are followed by the stat (an HF snapshot's
+    files are links to its blobs); links to directories are not, so no cycle is walked."""
+    count = 0
+    for parent, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            full = os.path.join(parent, name)
+            yield os.path.relpath(full, root), full
+            count += 1
+            if count >= _MAX_FILES:
+                return
+
+
+def files_fingerprint(path: str, times: bool = True) -> bytes:
+    """A fingerprint of the files at path (a directory or one file): each file's name, size
+    and (with ``times``) modification time (ns), and the content of its config files.
+    Stat-based: it never reads the weights. A path that does not exist gives the digest of
+    its name alone."""
+    fields: list = [b"files"]
+    if os.path.isdir(path):
+        entries = list(_walk(path))
+    elif os.path.isfile(path):
+        entries = [(os.path.basename(path), path)]
+    else:
+        return fields_digest(b"missing", path)
+    for rel, full in entries:
+        try:
+            st = os.stat(full)             # through symlinks: an HF snapshot's blobs
+        except OSError:
+            continue
+        fields += [rel, st.st_size, st.st_mtime_ns if times else 0]
+        if os.path.basename(rel) in _CONFIG_FILES and st.st_size <= _MAX_CONFIG_BYTES:
+            try:
+                with open(full, "rb") as f:
+                    fields.append(f.read())
+            except OSError:
+                pass
+    return fields_digest(*fields)
+
+
+def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Optional[str]:
+    """The local snapshot directory of a hub model (its name is the commit vLLM loaded),
+    without any download; None if there is none."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=repo_id, revision=revision, local_files_only=True)
+    except Exception:                     # noqa: BLE001 - not a hub id, or not cached
+        return None
+
+
+def checkpoint_fingerprint(model: str, revision: Optional[str] = None) -> bytes:
+    """A fingerprint of the checkpoint vLLM loaded: for a local path, its files
+    (:func:`files_fingerprint`); for a hub id, the resolved snapshot (its directory names the
+    commit) and its files; else the name and revision alone."""
+    if os.path.exists(model):
+        return fields_digest(b"local", os.path.realpath(model), files_fingerprint(model))
+    snapshot = _hub_snapshot(model, revision)
+    if snapshot is not None:
+        # The snapshot's directory is named by the commit, which fixes its content: the
+        # cache's location and the files' times differ from host to host (each downloaded
+        # its own copy), and hosts must agree to share pages through a remote tier.
+        return fields_digest(b"hub", model, os.path.basename(os.path.normpath(snapshot)),
+                             files_fingerprint(snapshot, times=False))
+    return fields_digest(b"name", model, revision or "")
+
+
+def _stable(value: Any) -> str:
+    """A text of a config value that is the same in every process (a callable by name, not
+    by address)."""
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value)}"
+    try:
+        return json.dumps(value, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _hf_config_text(hf_config: Any) -> str:
+    if hf_config is None:
+        return ""
+    try:
+        return hf_config.to_json_string(use_diff=False)
+    except Exception:                     # noqa: BLE001 - a custom config: its dict
+        try:
+            return _stable(hf_config.to_dict())
+        except Exception:                 # noqa: BLE001
+            return repr(hf_config)
+
+
+def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: str) -> bytes:
+    """The engine's part of every namespace: every engine-wide input to a KV byte (the
+    module docstring lists them). Deliberately left out: the attention backend and the
+    tensor-parallel degree (pages are canonical: engines of any share them)."""
+    model = vllm_config.model_config
+    cache = getattr(vllm_config, "cache_config", None)
+    load = getattr(vllm_config, "load_config", None)
+    name = str(model.model)
+    revision = getattr(model, "revision", None)
+    return fields_digest(
+        _VERSION, name, revision or "",
+        checkpoint_fingerprint(name, revision),
+        _hf_config_text(getattr(model, "hf_config", None)),
+        _stable(getattr(model, "hf_overrides", None)),
+        str(getattr(model, "dtype", "")),
+        str(getattr(cache, "cache_dtype", "")),
+        str(getattr(model, "quantization", None)),
+        _stable(getattr(model, "quantization_config", None)),
+        str(getattr(model, "max_model_len", "")),
+        str(getattr(load, "load_format", "")),
+        str(getattr(model, "model_impl", "")),
+        layout.kind, layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim,
+        namespace)
+
+
+def bypass_cause(request: "Request") -> Optional[str]:
+    """Why the request must not use hostkv (no lookup, no save), or None."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    for feature in getattr(request, "mm_features", None) or ():
+        if not getattr(feature, "identifier", None):
+            return "a multimodal item without an identifier"
+    return None
+
+
+def multimodal_key(request: "Request") -> bytes:
+    """The request's multimodal items as key bytes (empty without any): each item's
+    identifier (vLLM's hash of its data and processing) and placeholder range. Two requests
+    share a namespace only with the same items at the same positions, so any common token
+    prefix holds the same KV; a request that adds an item shares nothing with one that
+    has fewer."""
+    features = getattr(request, "mm_features", None)
+    if not features:
+        return b""
+    fields: list = [b"mm"]
+    for feature in features:
+        position = feature.mm_position
+        fields += [getattr(feature, "modality", ""), feature.identifier, position.offset,
+                   position.length]
+        mask = getattr(position, "is_embed", None)
+        if mask is not None:
+            fields.append(mask.cpu().numpy().astype(bool).tobytes())
+    return fields_digest(*fields)
+
+
+class RequestIdentity:
+    """The request's part of its namespace (adapters fingerprinted once per path), and the
+    bypasses, counted and logged once per cause."""
+
+    def __init__(self, counters: Counters) -> None:
+        """counters: where ``bypassed_requests`` is counted."""
+        self.counters = counters
+        self.adapters: Dict[str, bytes] = {}
+        self.logged: Set[str] = set()
+
+    def adapter_key(self, lora: Optional["LoRARequest"]) -> Optional[bytes]:
+        """The adapter's name, path and a fingerprint of its files (taken the first time
+        the path is seen: vLLM, too, loads an adapter once per id; a new adapter gets a new
+        path). None without an adapter. The int id is left out: it is one engine's handle,
+        and vLLM's own prefix cache keys adapters by name and path."""
+        if lora is None:
+            return None
+        path = str(getattr(lora, "lora_path", "") or "")
+        fingerprint = self.adapters.get(path)
+        if fingerprint is None:
+            fingerprint = checkpoint_fingerprint(path) if path else b""
+            self.adapters[path] = fingerprint
+        return fields_digest(b"lora", lora.lora_name, path, fingerprint)
+
+    def bypassed(self, request: "Request", cause: str) -> None:
+        """Counts a request that bypasses hostkv (once: not again when a preempted request
+        resumes) and logs the first of each cause."""
+        if getattr(request, "num_preemptions", 0) == 0:
+            self.counters.add("bypassed_requests", 1)
+        if cause not in self.logged:
+            self.logged.add(cause)
+            logger.warning("hostkv: requests with %s bypass the cache (not looked up, not "
+                           "saved: their token ids do not say what their KV is); logged "
+                           "once, counted as bypassed_requests", cause)

