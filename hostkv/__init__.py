@@ -38,6 +38,7 @@ from hostkv.cache import (
 )
 from hostkv.config import HostKVConfig, KVLayout
 from hostkv.errors import (
+    AbandonedSegmentError,
     CapacityError,
     ConfigError,
     CorruptionError,
@@ -49,6 +50,7 @@ from hostkv.errors import (
     SegmentError,
     SegmentExistsError,
     SegmentFormatError,
+    SegmentInUseError,
     SegmentNotFoundError,
     SegmentPermissionError,
     SequenceError,
@@ -65,6 +67,7 @@ from hostkv.worker_view import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AbandonedSegmentError",
     "CacheMetrics",
     "CacheStats",
     "CapacityError",
@@ -85,6 +88,7 @@ __all__ = [
     "SegmentError",
     "SegmentExistsError",
     "SegmentFormatError",
+    "SegmentInUseError",
     "SegmentNotFoundError",
     "SegmentPermissionError",
     "SequenceAllocation",

@@ -15,7 +15,9 @@ cdef str tables_problem(char* base, HkvHeader* hdr, const HkvRegions* regions)
 
 cdef int write_first_header(name, int fd, const HkvConfig* ccfg,
                             const HkvRegions* regions) except -1
-cdef int reserve_memory(name, int fd, int64_t total, int64_t* reserved) except -1
+cdef int reserve_memory(name, int fd, int64_t total, HkvHeader* hdr) except -1
+cdef void creator_step(HkvHeader* hdr) noexcept nogil
+cdef bint creator_gone(int fd) except -1
 cdef int64_t wait_ready(name, int fd, double timeout) except -1
 
 cdef dict header_snapshot(HkvHeader* hdr, char* base)

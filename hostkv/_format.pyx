@@ -11,7 +11,7 @@ import os
 import time
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from libc.stdint cimport int64_t, uint32_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
 
 from hostkv._geometry cimport compute_regions, radix_table_capacity
@@ -20,6 +20,7 @@ from hostkv.includes.system cimport *
 
 from hostkv.config import DTYPE_CODES, KV_KINDS
 from hostkv.errors import (
+    AbandonedSegmentError,
     CorruptionError,
     IncompatibleSegmentError,
     SegmentFormatError,
@@ -27,6 +28,29 @@ from hostkv.errors import (
 )
 
 RESERVE_CHUNK = 256 << 20    # the creator publishes its progress after each chunk
+
+# Tests pace a creator (_pace_reservation): chunk bytes and seconds of sleep after each
+# chunk. Only a call in the process sets them; nothing from the environment.
+cdef int64_t _reserve_chunk = RESERVE_CHUNK
+cdef double _reserve_delay = 0.0
+
+
+def _pace_reservation(chunk_bytes=RESERVE_CHUNK, delay=0.0):
+    """For tests: reserve `chunk_bytes` at a time and sleep `delay` seconds after each
+    chunk, so a test can watch (or kill) a creator in the middle of its reservation."""
+    global _reserve_chunk, _reserve_delay
+    if chunk_bytes <= 0 or delay < 0:
+        raise ValueError(f"chunk_bytes must be > 0 and delay >= 0, got {chunk_bytes}, {delay}")
+    _reserve_chunk = chunk_bytes
+    _reserve_delay = delay
+
+
+cdef uint64_t new_segment_id() except 0:
+    """A random 64-bit id, never 0 (0 means "unknown" to whoever compares ids)."""
+    cdef uint64_t sid = 0
+    while sid == 0:
+        sid = int.from_bytes(os.urandom(8), "little")
+    return sid
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +222,7 @@ cdef int write_first_header(name, int fd, const HkvConfig* ccfg,
     first.hdr_regions = regions[0]
     first.hdr_state = HKV_STATE_INITIALISING
     first.hdr_creator_pid = getpid()
+    first.hdr_segment_id = new_segment_id()
     data = PyBytes_FromStringAndSize(<char*>&first, sizeof(HkvHeader))
     try:
         written = os.pwrite(fd, data, 0)
@@ -216,22 +241,40 @@ cdef int write_first_header(name, int fd, const HkvConfig* ccfg,
     return 0
 
 
-cdef int reserve_memory(name, int fd, int64_t total, int64_t* reserved) except -1:
+cdef int reserve_memory(name, int fd, int64_t total, HkvHeader* hdr) except -1:
     """Reserves the segment's memory chunk by chunk, publishing the bytes reserved so far in
-    *reserved (the mapped header's hdr_reserved_bytes), so that an attacher that times out
-    can say how far it got. On a full /dev/shm this fails with ENOSPC here instead of a
-    SIGBUS at the first touch of an unbacked page later."""
+    the mapped header (hdr_reserved_bytes) and counting a step (hdr_create_steps) after each
+    chunk: an attacher waits while the count moves, and says how far the creator got if it
+    stalls. On a full /dev/shm this fails with ENOSPC here instead of a SIGBUS at the first
+    touch of an unbacked page later."""
     cdef int64_t at = 0, chunk
     cdef int rc
     while at < total:
-        chunk = min(<int64_t>RESERVE_CHUNK, total - at)
+        chunk = min(_reserve_chunk, total - at)
         with nogil:
             rc = posix_fallocate(fd, at, chunk)
         if rc != 0:
             raise os_error(rc, f"reserve {total} bytes for segment", name)
         at += chunk
-        hkv_store_release_i64(reserved, at)
+        hkv_store_release_i64(&hdr.hdr_reserved_bytes, at)
+        creator_step(hdr)
+        if _reserve_delay > 0:
+            time.sleep(_reserve_delay)
     return 0
+
+
+cdef void creator_step(HkvHeader* hdr) noexcept nogil:
+    """The creator made progress (cannot fail: one release store)."""
+    hkv_store_release_i64(<int64_t*>&hdr.hdr_create_steps, <int64_t>hdr.hdr_create_steps + 1)
+
+
+cdef bint creator_gone(int fd) except -1:
+    """Whether nobody holds the creator's mark on the segment open at fd (compat.h,
+    hkv_creator_marked): its creator is dead or finished."""
+    cdef int rc = hkv_creator_marked(fd)
+    if rc < 0:
+        raise os_error(-rc, "probe the creator's lock of segment")
+    return rc == 0
 
 
 cdef int64_t wait_ready(name, int fd, double timeout) except -1:
@@ -241,17 +284,25 @@ cdef int64_t wait_ready(name, int fd, double timeout) except -1:
     segment. A creator between shm_open and writing its header leaves a segment shorter
     than a header: that is waited for. A header without the magic, or of another format, is
     refused at once: the creator writes those first.
+
+    The wait lasts while the creator makes progress (the file's size, its state, the bytes
+    it reserved, its step count move) and ends once nothing moved for `timeout` seconds, so
+    a pool that takes minutes to reserve is waited for, and a stalled creator is not. A
+    creator that died (its mark, an OFD lock on the file, is gone while the state still
+    says INITIALISING) is an AbandonedSegmentError at once.
     """
     cdef HkvHeader h
     cdef Py_ssize_t header_size = sizeof(HkvHeader)
     cdef uint32_t state = 0
-    deadline = time.monotonic() + timeout
+    stalled_since = time.monotonic()
     delay = 0.0005
     first_reserved = None
+    last_progress = None
     size = 0
     have_header = False
     while True:
         size = os.fstat(fd).st_size
+        progress = (size,)
         if size >= header_size:
             data = os.pread(fd, header_size, 0)
             if len(data) == header_size:
@@ -269,7 +320,23 @@ cdef int64_t wait_ready(name, int fd, double timeout) except -1:
                         f"segment {name!r}: the header's state word is {state}")
                 if first_reserved is None:
                     first_reserved = h.hdr_reserved_bytes
-        if time.monotonic() >= deadline:
+                progress = (size, state, h.hdr_reserved_bytes, h.hdr_create_steps)
+                if creator_gone(fd):
+                    # The creator says READY before it lets go of its mark: read again.
+                    data = os.pread(fd, header_size, 0)
+                    memcpy(&h, <char*>data, header_size)
+                    if h.hdr_state != HKV_STATE_INITIALISING:
+                        continue
+                    raise AbandonedSegmentError(
+                        f"segment {name!r} was abandoned by its creator (pid "
+                        f"{h.hdr_creator_pid}, dead or gone, after reserving "
+                        f"{h.hdr_reserved_bytes} of {h.hdr_regions.reg_total_size} bytes): "
+                        "it will never be ready; unlink it and create it again")
+        now = time.monotonic()
+        if progress != last_progress:
+            last_progress = progress
+            stalled_since = now
+        elif now - stalled_since >= timeout:
             break
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
@@ -285,14 +352,10 @@ cdef int64_t wait_ready(name, int fd, double timeout) except -1:
         progress = "all of its memory reserved, its tables still being written"
     else:
         progress = f"{percent:.0f}% of its {total} bytes reserved"
-    if first_reserved is not None and reserved == first_reserved:
-        advice = ("no progress while waiting: its creator may have died; unlink it and "
-                  "create it again")
-    else:
-        advice = "still progressing: pass a longer ready_timeout"
     raise IncompatibleSegmentError(
-        f"segment {name!r} did not become ready within {timeout:g} s: still being "
-        f"created by pid {h.hdr_creator_pid}, {progress}; {advice}")
+        f"segment {name!r} did not become ready: no progress while waiting {timeout:g} s "
+        f"(its ready_timeout): still being created by pid {h.hdr_creator_pid}, {progress}; "
+        "its creator is alive (it holds its lock) but stopped or stuck")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +370,8 @@ cdef dict header_snapshot(HkvHeader* header, char* base):
         "state": hdr["hdr_state"],
         "creator_pid": hdr["hdr_creator_pid"],
         "reserved_bytes": hdr["hdr_reserved_bytes"],
+        "segment_id": hdr["hdr_segment_id"],
+        "create_steps": hdr["hdr_create_steps"],
         "generation": hdr["hdr_generation"],
         "free_pages": hdr["hdr_free_pages"],
         "active_leases": hdr["hdr_active_leases"],

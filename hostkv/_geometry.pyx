@@ -175,6 +175,8 @@ def layout_info():
         ("rt_cached_pages", <size_t>&h.hdr_radix.rt_cached_pages),
         ("rt_protected_pages", <size_t>&h.hdr_radix.rt_protected_pages),
         ("rt_evictable_leaf_pages", <size_t>&h.hdr_radix.rt_evictable_leaf_pages),
+        ("hdr_segment_id", <size_t>&h.hdr_segment_id),
+        ("hdr_create_steps", <size_t>&h.hdr_create_steps),
         ("hdr_mutex", <size_t>&h.hdr_mutex),
     ])
     lease = _offsets(<const char*>&l, [
@@ -183,6 +185,8 @@ def layout_info():
         ("ls_pid", <size_t>&l.ls_pid),
         ("ls_generation", <size_t>&l.ls_generation),
         ("ls_registered_ns", <size_t>&l.ls_registered_ns),
+        ("ls_parent_slot", <size_t>&l.ls_parent_slot),
+        ("ls_parent_generation", <size_t>&l.ls_parent_generation),
     ])
     undo = _offsets(<const char*>&u, [("ue_where", <size_t>&u.ue_where), ("ue_old", <size_t>&u.ue_old)])
     slab = _offsets(<const char*>&s, [

@@ -43,7 +43,7 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 8u
+    #define HKV_LAYOUT_VERSION 9u
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
 
@@ -155,6 +155,16 @@ cdef extern from *:
         int64_t hdr_undo_count;                  /* entries of the open mutation's undo log; 0 = none open */
         HkvStats hdr_stats;
         HkvRadixState hdr_radix;
+        uint64_t hdr_segment_id;                 /* random, never 0, written at create (with the
+                                                    first header): which segment of this name a
+                                                    process mapped. An engine's scheduler sends
+                                                    it to its workers, which copy nothing into
+                                                    a segment of another id (one unlinked and
+                                                    made again between their opens) */
+        uint64_t hdr_create_steps;               /* +1 at each step of the creator's work (each
+                                                    chunk reserved, each table written): an
+                                                    attacher waits while it moves, and gives up
+                                                    only once it stalls for ready_timeout */
         /* The one lock over all shared state: robust, process-shared, normal type, no
            priority inheritance (PI and error-checking mutexes compare TIDs, which break
            across PID namespaces). On its own cache line. */
@@ -172,6 +182,17 @@ cdef extern from *:
         int32_t ls_pid;                          /* display only: pids are not trusted */
         uint64_t ls_generation;                  /* bumped at each registration of this slot */
         int64_t ls_registered_ns;                /* CLOCK_REALTIME at registration, for inspect */
+        int32_t ls_parent_slot;                  /* the lease this process works for (a vLLM
+                                                    worker: its engine's scheduler, which owns
+                                                    the sequences whose pages it writes), valid
+                                                    when ls_parent_generation != 0. While this lease lives, a dead parent's
+                                                    sequences are not released (their pages
+                                                    stay quarantined): this process may still
+                                                    be writing them */
+        int32_t ls_reserved;
+        uint64_t ls_parent_generation;           /* the parent's ls_generation when joined (a
+                                                    slot taken again is another process); 0:
+                                                    no parent (every registration sets 0) */
     } __attribute__((aligned(HKV_CACHE_LINE))) HkvLease;
 
     /* One logged store: before any store to shared state a mutation appends (where, old
@@ -383,6 +404,8 @@ cdef extern from *:
         int64_t hdr_undo_count
         HkvStats hdr_stats
         HkvRadixState hdr_radix
+        uint64_t hdr_segment_id
+        uint64_t hdr_create_steps
         pthread_mutex_t hdr_mutex
 
     ctypedef struct HkvLease:
@@ -391,6 +414,9 @@ cdef extern from *:
         int32_t ls_pid
         uint64_t ls_generation
         int64_t ls_registered_ns
+        int32_t ls_parent_slot
+        int32_t ls_reserved
+        uint64_t ls_parent_generation
 
     ctypedef struct HkvUndoEntry:
         uint64_t ue_where

@@ -35,6 +35,9 @@ cdef class SegmentLock:
     cdef int64_t undo_capacity
     cdef int64_t undo_start             # the open mutation's first entry in the ring (hdr_undo_start)
     cdef size_t size
+    cdef int fd                         # the segment's file, open while mapped by a leased
+                                        # handle: its flock(LOCK_SH) says "in use" (-1: none)
+    cdef int64_t file_dev, file_ino     # which file that is (stat), for replace_segment
     cdef readonly str name
     cdef readonly bint closed
     cdef bint locked                    # a thread of this process holds hdr_mutex through this object

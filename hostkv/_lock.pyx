@@ -100,6 +100,7 @@ cdef class SegmentLock:
         self.hdr = NULL
         self.closed = True
         self.lease_slot = -1
+        self.fd = -1
         self.lease_holder = NULL
         self.crash_countdown = 0
         self.crash_mode = CRASH_EXIT

@@ -2,7 +2,7 @@
 # handle) with its lifecycle, this process's lease on it, and the hooks later layers add to
 # recovery and to the reaping of a dead process.
 
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from hostkv._layout cimport HkvConfig, HkvLease, HkvRegions
 from hostkv._lock cimport SegmentLock
 
@@ -14,10 +14,10 @@ cdef class Segment(SegmentLock):
     cdef _map(self, name, int fd, int64_t size)
     cdef _populate_metadata(self)
     cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions)
-    cdef _reserve(self, name, int fd, HkvConfig* ccfg, HkvRegions* regions)
     cdef _bind_regions(self)
     cdef _validate(self)
     cdef int dead_leases(self) except -1
+    cdef bint has_live_member(self, int32_t slot, uint64_t generation) except -1
     cdef int sweep_leases(self) except -1
     cdef HkvLease* lease_at(self, int32_t slot) except NULL
 

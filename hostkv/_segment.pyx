@@ -10,6 +10,9 @@ and the checks on it), _geometry (where the regions lie), _leases (robust mutexe
 lease thread), _crash (the tests' crash points).
 """
 
+import errno
+import fcntl
+import glob
 import numbers
 import os
 import re
@@ -21,7 +24,7 @@ from cpython.buffer cimport PyBUF_FORMAT
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 from hostkv._format cimport (
-    check_format, config_impossible, config_to_c, config_values, expected_format,
+    check_format, config_impossible, config_to_c, config_values, creator_step, expected_format,
     header_snapshot, metrics_snapshot, reserve_memory, wait_ready, write_first_header)
 from hostkv._geometry cimport advise_range, compute_regions, init_tables
 from hostkv._layout cimport *
@@ -37,12 +40,15 @@ from hostkv.errors import (
     ForeignSegmentError,
     IncompatibleSegmentError,
     LockTimeoutError,
+    SegmentExistsError,
+    SegmentInUseError,
     os_error,
     translate_posix_ipc,
 )
 # Defined in the layers below; named here too, where callers and tests have always found them.
 from hostkv._crash import _arm_new_segments
 from hostkv._format import RESERVE_CHUNK
+from hostkv.errors import SegmentError as SegmentError_
 from hostkv._geometry import MADV, layout_info
 from hostkv._leases import MUTEX_KIND, MUTEX_KIND_OFFSET
 from hostkv._lock import EXIT_LOCK_TIMEOUT, SWEEP_INTERVAL_NS
@@ -115,6 +121,86 @@ def check_name(name):
     return "/" + name
 
 
+# Linux's shm_open keeps its objects here (glibc's __shm_directory): segments are opened and
+# created through it directly where posix_ipc has no call for the job (O_TMPFILE, flock).
+SHM_DIR = "/dev/shm"
+# How long an attacher waits for the shared lock while a replacer holds the exclusive one
+# (it holds it only to unlink the old file), and how often it opens the name again when it
+# finds the file it opened already unlinked.
+REPLACER_WAIT = 5.0
+MAX_REOPENS = 100
+
+
+def shm_path(name):
+    """The file of segment `name` (a checked name)."""
+    return f"{SHM_DIR}/{name}"
+
+
+def unlink_side_objects(name):
+    """Removes the NAME@... objects kept beside a segment (a segment's name never holds '@',
+    so this removes no other segment)."""
+    for path in glob.glob(f"{SHM_DIR}/{glob.escape(name)}@*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+cdef int open_unnamed(name) except -2:
+    """A new, nameless file in the segments' directory (O_TMPFILE), or -1 where the kernel or
+    filesystem has none: the creator links it under its name once its header and its locks
+    are in it, so no process ever opens a segment whose creator has not marked it."""
+    try:
+        return os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, SEGMENT_MODE)
+    except AttributeError:
+        return -1
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+            return -1
+        raise os_error(exc.errno or errno.EIO, "create segment", name) from None
+
+
+cdef int link_unnamed(int fd, path, name) except -1:
+    """Gives the nameless file at fd the name `path`, exclusively (EEXIST: another has it).
+
+    linkat(2) with AT_SYMLINK_FOLLOW through /proc/self/fd: the way an unprivileged process
+    names an O_TMPFILE file. os.link uses linkat only when given a directory fd, hence one."""
+    proc_fd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(str(fd), path, src_dir_fd=proc_fd, follow_symlinks=True)
+    except OSError as exc:
+        raise os_error(exc.errno or errno.EIO, "create segment", name) from None
+    finally:
+        os.close(proc_fd)
+    return 0
+
+
+cdef int take_shared_lock(int fd, name, double wait) except -1:
+    """flock(LOCK_SH) on the segment's file: "in use", for as long as this handle is open.
+
+    A replacer holds LOCK_EX only while it unlinks the file: wait for it (then the caller
+    finds the file unlinked and opens the name again). The lock belongs to the open file
+    description, so a forked child that inherits the fd holds it too, and it goes when the
+    last descriptor of it closes (or the process dies): never LOCK_UN, which would drop it
+    for the parent and the child at once."""
+    deadline = time.monotonic() + wait
+    delay = 0.0005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return 0
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            raise os_error(exc.errno or errno.EIO, "lock segment", name) from None
+        if time.monotonic() >= deadline:
+            raise LockTimeoutError(
+                f"segment {name!r}: another process held its file locked for replacing for "
+                f"{wait:g} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
 def check_timeout(what, value):
     """Returns value as a float of seconds, or raises ValueError for a negative or NaN one,
     or one that is not a real number (a str such as "1", a bool)."""
@@ -146,6 +232,13 @@ cdef class Segment(SegmentLock):
     def create(name, object config, lock_timeout=DEFAULT_LOCK_TIMEOUT):
         """Creates the segment `name` for a resolved HostKVConfig and attaches to it.
 
+        The file is made nameless (O_TMPFILE) and given its name only once its first header
+        is written and the creator holds its two locks on it: the shared flock every user
+        holds, and the creator's mark (_format.creator_gone), which it drops once the
+        segment is READY. So whoever opens the name finds a header, and tells a creator at
+        work from a dead one by the mark, never by its pid. Where O_TMPFILE is missing, the
+        name is created exclusively and marked at once.
+
         Raises:
             ValueError: a bad name or timeout.
             SegmentExistsError: a segment of that name exists.
@@ -154,31 +247,127 @@ cdef class Segment(SegmentLock):
         cdef Segment seg = Segment.__new__(Segment)
         cdef HkvConfig ccfg
         cdef HkvRegions regions
-        posix_name = check_name(name)
+        cdef int fd, rc
+        check_name(name)
+        path = shm_path(name)
         seg.lock_timeout_ns = <int64_t>(check_timeout("lock_timeout", lock_timeout) * 1e9)
         ccfg = config_to_c(config)
         compute_regions(&ccfg, &regions)
-        try:
-            shm = posix_ipc.SharedMemory(posix_name, posix_ipc.O_CREX, mode=SEGMENT_MODE)
-        except posix_ipc.Error as exc:
-            raise translate_posix_ipc(exc, "create segment", name, creating=True) from None
+        named = False
+        fd = open_unnamed(name)
+        if fd < 0:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC
+                             | os.O_NOFOLLOW, SEGMENT_MODE)
+            except OSError as exc:
+                raise os_error(exc.errno or errno.EIO, "create segment", name) from None
+            named = True
+        seg.fd = fd
         try:
             try:
-                seg._reserve(name, shm.fd, &ccfg, &regions)
-            finally:
-                shm.close_fd()
+                rc = hkv_creator_mark(fd)
+                if rc != 0:
+                    raise os_error(rc, "lock the new segment (creator's mark)", name)
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                os.fchmod(fd, SEGMENT_MODE)      # whatever the umask
+                write_first_header(name, fd, &ccfg, &regions)
+                if not named:
+                    link_unnamed(fd, path, name)
+                    named = True
+            except OSError as exc:
+                if isinstance(exc, SegmentError_):
+                    raise
+                raise os_error(exc.errno or errno.EIO, "create segment", name) from None
+            st = os.fstat(fd)
+            seg.file_dev, seg.file_ino = st.st_dev, st.st_ino
+            seg._map(name, fd, regions.reg_total_size)
+            reserve_memory(name, fd, regions.reg_total_size, seg.hdr)
             seg._initialise(&ccfg, &regions)
+            hkv_creator_unmark(fd)               # READY is out: attachers stop asking
             seg.last_sweep_ns = now_ns(CLOCK_MONOTONIC)    # nobody to reap in a new segment
             seg._register_lease()
         except BaseException:
             seg._stop_lease_holder()
             seg._unmap()
-            try:
-                shm.unlink()
-            except posix_ipc.Error:
-                pass
+            if named:
+                # Only the file this call made: another may hold the name by now.
+                try:
+                    cur = os.stat(path)
+                    if (cur.st_dev, cur.st_ino) == (seg.file_dev, seg.file_ino):
+                        os.unlink(path)
+                except OSError:
+                    pass
             raise
         return seg
+
+    @staticmethod
+    def replace(name, object config, lock_timeout=DEFAULT_LOCK_TIMEOUT, expect_inode=None):
+        """Unlinks the segment `name` if no live process holds it attached, and creates it
+        anew (as create()). Returns the new Segment, or None where there was nothing to do
+        yet: the name is another file than `expect_inode` ((st_dev, st_ino) of the one the
+        caller inspected), another process is replacing it or has just done so, or another
+        created it first: look again.
+
+        Every attached handle holds flock(LOCK_SH) on the file; this takes LOCK_EX without
+        waiting, so it replaces only a segment nobody uses, as the kernel knows it, across
+        PID namespaces. It unlinks while it holds the exclusive lock: an attacher that had
+        opened the old file finds it unlinked once it has its shared lock, and opens the
+        name again.
+
+        Raises:
+            SegmentInUseError: live processes hold it attached.
+            SegmentExistsError: never (another creator's segment: None).
+            SegmentError: the OS refused.
+        """
+        cdef int fd
+        check_name(name)
+        check_timeout("lock_timeout", lock_timeout)
+        path = shm_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = -1
+        except OSError as exc:
+            raise os_error(exc.errno or errno.EIO, "open segment to replace it", name) from None
+        if fd >= 0:
+            try:
+                st = os.fstat(fd)
+                if expect_inode is not None and (st.st_dev, st.st_ino) != tuple(expect_inode):
+                    return None
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    # Users (shared holders), or another replacer (exclusive): a shared
+                    # lock tells them apart.
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        return None
+                    if os.fstat(fd).st_nlink == 0:
+                        return None
+                    raise SegmentInUseError(
+                        f"segment {name!r} is in use: live processes hold it attached (its "
+                        "file's shared lock)") from None
+                if os.fstat(fd).st_nlink == 0:
+                    return None                  # replaced by another between open and lock
+                try:
+                    cur = os.stat(path)
+                except FileNotFoundError:
+                    return None
+                if (cur.st_dev, cur.st_ino) != (st.st_dev, st.st_ino):
+                    return None
+                os.unlink(path)
+                unlink_side_objects(name)
+            except OSError as exc:
+                if isinstance(exc, SegmentError_):
+                    raise
+                raise os_error(exc.errno or errno.EIO, "replace segment", name) from None
+            finally:
+                os.close(fd)
+        try:
+            return Segment.create(name, config, lock_timeout)
+        except SegmentExistsError:
+            return None
 
     @staticmethod
     def attach(name, lock_timeout=DEFAULT_LOCK_TIMEOUT, ready_timeout=DEFAULT_READY_TIMEOUT,
@@ -199,27 +388,45 @@ cdef class Segment(SegmentLock):
         posix_name = check_name(name)
         seg.lock_timeout_ns = <int64_t>(check_timeout("lock_timeout", lock_timeout) * 1e9)
         ready_seconds = check_timeout("ready_timeout", ready_timeout)
-        try:
-            # size=0: posix_ipc resizes an existing segment to any non-zero size it is given.
-            shm = posix_ipc.SharedMemory(posix_name, 0, size=0)
-        except posix_ipc.Error as exc:
-            raise translate_posix_ipc(exc, "attach segment", name, creating=False) from None
-        try:
-            st = os.fstat(shm.fd)
-            if not trust_other_users:
-                if st.st_uid != getuid():
-                    raise ForeignSegmentError(
-                        f"segment {name!r} is owned by uid {st.st_uid}, not by this user "
-                        f"(uid {getuid()}); pass trust_other_users=True to attach anyway")
-                if st.st_mode & 0o022:
-                    raise ForeignSegmentError(
-                        f"segment {name!r} has mode {st.st_mode & 0o777:o}: other users can "
-                        "write it; pass trust_other_users=True to attach anyway")
-            seg.name = name
-            size = wait_ready(name, shm.fd, ready_seconds)
-            seg._map(name, shm.fd, size)
-        finally:
-            shm.close_fd()
+        for attempt in range(MAX_REOPENS):
+            try:
+                # size=0: posix_ipc resizes an existing segment to any non-zero size it is given.
+                shm = posix_ipc.SharedMemory(posix_name, 0, size=0)
+            except posix_ipc.Error as exc:
+                raise translate_posix_ipc(exc, "attach segment", name, creating=False) from None
+            fd = shm.fd
+            keep = False
+            try:
+                st = os.fstat(fd)
+                if not trust_other_users:
+                    if st.st_uid != getuid():
+                        raise ForeignSegmentError(
+                            f"segment {name!r} is owned by uid {st.st_uid}, not by this user "
+                            f"(uid {getuid()}); pass trust_other_users=True to attach anyway")
+                    if st.st_mode & 0o022:
+                        raise ForeignSegmentError(
+                            f"segment {name!r} has mode {st.st_mode & 0o777:o}: other users can "
+                            "write it; pass trust_other_users=True to attach anyway")
+                seg.name = name
+                size = wait_ready(name, fd, ready_seconds)
+                if lease:
+                    # In use from here on; taken only once it is READY, so that waiting
+                    # for a creator (who may die) never counts as using its segment.
+                    take_shared_lock(fd, name, REPLACER_WAIT)
+                    if os.fstat(fd).st_nlink == 0:
+                        continue                 # replaced meanwhile: open the name again
+                    keep = True
+                seg.file_dev, seg.file_ino = st.st_dev, st.st_ino
+                seg._map(name, fd, size)
+            finally:
+                if keep:
+                    seg.fd = fd
+                else:
+                    shm.close_fd()
+            break
+        else:
+            raise IncompatibleSegmentError(
+                f"segment {name!r} was replaced {MAX_REOPENS} times while attaching")
         try:
             seg._validate()
             seg._populate_metadata()
@@ -265,13 +472,6 @@ cdef class Segment(SegmentLock):
         with nogil:
             madvise(self.base, length, MADV_POPULATE_WRITE)
 
-    cdef _reserve(self, name, int fd, HkvConfig* ccfg, HkvRegions* regions):
-        """Writes the header's identity, sizes the segment, maps it, reserves its memory
-        (_format.write_first_header, reserve_memory)."""
-        write_first_header(name, fd, ccfg, regions)
-        self._map(name, fd, regions.reg_total_size)
-        reserve_memory(name, fd, regions.reg_total_size, &self.hdr.hdr_reserved_bytes)
-
     cdef _initialise(self, HkvConfig* ccfg, HkvRegions* regions):
         """Writes a fresh header and tables. Nobody else reads them before state is READY."""
         cdef HkvHeader* hdr = self.hdr
@@ -288,7 +488,9 @@ cdef class Segment(SegmentLock):
         init_robust_mutex(&hdr.hdr_mutex)
         for i in range(ccfg.cfg_max_processes):
             init_robust_mutex(&(<HkvLease*>(self.base + regions.reg_leases))[i].ls_mutex)
+        creator_step(hdr)
         init_tables(self.base, hdr, ccfg, regions)
+        creator_step(hdr)
         self._bind_regions()
         for i in range(_num_rederive_hooks):
             _rederive_hooks[i](self)
@@ -411,6 +613,8 @@ cdef class Segment(SegmentLock):
                     log_store_i32(self, &lease.ls_pid, getpid())
                     log_store_i64(self, <int64_t*>&lease.ls_generation, <int64_t>lease.ls_generation + 1)
                     log_store_i64(self, &lease.ls_registered_ns, now_ns(CLOCK_REALTIME))
+                    log_store_i32(self, &lease.ls_parent_slot, -1)
+                    log_store_i64(self, <int64_t*>&lease.ls_parent_generation, 0)
                     log_store_i32(self, &self.hdr.hdr_active_leases, self.hdr.hdr_active_leases + 1)
                     self.commit()
                 except BaseException:
@@ -449,15 +653,40 @@ cdef class Segment(SegmentLock):
             lease_call(self.lease_holder, LEASE_DROP, NULL)
 
     cdef int dead_leases(self) except -1:
-        """How many lease slots are held by dead processes (probes only, changes nothing
-        the sweep would not)."""
+        """How many lease slots are held by dead processes that a sweep would reclaim now
+        (not those quarantined for a live member of their group: see has_live_member).
+        Probes only, changes nothing the sweep would not."""
         cdef int32_t slot
         cdef int dead = 0
+        cdef HkvLease* lease
         for slot in range(self.hdr.hdr_config.cfg_max_processes):
-            if slot != self.lease_slot and self.lease_at(slot).ls_state == HKV_LEASE_ACTIVE:
-                if not self.lease_alive(slot):
+            lease = self.lease_at(slot)
+            if slot != self.lease_slot and lease.ls_state == HKV_LEASE_ACTIVE:
+                if not self.lease_alive(slot) and not self.has_live_member(slot, lease.ls_generation):
                     dead += 1
         return dead
+
+    cdef bint has_live_member(self, int32_t slot, uint64_t generation) except -1:
+        """Whether a live process's lease names lease (slot, generation) as its parent: a
+        process that works for it (a vLLM worker for its engine's scheduler) and may still
+        be writing the pages its sequences reserved. While one lives, a dead parent's
+        sequences stay as they are (quarantined), so no page of theirs is handed out while
+        a member may write it. Compares values only: nothing read here is followed."""
+        cdef int32_t other
+        cdef HkvLease* lease
+        for other in range(self.hdr.hdr_config.cfg_max_processes):
+            if other == slot:
+                continue
+            lease = self.lease_at(other)
+            if (lease.ls_state != HKV_LEASE_ACTIVE or lease.ls_parent_generation == 0
+                    or lease.ls_parent_slot != slot or lease.ls_parent_generation != generation):
+                continue
+            if other == self.lease_slot and self.fork_epoch == fork_epoch():
+                return True
+            check_mutex(self, &lease.ls_mutex, f"lease slot {other}")
+            if probe_mutex(&lease.ls_mutex) == EBUSY:
+                return True
+        return False
 
     cdef int sweep_leases(self) except -1:
         """Frees the lease of every process that has died, and what it held. Returns how
@@ -486,6 +715,8 @@ cdef class Segment(SegmentLock):
             # Unheld or owner-dead: the process is gone (a live one always holds it).
             if rc != 0 and rc != EOWNERDEAD and rc != ENOTRECOVERABLE:
                 raise os_error(rc, f"probe lease slot {slot}", self.name)
+            if self.has_live_member(slot, lease.ls_generation):
+                continue                       # quarantined until its group's last member dies
             for i in range(_num_dead_lease_hooks):
                 _dead_lease_hooks[i](self, slot)
             log_store_i32(self, <int32_t*>&lease.ls_state, HKV_LEASE_FREE)
@@ -609,6 +840,11 @@ cdef class Segment(SegmentLock):
     def _unmap(self):
         if self.base != NULL:
             munmap(self.base, self.size)
+        if self.fd >= 0:
+            # Closing (never LOCK_UN) drops this description's shared lock only when no other
+            # descriptor of it stays open: a forked child's copy keeps it held.
+            os.close(self.fd)
+            self.fd = -1
         self.base = NULL
         self.hdr = NULL
         self.closed = True
@@ -649,6 +885,72 @@ cdef class Segment(SegmentLock):
         check_mutex(self, &lease.ls_mutex, f"lease slot {slot}")
         return probe_mutex(&lease.ls_mutex) == EBUSY
 
+    def lease_identity(self):
+        """(slot, generation) of this handle's lease, or None for an observer."""
+        self._check_open()
+        if self.fork_epoch != fork_epoch():
+            self._after_fork()
+        if self.lease_slot < 0:
+            return None
+        return (self.lease_slot, self.lease_generation)
+
+    def lease_alive_as(self, int32_t slot, uint64_t generation):
+        """Whether lease (slot, generation) is held by a live process: the slot is active,
+        still that registration (a slot taken again is another process), and its mutex
+        held. No lock: one probe, cheap enough to ask before each submission of copies."""
+        cdef HkvLease* lease
+        self._check_open()
+        check_shape(self)
+        if not 0 <= slot < self.hdr.hdr_config.cfg_max_processes:
+            return False
+        lease = self.lease_at(slot)
+        if lease.ls_state != HKV_LEASE_ACTIVE or lease.ls_generation != generation:
+            return False
+        return self.lease_alive(slot) and lease.ls_generation == generation
+
+    def join_lease_group(self, int32_t slot, uint64_t generation):
+        """Names lease (slot, generation) as the parent of this handle's lease: this process
+        works for it (writes pages its sequences reserved). While this lease lives, the
+        parent's sequences are not released if the parent dies: their pages stay
+        quarantined, never handed out while this process may still write them; the sweep
+        after this lease's end (close or death) releases them.
+
+        Returns True once joined, False when that lease is not held by a live process (gone,
+        or taken again): then nothing of it may be written. A logged mutation.
+
+        Raises:
+            ValueError: an observer (no lease), a slot outside the table, generation 0,
+                or this handle's own lease.
+        """
+        cdef HkvLease* parent
+        cdef HkvLease* own
+        self._check_open()
+        if self.fork_epoch != fork_epoch():
+            self._after_fork()
+        if self.lease_slot < 0:
+            raise ValueError("an observer's handle has no lease to join a group with")
+        if not 0 <= slot < self.hdr.hdr_config.cfg_max_processes or generation == 0:
+            raise ValueError(
+                f"lease ({slot}, {generation}) is not a lease of this segment (slots [0, "
+                f"{self.hdr.hdr_config.cfg_max_processes}), generations from 1)")
+        if slot == self.lease_slot:
+            raise ValueError(f"lease slot {slot} is this handle's own")
+        self.begin()
+        try:
+            parent = self.lease_at(slot)
+            own = self.lease_at(self.lease_slot)
+            if (parent.ls_state != HKV_LEASE_ACTIVE or parent.ls_generation != generation
+                    or not self.lease_alive(slot)):
+                self.commit()
+                return False
+            if own.ls_parent_slot != slot or own.ls_parent_generation != generation:
+                log_store_i32(self, &own.ls_parent_slot, slot)
+                log_store_i64(self, <int64_t*>&own.ls_parent_generation, <int64_t>generation)
+            self.commit()
+            return True
+        finally:
+            self.end()
+
     def metrics_info(self):
         """The metrics region as plain Python values (call with the lock held)."""
         self._check_open()
@@ -668,6 +970,17 @@ cdef class Segment(SegmentLock):
         return self.hdr.hdr_free_pages
 
     @property
+    def segment_id(self):
+        """The segment's random id (never 0), fixed at create."""
+        self._check_open()
+        return self.hdr.hdr_segment_id
+
+    @property
+    def file_identity(self):
+        """(st_dev, st_ino) of the file this handle mapped."""
+        return (self.file_dev, self.file_ino)
+
+    @property
     def lease_slot_index(self):
         """This process's lease slot, or -1."""
         return self.lease_slot
@@ -682,6 +995,13 @@ cdef class Segment(SegmentLock):
         problem = lease_table_problem(<HkvLease*>(self.base + self.hdr.hdr_regions.reg_leases),
                                       self.hdr.hdr_config.cfg_max_processes,
                                       self.hdr.hdr_active_leases)
+        for slot in range(self.hdr.hdr_config.cfg_max_processes):
+            lease = self.lease_at(slot)
+            if lease.ls_state == HKV_LEASE_ACTIVE and lease.ls_parent_generation != 0 and (
+                    not 0 <= lease.ls_parent_slot < self.hdr.hdr_config.cfg_max_processes
+                    or lease.ls_parent_slot == slot):
+                problem = problem or (f"lease slot {slot} names lease slot "
+                                      f"{lease.ls_parent_slot} as its parent")
         if problem is not None:
             self.corrupt(problem)
         if self.lease_slot >= 0 and self.fork_epoch == fork_epoch():

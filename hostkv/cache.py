@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import posix_ipc
@@ -23,7 +23,16 @@ from hostkv import _histogram, _introspect, _pages, _radix, _segment, _sequences
 from hostkv._tokens import as_namespace, as_tokens
 from hostkv._validate import int_in
 from hostkv.config import KV_KINDS, HostKVConfig, KVLayout, dtype_from_code
-from hostkv.errors import ConfigError, IncompatibleSegmentError, os_error, translate_posix_ipc
+from hostkv.errors import (
+    AbandonedSegmentError,
+    ConfigError,
+    IncompatibleSegmentError,
+    SegmentExistsError,
+    SegmentFormatError,
+    SegmentNotFoundError,
+    os_error,
+    translate_posix_ipc,
+)
 
 __all__ = ["CacheMetrics", "CacheStats", "EvictionCandidate", "HostKVCache", "PrefaultStatus",
            "PrefixMatch"]
@@ -192,6 +201,13 @@ class PrefaultStatus:
     huge_policy: str
 
 
+def _lease_args(slot: Any, generation: Any) -> Tuple[int, int]:
+    """A lease's (slot, generation), checked: an int32 and a uint64."""
+    return (int_in(slot, -2**31, 2**31, ValueError, "slot", "an integer", "be an int32"),
+            int_in(generation, 0, 2**64, ValueError, "generation", "an integer",
+                   "be in [0, 2**64)"))
+
+
 class HostKVCache:
     """A handle on a hostkv segment: the shared page pool and prefix cache.
 
@@ -259,9 +275,10 @@ class HostKVCache:
             name: The segment's name.
             expected_config: If given, the segment's config must equal it once resolved.
             lock_timeout: Seconds any operation waits for the segment's lock.
-            ready_timeout: Seconds to wait for a segment still being created (default
-                120: creating reserves all of the pool's memory, ~5 GB/s on tmpfs, so a
-                pool of ~600 GB). A timeout says how far the creator got.
+            ready_timeout: Seconds without progress after which a segment still being
+                created is given up on (default 120); a creator that keeps reserving (all
+                of the pool's memory, ~5 GB/s on tmpfs) is waited for however long it
+                takes. A timeout says how far the creator got.
             trust_other_users: Attach even if another user owns the segment or other users
                 may write it.
             lease: False attaches as an observer (for inspection tools): no lease slot is
@@ -271,8 +288,9 @@ class HostKVCache:
             SegmentNotFoundError: No segment of that name.
             ForeignSegmentError: Owned by another user or writable by others.
             IncompatibleSegmentError: Not a hostkv segment (refused at once), another
-                format, a config other than expected_config, or a creator that did not
-                finish within ready_timeout (the message says how much it had reserved).
+                format, a config other than expected_config, or a creator that made no
+                progress for ready_timeout (the message says how much it had reserved).
+            AbandonedSegmentError: Its creator died before it was ready (at once).
         """
         if expected_config is not None and lease:
             # Refuse a segment of another config before taking a lease in it (registering
@@ -304,6 +322,142 @@ class HostKVCache:
             raise IncompatibleSegmentError(
                 f"segment {self.name!r} has another config: " + "; ".join(differing))
 
+    @classmethod
+    def open(
+        cls,
+        name: str,
+        config: HostKVConfig,
+        *,
+        compatible: Optional[Callable[[HostKVConfig], bool]] = None,
+        may_replace: Optional[Callable[[IncompatibleSegmentError, Optional[HostKVConfig]], bool]] = None,
+        lock_timeout: float = 10.0,
+        ready_timeout: float = _segment.DEFAULT_READY_TIMEOUT,
+        attempts: int = 50,
+    ) -> "HostKVCache":
+        """Attaches `name`, or creates it with `config` where none exists, atomically across
+        processes; replaces a stale one that nobody has attached.
+
+        Processes starting together all succeed: the create is exclusive (the others
+        attach, waiting while the creator makes progress); a stale segment (another format,
+        a config `compatible` refuses, or abandoned by a creator that died) is looked at
+        without a lease or a lock (attach(lease=False)), so lookers never count as users,
+        and replaced through :meth:`replace_segment`, which one of them wins and the others
+        then attach.
+
+        Args:
+            name: The segment's name.
+            config: The config of a segment this call creates.
+            compatible: Whether an existing segment's config will do (default: the same
+                KV layout, page size and page bytes).
+            may_replace: Called with the reason (an IncompatibleSegmentError) and the
+                found config (None where unreadable) before replacing; False or raising
+                refuses. Default: replace.
+            lock_timeout, ready_timeout: As for :meth:`attach`.
+            attempts: Looks at the name at most this many times while it keeps changing.
+
+        Raises:
+            SegmentInUseError: a stale segment that live processes have attached.
+            IncompatibleSegmentError: may_replace refused (its reason), or the name kept
+                changing.
+            HostKVError: the segment could not be created or attached.
+        """
+        resolved = config.apply_runtime_defaults()
+        if compatible is None:
+            def compatible(found: HostKVConfig) -> bool:
+                return (found.kv_layout == resolved.kv_layout
+                        and found.page_size == resolved.page_size
+                        and found.page_bytes == resolved.page_bytes)
+        delay = 0.001
+        for _ in range(attempts):
+            try:
+                st = os.stat(_segment.shm_path(name))
+                inode: Optional[Tuple[int, int]] = (st.st_dev, st.st_ino)
+            except FileNotFoundError:
+                inode = None
+            found: Optional[HostKVConfig] = None
+            try:
+                probe = cls.attach(name, lock_timeout=lock_timeout, ready_timeout=ready_timeout,
+                                   lease=False)
+            except SegmentNotFoundError:
+                try:
+                    return cls.create(name, resolved, lock_timeout=lock_timeout)
+                except SegmentExistsError:
+                    continue                     # another process created it first
+            except (SegmentFormatError, AbandonedSegmentError) as exc:
+                reason: IncompatibleSegmentError = exc
+            else:
+                try:
+                    found = probe.config
+                finally:
+                    probe.close()
+                if compatible(found):
+                    try:
+                        cache = cls.attach(name, lock_timeout=lock_timeout,
+                                           ready_timeout=ready_timeout)
+                    except (SegmentNotFoundError, SegmentFormatError, AbandonedSegmentError):
+                        continue                 # changed since the look: look again
+                    if compatible(cache.config):
+                        return cache
+                    cache.close()
+                    continue
+                reason = IncompatibleSegmentError(
+                    f"segment {name!r} holds pages this process cannot use (page_size "
+                    f"{found.page_size}, page_bytes {found.page_bytes}, {found.kv_layout})")
+            if inode is None:
+                continue
+            if may_replace is not None and not may_replace(reason, found):
+                raise reason
+            fresh = cls.replace_segment(name, resolved, lock_timeout=lock_timeout,
+                                        expect_inode=inode)
+            if fresh is not None:
+                log.warning("hostkv: replaced segment %r (%s)", name, reason)
+                return fresh
+            time.sleep(delay)                    # another process is replacing it
+            delay = min(delay * 2, 0.05)
+        raise IncompatibleSegmentError(
+            f"segment {name!r} kept changing while opening it ({attempts} looks)")
+
+    @classmethod
+    def replace_segment(
+        cls,
+        name: str,
+        config: HostKVConfig,
+        *,
+        lock_timeout: float = 10.0,
+        expect_inode: Optional[Tuple[int, int]] = None,
+    ) -> Optional["HostKVCache"]:
+        """Unlinks the segment `name` if no live process has it attached, and creates it
+        anew with `config` (as :meth:`create`): for a segment found stale (another format,
+        another page layout, or abandoned by a creator that died).
+
+        Every attached handle holds a shared ``flock`` on the segment's file while it is
+        open; this takes the exclusive lock without waiting, so it replaces only a segment
+        nobody uses, as the kernel knows it (in any PID namespace; the lock goes when a
+        process dies). Looking at a segment (``attach(lease=False)``) takes no lock.
+
+        Args:
+            name: The segment's name.
+            config: The new segment's configuration.
+            lock_timeout: The new handle's lock timeout.
+            expect_inode: (st_dev, st_ino) of the file the caller found stale (see
+                ``os.stat("/dev/shm/" + name)``): another file under the name now is left
+                alone.
+
+        Returns:
+            The new segment's handle, or None when there was nothing to do yet: the name
+            is another file than expect_inode, another process is replacing it or just did,
+            or another created it first. Look again (attach).
+
+        Raises:
+            SegmentInUseError: live processes have it attached.
+            SegmentError: the OS refused.
+        """
+        if not isinstance(config, HostKVConfig):
+            raise ConfigError(f"config must be a HostKVConfig, got {type(config).__name__}")
+        segment = _segment.Segment.replace(name, config.apply_runtime_defaults(),
+                                           lock_timeout=lock_timeout, expect_inode=expect_inode)
+        return None if segment is None else cls(segment)
+
     @staticmethod
     def unlink_segment(name: str) -> None:
         """Removes the segment's name, and the side objects kept beside it (NAME@..., such
@@ -331,6 +485,16 @@ class HostKVCache:
     def name(self) -> str:
         """The segment's name (without the leading '/')."""
         return self._segment.name
+
+    @property
+    def segment_id(self) -> int:
+        """The segment's random 64-bit id, never 0, fixed when it was created.
+
+        Two handles with the same name but other ids mapped different segments (one was
+        unlinked and made again between their opens): page numbers from one mean nothing
+        in the other. The vLLM connector's scheduler sends it to its workers each step.
+        """
+        return self._segment.segment_id
 
     @property
     def config(self) -> HostKVConfig:
@@ -457,8 +621,45 @@ class HostKVCache:
         return _radix.evict(self._segment, _page_count(num_pages, "num_pages"))
 
     def reap(self) -> int:
-        """Releases what dead processes held, now. Returns how many dead processes it found."""
+        """Releases what dead processes held, now. Returns how many dead processes it found.
+
+        A dead process whose lease group still has a live member (see
+        :meth:`join_lease_group`) is left as it is, its pages quarantined, until the last
+        member has closed or died."""
         return self._segment.reap()
+
+    @property
+    def lease_identity(self) -> Optional[Tuple[int, int]]:
+        """(slot, generation) of this handle's lease in the segment (None: an observer).
+
+        Another process of the same job passes it to :meth:`join_lease_group`."""
+        return self._segment.lease_identity()
+
+    def lease_alive(self, slot: int, generation: int) -> bool:
+        """Whether lease (slot, generation) is held by a live process. One probe of its
+        mutex, no lock: cheap enough to ask before each submission of copies."""
+        return self._segment.lease_alive_as(*_lease_args(slot, generation))
+
+    def join_lease_group(self, slot: int, generation: int) -> bool:
+        """Makes this handle's lease a member of lease (slot, generation)'s group: this
+        process writes pages that lease's sequences reserved (a vLLM worker for its
+        engine's scheduler, which owns the sequences).
+
+        If that lease's process dies while this one lives, its sequences are not released
+        and their pages are not handed out to anyone (they stay quarantined): this process
+        may still be writing them. The sweep after this handle's close, or its process's
+        death, releases them (the last live member's, where several joined). Call it before
+        the first copy into those pages.
+
+        Returns:
+            True once joined (idempotent); False when that lease is not held by a live
+            process: nothing its sequences reserved may be written.
+
+        Raises:
+            ValueError: an observer's handle, a lease outside the table, or its own lease.
+            LockTimeoutError: the segment's lock was not had within lock_timeout.
+        """
+        return self._segment.join_lease_group(*_lease_args(slot, generation))
 
     def pages_array(self) -> np.ndarray:
         """The page pool as a writable uint8 array [num_pages, page_bytes], without copying.

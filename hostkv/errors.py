@@ -25,6 +25,7 @@ from typing import Dict, Optional, Type
 import posix_ipc
 
 __all__ = [
+    "AbandonedSegmentError",
     "CapacityError",
     "ConfigError",
     "CorruptionError",
@@ -36,6 +37,7 @@ __all__ = [
     "SegmentError",
     "SegmentExistsError",
     "SegmentFormatError",
+    "SegmentInUseError",
     "SegmentNotFoundError",
     "SegmentPermissionError",
     "SequenceError",
@@ -140,6 +142,25 @@ class SegmentFormatError(IncompatibleSegmentError):
     Nothing in such a segment can be read safely, not even its lease table; an engine
     that finds one no live process maps may replace it (``hostkv.vllm``'s
     ``replace_incompatible``).
+    """
+
+
+class AbandonedSegmentError(IncompatibleSegmentError):
+    """The segment's creator died before the segment was ready.
+
+    A creator holds a lock on the segment's file (an open-file-description lock, which the
+    kernel drops at its death) until it is ready; a segment still initialising without it
+    will never be ready. Nobody can have used it: it may be unlinked and made again
+    (``HostKVCache.replace_segment``).
+    """
+
+
+class SegmentInUseError(IncompatibleSegmentError):
+    """A segment to be replaced is still in use: a live process holds it attached.
+
+    Every attached handle holds a shared ``flock`` on the segment's file for as long as it
+    is open; a replacer must get the exclusive lock, so this is known from the kernel, in
+    any PID namespace, never from pids.
     """
 
 

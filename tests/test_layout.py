@@ -18,11 +18,11 @@ from conftest import small_config
 
 # A layout change must bump HKV_LAYOUT_VERSION (hostkv/_layout.pxd), then update these.
 EXPECTED_LAYOUT = {
-    "layout_version": 8,
+    "layout_version": 9,
     "magic": 0x3130564B54534F48,  # "HOSTKV01" read as a little-endian u64
     "sizes": {
         "HkvHeader": 512,
-        "HkvLease": 64,
+        "HkvLease": 128,
         "HkvUndoEntry": 16,
         "HkvSlab": 16,
         "HkvRadixNode": 64,
@@ -78,6 +78,8 @@ EXPECTED_LAYOUT = {
         "rt_cached_pages": 400,
         "rt_protected_pages": 408,
         "rt_evictable_leaf_pages": 416,
+        "hdr_segment_id": 432,
+        "hdr_create_steps": 440,
         "hdr_mutex": 448,
     },
     "lease": {
@@ -86,6 +88,8 @@ EXPECTED_LAYOUT = {
         "ls_pid": 44,
         "ls_generation": 48,
         "ls_registered_ns": 56,
+        "ls_parent_slot": 64,
+        "ls_parent_generation": 72,
     },
     "undo": {
         "ue_where": 0,

@@ -92,7 +92,7 @@ def test_engines_starting_at_once_create_or_attach(segment_name):
     with hostkv.HostKVCache.attach(segment_name) as holder:
         # A live process holds the old layout: refused, both layouts named.
         with pytest.raises(hostkv.IncompatibleSegmentError,
-                           match=r"holds pages of 2 layers .*, and 1 live process\(es\) use "
+                           match=r"holds pages of 2 layers .*, and live process\(es\) use "
                                  r"it; this engine's KV cache is 3 layers"):
             hv.open_segment(hv.HostKVSettings(segment=segment_name), layout, BLOCK_SIZE)
         holder.reap()

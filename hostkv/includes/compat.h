@@ -6,9 +6,12 @@
 #ifndef HOSTKV_COMPAT_H
 #define HOSTKV_COMPAT_H
 
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <time.h>
 
@@ -44,6 +47,38 @@ static inline uint32_t __atomic_load_acquire_u32(uint32_t* p) {
 }
 static inline void hkv_store_release_i64(int64_t* p, int64_t v) {
     __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+
+/* -- the creator's mark ------------------------------------------------------------------------
+   A creator holds a write lock on the segment file's first byte, an open-file-description
+   lock (fcntl F_OFD_SETLK, Linux 3.15), from before its name appears until the segment is
+   READY. The kernel drops it when the creator's file description closes, at its death
+   included, in whatever PID namespace: an attacher that finds a segment INITIALISING and
+   no mark on it knows its creator is gone, without trusting a pid (F_OFD_GETLK reports
+   none). OFD locks are independent of flock(2), the lock attachers hold to say "in use".
+   Each returns 0 or an errno. */
+static inline int hkv_creator_lock(int fd, short type) {
+    struct flock fl;
+    memset(&fl, 0, sizeof(fl));
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = 0;
+    fl.l_len = 1;
+    return fcntl(fd, F_OFD_SETLK, &fl) == 0 ? 0 : errno;
+}
+static inline int hkv_creator_mark(int fd) { return hkv_creator_lock(fd, F_WRLCK); }
+static inline int hkv_creator_unmark(int fd) { return hkv_creator_lock(fd, F_UNLCK); }
+/* Whether another file description holds the creator's mark: 1 or 0, or -errno. */
+static inline int hkv_creator_marked(int fd) {
+    struct flock fl;
+    memset(&fl, 0, sizeof(fl));
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = 0;
+    fl.l_len = 1;
+    if (fcntl(fd, F_OFD_GETLK, &fl) != 0)
+        return -errno;
+    return fl.l_type != F_UNLCK;
 }
 
 /* -- time ------------------------------------------------------------------------------------- */

@@ -114,6 +114,9 @@ cdef extern from "includes/compat.h" nogil:
     void __atomic_store_release_u32(uint32_t* p, uint32_t v) noexcept
     uint32_t __atomic_load_acquire_u32(uint32_t* p) noexcept
     void hkv_store_release_i64(int64_t* p, int64_t v) noexcept
+    int hkv_creator_mark(int fd) noexcept
+    int hkv_creator_unmark(int fd) noexcept
+    int hkv_creator_marked(int fd) noexcept
     int64_t now_ns "hkv_now_ns"(int clock) noexcept
     int count_leading_zeros(uint64_t x) noexcept
     void cpu_relax() noexcept

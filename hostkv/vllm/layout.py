@@ -19,10 +19,10 @@ from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig, KVLayout
 from hostkv.copy_engine import VLLM, VLLM_MLA, BlockLayout, head_slice_for_rank
 from hostkv.errors import (
+    AbandonedSegmentError,
     IncompatibleSegmentError,
-    SegmentExistsError,
     SegmentFormatError,
-    SegmentNotFoundError,
+    SegmentInUseError,
 )
 from hostkv.vllm.settings import HostKVSettings
 
@@ -169,7 +169,12 @@ def describe_layout(layout: Optional[KVLayout], page_size: int) -> str:
 
 
 def _processes_mapping(name: str) -> Set[int]:
-    """Pids (of this PID namespace) other than this one that map /dev/shm/<name>."""
+    """Pids (of this PID namespace) other than this one that map /dev/shm/<name>.
+
+    Only for a segment of another format: hostkv versions before layout 9 took no file lock
+    while attached, so their users are invisible to the replacer's flock; this best-effort
+    look (blind to other PID namespaces) is all that can still refuse to pull such a
+    segment from under them. Segments of this format are guarded by the lock alone."""
     path = f"/dev/shm/{name}"
     found: Set[int] = set()
     for entry in os.listdir("/proc"):
@@ -184,47 +189,15 @@ def _processes_mapping(name: str) -> Set[int]:
     return found
 
 
-def _inode(name: str) -> Optional[Tuple[int, int]]:
-    try:
-        st = os.stat(f"/dev/shm/{name}")
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _replace(settings: HostKVSettings, found: str, wanted: str, holders: int,
-             inode: Optional[Tuple[int, int]]) -> None:
-    """Unlinks a segment of another layout or version that nobody holds, or refuses."""
-    name = settings.segment
-    if holders:
-        raise IncompatibleSegmentError(
-            f"hostkv: segment {name!r} holds {found}, and {holders} live process(es) use "
-            f"it; this engine's KV cache is {wanted}: stop them, or give this engine "
-            "another segment")
-    if not settings.replace_incompatible:
-        raise IncompatibleSegmentError(
-            f"hostkv: segment {name!r} holds {found}, but this engine's KV cache is "
-            f"{wanted}; no live process uses it, and replace_incompatible is false: unlink "
-            f"it (python -m hostkv unlink {name}) or use another segment")
-    # Only the segment inspected: another engine may have replaced it meanwhile.
-    if inode is None or _inode(name) != inode:
-        return
-    logger.warning("hostkv: segment %r holds %s, which no live process uses; this engine's "
-                   "KV cache is %s: replacing it (its cached pages are dropped)", name, found,
-                   wanted)
-    try:
-        HostKVCache.unlink_segment(name)
-    except SegmentNotFoundError:
-        pass                             # another engine replaced it first
-
-
 def open_segment(settings: HostKVSettings, layout: KVLayout, page_size: int) -> HostKVCache:
     """Attaches the segment, or creates it if none exists, atomically across engines.
 
-    Two engines starting at once both try; the create is exclusive, so exactly one wins and
-    the other attaches (waiting up to ``ready_timeout`` for the creator to finish). A
-    segment of another page layout, or made by another hostkv version, that no live
-    process holds is replaced (unless ``settings.replace_incompatible`` is false).
+    Engines (and their workers) starting at once all succeed: the create is exclusive, so
+    exactly one wins and the others attach (waiting while the creator makes progress, and
+    giving up after ``ready_timeout`` without any). A segment of another page layout, made
+    by another hostkv version, or abandoned by a creator that died, is replaced once no live
+    process has it attached (unless ``settings.replace_incompatible`` is false); looking at
+    it takes no lease and no lock (see :meth:`hostkv.HostKVCache.open`).
 
     Raises:
         IncompatibleSegmentError: the segment holds another layout or version and live
@@ -236,39 +209,45 @@ def open_segment(settings: HostKVSettings, layout: KVLayout, page_size: int) -> 
     config = HostKVConfig(num_pages=num_pages, page_size=page_size, kv_layout=layout,
                           max_processes=settings.max_processes)
     wanted = describe_layout(layout, page_size)
-    for _ in range(20):
-        inode = _inode(settings.segment)
-        try:
-            cache = HostKVCache.attach(settings.segment, lock_timeout=settings.lock_timeout,
-                                       ready_timeout=settings.ready_timeout)
-        except SegmentNotFoundError:
-            pass
-        except SegmentFormatError as exc:
-            # Another hostkv version: not even its lease table can be read; the kernel's
-            # maps say who has it mapped (in this PID namespace).
-            _replace(settings, f"another format ({exc})", wanted,
-                     len(_processes_mapping(settings.segment)), inode)
-            continue
-        else:
-            have = cache.config
-            if have.kv_layout == layout and have.page_size == page_size:
-                return cache
-            try:
-                cache.reap()
-                others = cache.stats().active_processes - 1
-            finally:
-                cache.close()
-            _replace(settings, f"pages of {describe_layout(have.kv_layout, have.page_size)}",
-                     wanted, others, inode)
-            continue
-        try:
-            cache = HostKVCache.create(settings.segment, config,
-                                       lock_timeout=settings.lock_timeout)
-        except SegmentExistsError:
-            continue                     # another engine created it first: attach that one
-        logger.info("hostkv: created segment %r: %d pages of %d bytes (%s)",
-                    settings.segment, num_pages, page_bytes, wanted)
-        return cache
-    raise IncompatibleSegmentError(
-        f"hostkv: segment {settings.segment!r} kept appearing and vanishing")
+    name = settings.segment
 
+    def what(reason: IncompatibleSegmentError, found: Optional[HostKVConfig]) -> str:
+        if found is not None:
+            return f"pages of {describe_layout(found.kv_layout, found.page_size)}"
+        if isinstance(reason, SegmentFormatError):
+            return f"another format ({reason})"
+        return f"a half-made segment ({reason})"
+
+    seen = {"found": "another layout or version"}
+
+    def may_replace(reason: IncompatibleSegmentError, found: Optional[HostKVConfig]) -> bool:
+        found_text = seen["found"] = what(reason, found)
+        if isinstance(reason, SegmentFormatError):
+            holders = len(_processes_mapping(name))
+            if holders:
+                raise IncompatibleSegmentError(
+                    f"hostkv: segment {name!r} holds {found_text}, and {holders} live "
+                    f"process(es) map it; this engine's KV cache is {wanted}: stop them, or "
+                    "give this engine another segment")
+        if not settings.replace_incompatible and not isinstance(reason, AbandonedSegmentError):
+            raise IncompatibleSegmentError(
+                f"hostkv: segment {name!r} holds {found_text}, but this engine's KV cache is "
+                f"{wanted}; replace_incompatible is false: unlink it (python -m hostkv unlink "
+                f"{name}) or use another segment")
+        logger.warning("hostkv: segment %r holds %s; this engine's KV cache is %s: replacing "
+                       "it unless a live process has it attached (its cached pages are "
+                       "dropped)", name, found_text, wanted)
+        return True
+
+    try:
+        cache = HostKVCache.open(
+            name, config,
+            compatible=lambda found: found.kv_layout == layout and found.page_size == page_size,
+            may_replace=may_replace, lock_timeout=settings.lock_timeout,
+            ready_timeout=settings.ready_timeout)
+    except SegmentInUseError:
+        raise IncompatibleSegmentError(
+            f"hostkv: segment {name!r} holds {seen['found']}, and live process(es) use it; "
+            f"this engine's KV cache is {wanted}: stop them, or give this engine another "
+            "segment") from None
+    return cache

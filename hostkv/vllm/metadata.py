@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -28,6 +28,15 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
             until every worker reports them finished sending (its saves are over).
         preempted: Requests vLLM preempted this step: their blocks go to other requests,
             so a worker finishes their saves before this step's forward.
+        segment_id: The id of the segment the scheduler's pages are in
+            (``HostKVCache.segment_id``); 0: unknown. A worker that mapped a segment of
+            another id (the name was unlinked and made again between their opens) copies
+            nothing: its loads are reported bad, its saves failed.
+        scheduler_lease: The scheduler's lease in the segment, (slot, generation)
+            (``HostKVCache.lease_identity``); None: unknown. Each worker joins its group
+            before its first copy, so that, should the scheduler die, the pages its
+            sequences reserved stay quarantined while a worker may still write them; and
+            a worker stops saving once that lease is dead.
     """
 
     step: int = 0
@@ -36,6 +45,8 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
     bad_blocks: List[int] = dataclasses.field(default_factory=list)
     finishing: List[str] = dataclasses.field(default_factory=list)
     preempted: List[str] = dataclasses.field(default_factory=list)
+    segment_id: int = 0
+    scheduler_lease: Optional[Tuple[int, int]] = None
 
 
 @dataclasses.dataclass

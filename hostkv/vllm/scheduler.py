@@ -447,6 +447,7 @@ class SchedulerSide:
         meta = HostKVConnectorMetadata(
             step=step, loads=[(ld.req_id, ld.pages, ld.blocks) for ld in loads],
             bad_blocks=bad, finishing=finishing)
+        meta.segment_id, meta.scheduler_lease = self.cache.segment_id, self.cache.lease_identity
         self.suspect_blocks = {b: s for b, s in self.suspect_blocks.items() if s >= step - 2}
         for block in bad:
             self.suspect_blocks[block] = step

@@ -22,6 +22,7 @@ import torch
 
 from hostkv.cache import HostKVCache
 from hostkv.copy_engine import CopyEngine
+from hostkv.errors import IncompatibleSegmentError
 from hostkv.transfers import Transfer
 from hostkv.vllm.layout import EngineKV, describe_layout
 from hostkv.vllm.metadata import HostKVConnectorMetadata
@@ -80,6 +81,10 @@ class WorkerSide:
         self.loading: Optional[Transfer] = None
         self.loading_reqs: List[str] = []
         self.loading_blocks: List[int] = []
+        self.segment_id = cache.segment_id
+        self.refused_step = -1
+        # The scheduler's lease whose group this worker joined (see _may_copy).
+        self.parent: Optional[Tuple[int, int]] = None
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         """Maps vLLM's per-layer KV tensors onto the pages (start-up: raises, naming the
@@ -137,6 +142,42 @@ class WorkerSide:
             raise RuntimeError("vLLM's KV caches are not registered (asleep?)")
         return self.engine
 
+    def _may_copy(self, meta: HostKVConnectorMetadata, saves: bool) -> bool:
+        """Whether this step's copies may run; when not, it is counted once a step and
+        logged once a cause.
+
+        Not into another segment than the scheduler's (the name was unlinked and made
+        again between their opens: its page numbers mean nothing here). Not before this
+        worker joined the scheduler's lease group, so that a dead scheduler's pages stay
+        quarantined while this worker may still write them. No saves once the scheduler's
+        lease is dead (one probe of its mutex, no lock)."""
+        theirs = getattr(meta, "segment_id", 0)
+        lease = getattr(meta, "scheduler_lease", None)
+        try:
+            if theirs and theirs != self.segment_id:
+                raise IncompatibleSegmentError(
+                    f"the scheduler's segment {self.cache.name!r} has id {theirs:#x}, this "
+                    f"worker mapped id {self.segment_id:#x} (unlinked and made again "
+                    "between their opens): this worker copies nothing")
+            if lease is not None:
+                lease = (int(lease[0]), int(lease[1]))
+                if lease != self.parent and lease != self.cache.lease_identity:
+                    if not self.cache.join_lease_group(*lease):
+                        raise IncompatibleSegmentError(
+                            f"the scheduler's lease {lease} is gone: this worker copies "
+                            "nothing of its")
+                    self.parent = lease
+                elif saves and lease == self.parent and not self.cache.lease_alive(*lease):
+                    raise IncompatibleSegmentError(
+                        f"the scheduler's lease {lease} is dead: this worker saves nothing")
+        except Exception as exc:          # noqa: BLE001 - fail open: no copies
+            if self.refused_step != meta.step:
+                self.refused_step = meta.step
+                self.failures.note("copies refused", exc)
+                self.counters.add("failures", 1)
+            return False
+        return True
+
     def start_load_kv(self, meta: HostKVConnectorMetadata) -> None:
         """Copies this step's borrowed pages into their blocks (before the forward; on a
         GPU they are enqueued, and the forward's stream waits for every layer's, without
@@ -148,6 +189,11 @@ class WorkerSide:
         self.loading_reqs = []
         self.loading_blocks = []
         if not meta.loads:
+            return
+        if not self._may_copy(meta, saves=False):
+            # Its loads are recomputed, and nothing of these requests is committed.
+            self.bad_blocks.update(b for _, _, bs in meta.loads for b in bs)
+            self.load_failed = {req_id for req_id, _, _ in meta.loads}
             return
         pages = [p for _, ps, _ in meta.loads for p in ps]
         blocks = [b for _, _, bs in meta.loads for b in bs]
@@ -183,6 +229,9 @@ class WorkerSide:
         step is reported once its copies are over (:meth:`poll`)."""
         failed = set(self.load_failed)
         saves = [s for s in meta.saves if s[0] not in self.load_failed]
+        if saves and not self._may_copy(meta, saves=True):
+            failed |= {req_id for req_id, _, _ in saves}
+            saves = []
         transfer: Optional[Transfer] = None
         saving: List[str] = []
         pages = 0

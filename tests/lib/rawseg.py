@@ -8,8 +8,10 @@ hard-codes the memory map.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import struct
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -24,6 +26,16 @@ HEADER_SIZE = LAYOUT["sizes"]["HkvHeader"]
 
 def shm_path(name: str) -> str:
     return "/dev/shm/" + name
+
+
+def hold_creator_mark(fd: int) -> None:
+    """Takes the creator's mark on a segment file (as hostkv's creator does until READY: an
+    open-file-description write lock on byte 0, compat.h), for tests that play the creator.
+    It goes when the file description closes."""
+    # struct flock on 64-bit Linux: short l_type, short l_whence, off_t l_start, off_t l_len,
+    # pid_t l_pid (0 for F_OFD_* calls), padded to 32 bytes.
+    lock = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
 
 
 class RawSegment:
