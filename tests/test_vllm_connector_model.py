@@ -47,8 +47,11 @@ def _run(segment: str, seed: int, tp: int, async_scheduling: bool, async_saves: 
 
     import logging
 
-    # vLLM logs each lock timeout and failure the faults cause; the harness checks them.
-    logging.getLogger("hostkv.vllm").setLevel(logging.CRITICAL)
+    # The connector logs each lock timeout and failure the faults cause; the harness
+    # checks them. Quiet for this run only: other tests read these logs.
+    logger = logging.getLogger("hostkv.vllm")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
     harness = Harness(Options(seed=seed, steps=steps, tp=tp,
                               async_scheduling=async_scheduling, async_saves=async_saves),
                       segment)
@@ -56,6 +59,7 @@ def _run(segment: str, seed: int, tp: int, async_scheduling: bool, async_saves: 
         harness.run()
     finally:
         harness.close()
+        logger.setLevel(level)
     return harness.counts
 
 
