@@ -640,11 +640,17 @@ cdef class Segment(SegmentLock):
         self.begin()
         try:
             lease = self.lease_at(self.lease_slot)
-            if lease.ls_state == HKV_LEASE_ACTIVE and lease.ls_generation == self.lease_generation:
+            if (lease.ls_state == HKV_LEASE_ACTIVE
+                    and lease.ls_generation == self.lease_generation
+                    and not self.has_live_member(self.lease_slot, self.lease_generation)):
                 for i in range(_num_dead_lease_hooks):
                     _dead_lease_hooks[i](self, self.lease_slot)
                 log_store_i32(self, <int32_t*>&lease.ls_state, HKV_LEASE_FREE)
                 log_store_i32(self, &self.hdr.hdr_active_leases, self.hdr.hdr_active_leases - 1)
+            # Else a live process of its group (a worker) may still write the pages its
+            # sequences reserved: the slot stays as a dead lease would, quarantined, and the
+            # sweep after the last member releases it. A clean close is no safer than a
+            # death for a page someone else still writes.
             self.commit()
         finally:
             self.end()

@@ -38,14 +38,17 @@ def _tokens(first: int, pages: int) -> list:
     return list(range(first, first + pages * PAGE_SIZE))
 
 
-def _scheduler(name, answers, _commands) -> None:
-    """Reserves RESERVED pages in one sequence, answers its lease and pages, then waits to
-    be killed."""
+def _scheduler(name, answers, commands) -> None:
+    """Reserves RESERVED pages in one sequence, answers its lease and pages, then closes
+    its handle if told "close" (commands, if any), and waits to be killed."""
     cache = HostKVCache.attach(name)
     view = WorkerView(cache)
     [alloc] = view.allocate_pages_for_sequences_with_prefix(
         [SequenceRequest(1, _tokens(10_000, RESERVED))])
     answers.put((cache.lease_identity, [int(p) for p in alloc.page_table[:RESERVED]]))
+    if commands is not None and commands.get() == "close":
+        cache.close()             # a clean exit while its worker lives
+        answers.put("closed")
     signal.pause()
 
 
@@ -66,20 +69,28 @@ def ctx():
     return multiprocessing.get_context("spawn")
 
 
+@pytest.mark.parametrize("scheduler_ends", ["killed", "closed"])
 @pytest.mark.parametrize("worker_ends", ["killed", "closed"])
 def test_a_dead_schedulers_pages_are_not_reused_until_its_worker_is_gone(
-        segment_name, procs, ctx, worker_ends):
-    # Before: the sweep freed the dead scheduler's reserved pages at once, and the free
-    # stack handed the latest freed out first: another engine got a page a dying worker
-    # was still writing.
+        segment_name, procs, ctx, worker_ends, scheduler_ends):
+    # Before: the sweep freed the dead scheduler's reserved pages at once (and a clean
+    # close freed them itself), and the free stack handed the latest freed out first:
+    # another engine got a page a dying worker was still writing.
     cache = HostKVCache.create(segment_name, _config())
     answers, commands = ctx.Queue(), ctx.Queue()
-    scheduler = procs(_scheduler, segment_name, answers, commands)
+    scheduler_commands, worker_commands = ctx.Queue(), ctx.Queue()
+    scheduler = procs(_scheduler, segment_name, answers, scheduler_commands)
     lease, reserved = answers.get(timeout=60)
-    worker = procs(_worker, segment_name, answers, commands, lease)
+    worker = procs(_worker, segment_name, answers, worker_commands, lease)
+    commands = worker_commands
     assert answers.get(timeout=60) is True
-    scheduler.kill()
-    scheduler.join(60)
+    if scheduler_ends == "closed":
+        scheduler_commands.put("close")
+        assert answers.get(timeout=60) == "closed"
+    else:
+        scheduler_commands.put("wait")
+        scheduler.kill()
+        scheduler.join(60)
     assert not cache.lease_alive(*lease)
     view = WorkerView(cache)
     try:
