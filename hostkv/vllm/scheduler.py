@@ -28,8 +28,9 @@ The protocol, per request (docs/vllm.md, "Never wrong KV", says it with every fa
   computed block (a prefix-cache hit in the same or the next step) freezes.
 - Work that cannot run (the lock not had, an error while planning) never forgets a
   promise: the step's metadata reports every promised load as a bad block, keeps the
-  finishing requests and names the preempted ones; a report that could not be taken is
-  taken at the next step.
+  finishing requests and names the preempted ones, and the requests it scheduled freeze
+  (the blocks vLLM gave them in that step are not recorded); a report that could not be
+  taken is taken at the next step.
 """
 
 from __future__ import annotations
@@ -118,11 +119,9 @@ class _Req:
 class _Load(NamedTuple):
     """A borrowed prefix to copy into the request's blocks at the next step."""
 
-    req_id: str
+    st: _Req
     pages: List[int]
     blocks: List[int]
-    st: _Req
-    first: int                 # the index, in the request, of blocks[0]
 
 
 class SchedulerSide:
@@ -179,9 +178,9 @@ class SchedulerSide:
         self.handoff = threading.Lock()
         self.pending_loads: List[_Load] = []
         self.pending_bad: List[int] = []
-        # Requests whose promised blocks went to vLLM as bad without ``lock``: (state,
-        # first bad block), or (state, None) to freeze; applied before the next plan.
-        self.unheld_late: Deque[Tuple[_Req, Optional[int]]] = collections.deque()
+        # Requests to freeze, found without ``lock`` (a step not planned, a prefix not
+        # borrowed); applied before the next plan.
+        self.freeze_late: Deque[_Req] = collections.deque()
         # Workers' reports that arrived while ``lock`` was busy, taken at the next call.
         self.reports_late: Deque[Any] = collections.deque()
         self.events: List[KVCacheEvent] = []
@@ -385,8 +384,8 @@ class SchedulerSide:
         with self.handoff:
             if load_end > local_blocks:
                 self.pending_loads.append(_Load(
-                    req_id, alloc.page_table[local_blocks:load_end].tolist(),
-                    block_ids[local_blocks:load_end], st, local_blocks))
+                    st, alloc.page_table[local_blocks:load_end].tolist(),
+                    block_ids[local_blocks:load_end]))
             if promised > bad_start:
                 # Evicted between lookup and borrow: never load what is not held. vLLM
                 # recomputes these blocks; until it does, the request's KV rests on them.
@@ -424,7 +423,7 @@ class SchedulerSide:
                 self.pending_bad.extend(list(blocks.get_block_ids()[0])[first:promised])
             if old is not None:
                 # A state this call did not replace: whatever it plans is suspect.
-                self.unheld_late.append((old, None))
+                self.freeze_late.append(old)
         if promised > first:
             self.counters.add("bad_blocks", promised - first)
             self._invalid_in_vllm(list(blocks.get_block_ids()[0])[first:promised])
@@ -445,7 +444,7 @@ class SchedulerSide:
             self._invalid_in_vllm(dropped)
         loads = [load for load in loads if not load.st.finished]
         meta = HostKVConnectorMetadata(
-            step=step, loads=[(ld.req_id, ld.pages, ld.blocks) for ld in loads],
+            step=step, loads=[(ld.st.req_id, ld.pages, ld.blocks) for ld in loads],
             bad_blocks=bad, finishing=finishing)
         meta.segment_id, meta.scheduler_lease = self.cache.segment_id, self.cache.lease_identity
         self.suspect_blocks = {b: s for b, s in self.suspect_blocks.items() if s >= step - 2}
@@ -460,7 +459,7 @@ class SchedulerSide:
         involved: Dict[str, _Req] = {}
         for load in loads:
             load.st.inflight[step] = None
-            involved[load.req_id] = load.st
+            involved[load.st.req_id] = load.st
         if loads:
             self.step_loads[step] = [(load.st, load.blocks) for load in loads]
             # The loads feed this very step's forward: vLLM must start them before it.
@@ -529,21 +528,14 @@ class SchedulerSide:
         with self.handoff:
             for load in loads:
                 meta.bad_blocks.extend(load.blocks)
-                self.unheld_late.append((load.st, load.first))
-            # The step's blocks for each scheduled request (new, resumed or appended) are
-            # not recorded: a later save would copy the wrong vLLM blocks into its pages.
+                self.freeze_late.append(load.st)
+            # Every request scheduled in this step freezes: the blocks vLLM gave it are
+            # not recorded (a later save would copy the wrong blocks into its pages), and
+            # one admitted after a load's owner may hold the unloaded blocks as hits.
             for req_id in list(getattr(out, "num_scheduled_tokens", None) or ()):
                 scheduled = self.reqs.get(req_id)
                 if scheduled is not None:
-                    self.unheld_late.append((scheduled, None))
-            # Requests admitted after the owner in this step may have taken the unloaded
-            # blocks as vLLM prefix-cache hits.
-            owners = {load.req_id for load in loads}
-            for new in out.scheduled_new_reqs:
-                sharer = self.reqs.get(new.req_id)
-                if (sharer is not None and new.req_id not in owners
-                        and not unloaded.isdisjoint(new.block_ids[0])):
-                    self.unheld_late.append((sharer, None))
+                    self.freeze_late.append(scheduled)
         if loads:
             self.counters.add("bad_blocks", len(unloaded))
             self._invalid_in_vllm(sorted(unloaded))
@@ -573,12 +565,8 @@ class SchedulerSide:
                     # if retiring it failed.
                     with self.handoff:
                         self.finishing.append(late.request_id)
-        while self.unheld_late:
-            st, first = self.unheld_late.popleft()
-            if first is None:
-                st.freeze()
-            else:
-                st.bad_from(first)
+        while self.freeze_late:
+            self.freeze_late.popleft().freeze()
 
     def _plan(self, st: _Req, computed_start: int, computed_end: int,
               plans: List[Tuple[_Req, int]]) -> None:
