@@ -321,6 +321,9 @@ class CopyEngine:
             saves move nothing.
         asynchronous: On a CPU, run :meth:`submit_save`'s copies on a copy thread
             instead of inline (on a GPU they always run on a side stream).
+        layers: (start, stop, step) of the page's layers these tensors are, as a slice
+            takes them (an engine whose layers come in groups with block tables of their
+            own copies each group's layers with an engine of its own); None: every layer.
 
     Raises:
         ValueError: a tensor whose shape, dtype or device does not fit the layout (the
@@ -334,7 +337,8 @@ class CopyEngine:
     def __init__(self, pool: torch.Tensor, layout: KVLayout, page_size: int,
                  kv_tensors: Sequence[torch.Tensor] | torch.Tensor, block_layout: BlockLayout,
                  *, heads: Optional[Tuple[int, int]] = None, writes: bool = True,
-                 asynchronous: bool = False) -> None:
+                 asynchronous: bool = False,
+                 layers: Optional[Tuple[int, int, int]] = None) -> None:
         self.layout = layout
         self.page_size = page_size
         self.writes = writes
@@ -350,6 +354,12 @@ class CopyEngine:
         # [pages, layers, kv, tokens, heads, dim] with this rank's heads.
         pool6 = pool_bytes.view(dtype).view(num_pages, layout.num_layers, layout.kv_planes,
                                             page_size, layout.num_kv_heads, layout.head_dim)
+        if layers is not None:
+            if len(range(*layers)) == 0 or not (0 <= layers[0] and layers[1] <= layout.num_layers
+                                                and layers[2] > 0):
+                raise ValueError(f"hostkv: layers {layers} of pages of {layout.num_layers}")
+            pool6 = pool6[:, layers[0]:layers[1]:layers[2]]
+        num_layers = pool6.shape[1]
         self.pool = pool6[..., first:stop, :]
         sizes = {"kv": layout.kv_planes, "token": page_size, "head": stop - first,
                  "dim": layout.head_dim}
@@ -357,15 +367,15 @@ class CopyEngine:
             if "layer" not in [n for g in block_layout.groups() for n in g]:
                 raise ValueError(f"hostkv: {block_layout.name or block_layout.axes}: one KV "
                                  "tensor for every layer needs a 'layer' axis")
-            sizes["layer"] = layout.num_layers
+            sizes["layer"] = num_layers
             self._check_tensor(kv_tensors, dtype, block_layout)
             whole = _canonical_view(kv_tensors, block_layout, sizes)
-            views = [whole[layer] for layer in range(layout.num_layers)]
+            views = [whole[layer] for layer in range(num_layers)]
         else:
             tensors = list(kv_tensors)
-            if len(tensors) != layout.num_layers:
-                raise ValueError(f"hostkv: {len(tensors)} KV tensors for pages of "
-                                 f"{layout.num_layers} layers")
+            if len(tensors) != num_layers:
+                raise ValueError(f"hostkv: {len(tensors)} KV tensors for "
+                                 f"{num_layers} layers of pages")
             views = []
             for tensor in tensors:
                 self._check_tensor(tensor, dtype, block_layout)
@@ -380,7 +390,7 @@ class CopyEngine:
                                      [s * itemsize for s in view.stride()[1:]], itemsize)
                       for view in views]
         self.bytes_per_page = (layout.kv_planes * page_size * (stop - first) * layout.head_dim
-                               * itemsize * layout.num_layers)
+                               * itemsize * num_layers)
         self._thread: Optional[CopyThread] = None
         self._cuda: Optional[CudaCopier] = None
         if self.device.type == "cuda":
@@ -564,8 +574,9 @@ class CopyEngine:
                               np.array(pool, dtype=np.uint64))
                   for (plan, stride), (engine, pool) in layers.items()]
         num_pages = self.pool.shape[0]
-        # Page 0's first byte, not this rank's first head's: a page's range spans every head.
-        pool_base = self.pool.data_ptr() - self.heads[0] * self.layout.head_dim * itemsize
+        # Page 0's first byte, not this rank's first layer's or head's: a page's range spans
+        # every layer and head.
+        pool_base = self.pool_bytes.data_ptr()
         self._cpu = _CpuCopies(groups, num_pages, self.pool.stride(0) * itemsize, pool_base,
                                np.zeros(num_pages, dtype=np.uint8))
         return self._cpu

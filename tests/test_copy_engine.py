@@ -172,7 +172,7 @@ def test_unknown_and_mismatched_layouts_are_refused(make_cache):
         CopyEngine(pool, layout, TOKENS, good, copy_engine.VLLM, heads=(0, 2))
     with pytest.raises(ValueError, match="dtype torch.float16, the pages hold torch.float32"):
         CopyEngine(pool, layout, TOKENS, [t.half() for t in good], copy_engine.VLLM)
-    with pytest.raises(ValueError, match="2 KV tensors for pages of 3 layers"):
+    with pytest.raises(ValueError, match="2 KV tensors for 3 layers of pages"):
         CopyEngine(pool, layout, TOKENS, good[:2], copy_engine.VLLM)
     engine = CopyEngine(pool, layout, TOKENS, good, copy_engine.VLLM)
     before = pool.clone()

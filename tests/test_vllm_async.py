@@ -52,7 +52,7 @@ def _worker(hv, segment: str, async_saves: bool = True):
 def _hold_copies(worker) -> threading.Event:
     """Queues a copy that waits for the returned event: the copies after it wait too."""
     release = threading.Event()
-    thread = worker.engine._thread
+    thread = worker.engine.engines[0][1]._thread
     assert thread is not None, "async saves run on the engine's copy thread"
     thread.submit(release.wait, 0)
     return release
@@ -75,7 +75,7 @@ def test_a_step_is_reported_only_once_its_save_is_over(segment_name):
     worker, cache, tensors = _worker(hv, segment_name)
     try:
         release = _hold_copies(worker)
-        meta = hv.HostKVConnectorMetadata(step=1, saves=[("r1", [4, 1], [2, 5])])
+        meta = hv.HostKVConnectorMetadata(step=1, saves=[("r1", [[4, 1]], [2, 5])])
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)           # answers at once: the copy waits
         worker.poll()
@@ -118,17 +118,17 @@ def test_steps_are_reported_in_order_and_a_failed_save_names_its_request(segment
     worker, cache, _ = _worker(hv, segment_name)
     try:
         release = _hold_copies(worker)
-        one = hv.HostKVConnectorMetadata(step=1, saves=[("a", [0], [0])])
+        one = hv.HostKVConnectorMetadata(step=1, saves=[("a", [[0]], [0])])
         worker.start_load_kv(one)
         worker.wait_for_save(one)
         # A copy that fails inside the thread (its pages vanish under it).
-        engine = worker.engine
+        engine = worker.engine.engines[0][1]
 
         def broken(*args, **kwargs):
             raise OSError("the pool went away")
 
         engine._copy = broken
-        two = hv.HostKVConnectorMetadata(step=2, saves=[("b", [1], [1])])
+        two = hv.HostKVConnectorMetadata(step=2, saves=[("b", [[1]], [1])])
         worker.start_load_kv(two)
         worker.wait_for_save(two)
         release.set()
@@ -147,7 +147,7 @@ def test_bad_indices_fail_the_step_at_once_and_copy_nothing(segment_name):
     worker, cache, _ = _worker(hv, segment_name)
     try:
         before = cache.pages_tensor().clone()
-        meta = hv.HostKVConnectorMetadata(step=1, saves=[("a", [0, 99], [0, 1])])
+        meta = hv.HostKVConnectorMetadata(step=1, saves=[("a", [[0, 99]], [0, 1])])
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         worker.drain()
@@ -164,7 +164,7 @@ def test_preemption_waits_for_the_preempted_requests_saves(segment_name):
     worker, cache, tensors = _worker(hv, segment_name)
     try:
         release = _hold_copies(worker)
-        meta = hv.HostKVConnectorMetadata(step=1, saves=[("p", [3], [6])])
+        meta = hv.HostKVConnectorMetadata(step=1, saves=[("p", [[3]], [6])])
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         # Another request's preemption: nothing to wait for.
@@ -183,8 +183,8 @@ def test_synchronous_saves_are_over_when_the_step_ends(segment_name):
     hv = vllm_module()
     worker, cache, tensors = _worker(hv, segment_name, async_saves=False)
     try:
-        assert worker.engine._thread is None
-        meta = hv.HostKVConnectorMetadata(step=1, saves=[("s", [2], [3])])
+        assert worker.engine.engines[0][1]._thread is None
+        meta = hv.HostKVConnectorMetadata(step=1, saves=[("s", [[2]], [3])])
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         assert worker.done == [(1, 0, [])]
@@ -234,7 +234,7 @@ def test_a_request_finished_mid_save_keeps_its_blocks_until_the_save_is_confirme
     try:
         request = vllm_request("r", random_tokens(random.Random(1), 3 * BLOCK_SIZE + 5))
         meta = _schedule(sched, request, [7, 8, 9, 10])
-        assert [pages for _, _, pages in meta.saves] and meta.saves[0][1] == [7, 8, 9]
+        assert [pages for _, _, pages in meta.saves] and meta.saves[0][1] == [[7, 8, 9]]
         # It finishes before its save is confirmed: vLLM must keep the blocks.
         assert sched.request_finished(request) is True
         assert sched.cache.stats().cached_pages == 0

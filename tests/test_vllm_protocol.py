@@ -70,7 +70,7 @@ def _report(hv, sched, *done) -> None:
 
 
 def _saved(meta) -> List[int]:
-    return [b for _, bs, _ in meta.saves for b in bs]
+    return [b for _, bs, _ in meta.saves for b in bs[0]]
 
 
 def _commit_prefix(hv, sched, tokens: Sequence[int]) -> None:
@@ -393,7 +393,7 @@ def test_a_failed_load_freezes_every_request_that_holds_its_blocks(segment_name)
         sched.update_state_after_alloc(r1, vllm_blocks(b1), offered)
         first = _new(r1, b1, offered, 2 * BLOCK_SIZE)
         one = sched.build_connector_meta(first)
-        assert [b for _, _, bs in one.loads for b in bs] == b1[:4]
+        assert [b for _, _, bs in one.loads for b in bs[0]] == b1[:4]
         assert first.has_sync_kv_loads          # vLLM starts the loads before the forward
         r2 = vllm_request("r2", history + random_tokens(rng, 2 * BLOCK_SIZE + 1))
         assert sched.get_num_new_matched_tokens(r2, 4 * BLOCK_SIZE) == (0, False)
@@ -404,7 +404,7 @@ def test_a_failed_load_freezes_every_request_that_holds_its_blocks(segment_name)
         two.scheduled_new_reqs = [NewRequestData.from_request(r2, (b2,))]
         two.num_scheduled_tokens["r2"] = 2 * BLOCK_SIZE + 1
         meta2 = sched.build_connector_meta(two)
-        assert ("r2", [30, 31], sched.view.page_table(sched.reqs["r2"].seq_id)[4:6].tolist()
+        assert ("r2", [[30, 31]], sched.view.page_table(sched.reqs["r2"].seq_id)[4:6].tolist()
                 ) in meta2.saves
         cached = sched.cache.stats().cached_pages
         _report(hv, sched, (one.step, 0, []), (one.step, 1, ["r1"]))

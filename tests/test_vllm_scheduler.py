@@ -81,12 +81,12 @@ def test_evicted_between_lookup_and_borrow_is_never_loaded(segment_name, evicted
         meta = sched.build_connector_meta(out)
         held = 6 - evicted_pages
         first = local_tokens // BLOCK_SIZE
-        loaded = [b for _, _, bs in meta.loads for b in bs]
+        loaded = [b for _, _, bs in meta.loads for b in bs[0]]
         assert loaded == blocks[first:max(first, held)]
         assert meta.bad_blocks == blocks[max(first, held):6]
         # Blocks 6 and 7 fill this step and go to the request's own pages, unless the
         # step's KV rests on blocks that failed to load.
-        saved = [b for _, bs, _ in meta.saves for b in bs]
+        saved = [b for _, bs, _ in meta.saves for b in bs[0]]
         assert saved == ([] if meta.bad_blocks else blocks[6:8])
         stats = sched.cache.stats()
         assert stats.borrowed_pages == held
@@ -300,7 +300,7 @@ def test_remote_tier_shares_pages_between_two_hosts(new_name, redis_server):
         assert offered == 192 and waits >= 1
         two.update_state_after_alloc(request, vllm_blocks(list(range(20, 29))), offered)
         (_, pages, blocks), = two.pending_loads
-        assert blocks == list(range(20, 26))
+        assert blocks == [list(range(20, 26))]
         pool = two.cache.pages_array()
         assert [pool[p].tobytes() for p in pages] == kv
         del pool

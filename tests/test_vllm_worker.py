@@ -43,7 +43,7 @@ def test_worker_copies_its_slice_and_nothing_once_unregistered(segment_name):
     try:
         worker.register_kv_caches(tensors)
         assert worker.heads == (2, 4, True)
-        meta = hv.HostKVConnectorMetadata(step=1, saves=[("r1", [5, 0], [3, 4])])
+        meta = hv.HostKVConnectorMetadata(step=1, saves=[("r1", [[5, 0]], [3, 4])])
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         assert worker.done == [(1, 1, [])]
@@ -54,8 +54,8 @@ def test_worker_copies_its_slice_and_nothing_once_unregistered(segment_name):
             assert torch.equal(pool[3, layer, :, :, 2:4], block)
         del pool, block
         worker.unregister_kv_caches()
-        meta = hv.HostKVConnectorMetadata(step=2, loads=[("r2", [3], [1])],
-                                          saves=[("r3", [2], [5])])
+        meta = hv.HostKVConnectorMetadata(step=2, loads=[("r2", [3], [[1]])],
+                                          saves=[("r3", [[2]], [5])])
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         assert worker.bad_blocks == {1}
@@ -94,8 +94,8 @@ def test_a_worker_that_mapped_another_segment_copies_nothing(segment_name, caplo
         pool.fill_(7.0)
         for step in (1, 2):
             meta = hv.HostKVConnectorMetadata(
-                step=step, loads=[("r1", [3], [1]), ("r2", [4, 5], [2, 3])],
-                saves=[("r3", [4], [6]), ("r4", [5], [7])],
+                step=step, loads=[("r1", [3], [[1]]), ("r2", [4, 5], [[2, 3]])],
+                saves=[("r3", [[4]], [6]), ("r4", [[5]], [7])],
                 segment_id=scheduler_cache.segment_id)
             worker.start_load_kv(meta)
             worker.wait_for_save(meta)
@@ -110,7 +110,7 @@ def test_a_worker_that_mapped_another_segment_copies_nothing(segment_name, caplo
         assert worker.counters.values["failures"] == 2           # once a step
         assert sum("this worker copies nothing" in r.getMessage() for r in caplog.records) == 1
         # The scheduler's own id (or none: 0) copies as before.
-        meta = hv.HostKVConnectorMetadata(step=3, saves=[("r5", [4], [6])],
+        meta = hv.HostKVConnectorMetadata(step=3, saves=[("r5", [[4]], [6])],
                                           segment_id=worker_cache.segment_id)
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
@@ -144,7 +144,7 @@ def test_a_worker_joins_its_schedulers_group_and_stops_saving_once_it_is_dead(
     tensors = {name: torch.randn(6, 4, BLOCK_SIZE, 128) for name in ("l0", "l1")}
     try:
         worker.register_kv_caches(tensors)
-        meta = hv.HostKVConnectorMetadata(step=1, saves=[("r1", [4], [20])],
+        meta = hv.HostKVConnectorMetadata(step=1, saves=[("r1", [[4]], [20])],
                                           segment_id=cache.segment_id, scheduler_lease=lease)
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
@@ -154,7 +154,7 @@ def test_a_worker_joins_its_schedulers_group_and_stops_saving_once_it_is_dead(
         scheduler.join(60)
         pool = cache.pages_tensor()
         pool[21].fill_(7.0)
-        meta = hv.HostKVConnectorMetadata(step=2, saves=[("r2", [5], [21])],
+        meta = hv.HostKVConnectorMetadata(step=2, saves=[("r2", [[5]], [21])],
                                           segment_id=cache.segment_id, scheduler_lease=lease)
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
@@ -220,14 +220,14 @@ def test_every_steps_loads_are_waited_for_without_the_per_layer_hooks(segment_na
     engine = worker.engine = _RecordingEngine()
     try:
         # A piecewise step: every layer's hook runs.
-        meta = hv.HostKVConnectorMetadata(step=1, loads=[("r1", [3, 4], [5, 0])])
+        meta = hv.HostKVConnectorMetadata(step=1, loads=[("r1", [3, 4], [[5, 0]])])
         worker.start_load_kv(meta)
         for name in kv.layer_names:
             worker.wait_for_layer_load(name)
         worker.wait_for_save(meta)
         # Then full-graph steps: no hook runs.
         for step in (2, 3):
-            meta = hv.HostKVConnectorMetadata(step=step, loads=[(f"r{step}", [6], [step])])
+            meta = hv.HostKVConnectorMetadata(step=step, loads=[(f"r{step}", [6], [[step]])])
             worker.start_load_kv(meta)
             worker.wait_for_save(meta)
         assert [load.waits for load in engine.loads] == [["all"], ["all"], ["all"]]
@@ -268,7 +268,7 @@ def test_on_a_gpu_the_forward_reads_loaded_blocks_without_the_per_layer_hooks(
             time.sleep(0.01)
         if registration.registered_bytes < registration.nbytes:
             pytest.skip(f"the pool was not registered with CUDA: {registration.failed}")
-        copier = worker.engine._cuda
+        copier = worker.engine.engines[0][1]._cuda
         enqueue = copier.enqueue_load_layer
 
         def held_back(layer, *args):
@@ -277,7 +277,7 @@ def test_on_a_gpu_the_forward_reads_loaded_blocks_without_the_per_layer_hooks(
             return enqueue(layer, *args)
 
         monkeypatch.setattr(copier, "enqueue_load_layer", held_back)
-        meta = hv.HostKVConnectorMetadata(step=1, loads=[("r1", [3], [5])])
+        meta = hv.HostKVConnectorMetadata(step=1, loads=[("r1", [3], [[5]])])
         worker.start_load_kv(meta)
         assert not worker.loading.done()          # the host did not wait for the load
         got = [tensors[name][5].clone() for name in names]   # the compute stream reads

@@ -19,7 +19,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -60,11 +62,12 @@ def _tensor_parallel_rank() -> int:
         return 0
 
 
-class HostKVConnector(KVConnectorBase_V1):
+class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM V1 KV connector over a hostkv segment shared by every engine on the host.
 
     See the module docstring for the flow and ``HostKVSettings`` for the
-    ``kv_connector_extra_config`` keys. Construction (engine start-up) raises on a bad
+    ``kv_connector_extra_config`` keys. It takes part in vLLM's hybrid KV-cache manager
+    (``SupportsHMA``): full-attention and sliding-window groups (``hostkv.vllm.groups``). Construction (engine start-up) raises on a bad
     config or a segment of another layout; every serving-path method fails open.
     """
 
@@ -89,6 +92,13 @@ class HostKVConnector(KVConnectorBase_V1):
         self._settings = settings
         kv = engine_kv(vllm_config, kv_cache_config)
         self._kv = kv
+        if kv.sliding_groups and settings.async_saves:
+            # vLLM frees a sliding-window block once it left the window, at the next
+            # step, and gives it to other requests: a save still reading it would read
+            # their KV.
+            logger.warning("hostkv: the model has sliding-window KV-cache groups: saves "
+                           "are synchronous (async_saves off)")
+            self._settings = settings = dataclasses.replace(settings, async_saves=False)
         layout = kv.layout
         self._failures = Failures()
         self._counters = Counters()
@@ -130,7 +140,9 @@ class HostKVConnector(KVConnectorBase_V1):
             identity = engine_identity(vllm_config, layout, self._settings.namespace)
             self._sched = SchedulerSide(self._cache, self._settings, kv.page_size,
                                         identity, self._failures, self._counters,
-                                        tier, tp_world=kv.tp_world)
+                                        tier, tp_world=kv.tp_world,
+                                        sliding_groups=kv.sliding_groups,
+                                        async_loads=len(kv.groups) > 1)
         else:
             self._worker = WorkerSide(self._cache, kv, _tensor_parallel_rank(),
                                       self._failures, self._counters,
@@ -247,15 +259,24 @@ class HostKVConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        """Finished requests whose blocks vLLM kept for hostkv's saves, now over."""
+        """Finished requests whose blocks vLLM kept for hostkv's saves, now over; and
+        requests whose asynchronous loads are over (failed ones too: see
+        :meth:`get_transfer_results`)."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        """What :meth:`get_finished` answers, with the asynchronous loads that failed
+        (vLLM computes those requests from their first token)."""
+        results = KVConnectorTransferResults()
         if self._worker is None:
-            return None, None
+            return results
         try:
-            over = self._worker.take_finished_sending()
+            results.finished_sending = self._worker.take_finished_sending()
+            results.finished_recving, results.failed_recving = self._worker.take_received()
         except Exception as exc:          # noqa: BLE001 - reported at a later step
             self._fail("get_finished", exc)
-            return None, None
-        return (over or None), None
+        return results
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         """The steps whose copies finished since the last report, and what failed."""
@@ -332,6 +353,12 @@ class HostKVConnector(KVConnectorBase_V1):
             # blocks is unknown, so vLLM keeps them until the workers say.
             delay = sched.finish_later(request)
         return delay, None
+
+    def request_finished_all_groups(self, request: "Request", block_ids: Tuple[List[int], ...]
+                                    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """:meth:`request_finished` for an engine with vLLM's hybrid manager on (hostkv
+        keeps the request's blocks itself: it needs none of these)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """BlockStored for pages this engine put in the cache, BlockRemoved for those it

@@ -1,9 +1,18 @@
 """What vLLM declares about its KV cache, read as hostkv pages; and the segment that holds them.
 
-A hostkv page is one vLLM block (page_size = block_size) of every layer, in the canonical
-layout of :class:`hostkv.KVLayout`: the model's total KV heads (a tensor-parallel rank holds a
-slice), or one latent vector per token for MLA. Everything here is read from vLLM's
-KV-cache config and its spec classes, never guessed from a tensor's shape.
+A hostkv page is one vLLM block (page_size = block_size) of every layer, in the model's
+layer order and the canonical layout of :class:`hostkv.KVLayout`: the model's total KV heads
+(a tensor-parallel rank holds a slice), or one latent vector per token for MLA. Everything
+here is read from vLLM's KV-cache config and its spec classes, never guessed from a
+tensor's shape.
+
+With vLLM's hybrid KV-cache manager a model's layers come in KV-cache groups, one per
+attention kind, each with its own block table. hostkv holds full-attention and
+sliding-window groups of one shape: a page is still every layer's block of its tokens, so
+pages mean the same whether the manager is on or off (off, vLLM keeps every token of a
+sliding-window layer; on, it frees the blocks that fell out of the window, and a load fills
+only the blocks vLLM kept, the window at the hit's end). Other kinds (Mamba and linear
+attention state, chunked-local attention, cross attention) are refused at start-up.
 """
 
 from __future__ import annotations
@@ -11,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Set, Tuple
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig, KVLayout
@@ -30,9 +39,42 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["EngineKV", "describe_layout", "engine_kv", "open_segment"]
+__all__ = ["EngineKV", "KVGroup", "describe_layout", "engine_kv", "layer_runs", "open_segment"]
 
 logger = logging.getLogger("hostkv.vllm")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV-cache groups: layers that share a block table.
+
+    Attributes:
+        kind: "full", "sliding_window" or "mla".
+        layers: The group's layers as indices into the page's layers (model order).
+        sliding_window: The window in tokens (sliding-window groups), else None.
+    """
+
+    kind: str
+    layers: Tuple[int, ...]
+    sliding_window: Optional[int] = None
+
+
+def layer_runs(layers: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """Splits increasing page-layer indices into arithmetic runs, (start, stop, step) as a
+    slice takes them: each is one strided view of the pool, so one copy engine moves it.
+    Gemma-3's sliding-window layers (five of every six) make runs of five; its
+    full-attention layers one run of step six."""
+    runs: List[Tuple[int, int, int]] = []
+    i = 0
+    while i < len(layers):
+        start = layers[i]
+        step = layers[i + 1] - start if i + 1 < len(layers) else 1
+        j = i + 1
+        while j < len(layers) and layers[j] - layers[j - 1] == step:
+            j += 1
+        runs.append((start, layers[j - 1] + 1, step))
+        i = j
+    return runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +84,12 @@ class EngineKV:
     Attributes:
         layout: The canonical page layout (the model's total KV heads).
         page_size: Tokens per page (vLLM's block size).
-        layer_names: vLLM's attention layers, in page order.
+        layer_names: vLLM's attention layers, in page order (the model's).
         block_layout: How vLLM lays out a layer's blocks.
         tp_world: Tensor-parallel ranks; the scheduler commits a page once every one of
             them confirmed its save.
         backend: The attention backend's name (for error messages).
+        groups: vLLM's KV-cache groups, in vLLM's order (block tables come in it).
     """
 
     layout: KVLayout
@@ -55,6 +98,20 @@ class EngineKV:
     block_layout: BlockLayout
     tp_world: int
     backend: str
+    groups: Tuple[KVGroup, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            # One group of every layer: what an engine without the hybrid manager has.
+            kind = "mla" if self.layout.kind == "mla" else "full"
+            object.__setattr__(self, "groups",
+                               (KVGroup(kind, tuple(range(self.layout.num_layers))),))
+
+    @property
+    def sliding_groups(self) -> Tuple[int, ...]:
+        """Indices of the sliding-window groups (their tables hold vLLM's null block for
+        the blocks that fell out of the window)."""
+        return tuple(i for i, group in enumerate(self.groups) if group.kind == "sliding_window")
 
     def heads_of_rank(self, rank: int) -> Tuple[int, int, bool]:
         """(first head, stop, writes) of a rank's slice of every page (see
@@ -78,14 +135,28 @@ def _backend_name(vllm_config: "VllmConfig", layer_names: List[str]) -> str:
     return "an unnamed attention backend"
 
 
+def _refuse_packed(spec: object, backend: str) -> None:
+    """Raises ValueError for a KV cache that is not dense K/V (or latent) elements."""
+    packed = [(name, getattr(spec, name)) for name in ("state_content_bytes", "num_head_slots")
+              if getattr(spec, name, None) is not None]
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        packed.append(("tokens_per_state", spec.tokens_per_state))
+    quant = getattr(spec, "kv_quant_mode", None)
+    if quant is not None and getattr(quant, "name", "NONE") != "NONE":
+        packed.append(("kv_quant_mode", quant.name))
+    if packed:
+        raise ValueError(f"hostkv holds dense K/V (or latent) elements; {backend}'s KV cache "
+                         f"is packed or quantized: {', '.join(f'{k}={v}' for k, v in packed)}")
+
+
 def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> EngineKV:
     """Reads vLLM's KV-cache config and parallel config as hostkv pages.
 
     Raises:
-        ValueError: a KV cache hostkv cannot hold, naming what it saw: several cache groups
-            (a hybrid model with vLLM's hybrid manager on), attention other than full
-            attention or MLA, K and V of other sizes, packed or quantized KV content, a
-            block size that is not a power of two, pipeline, decode-context or
+        ValueError: a KV cache hostkv cannot hold, naming what it saw: KV-cache groups of
+            other shapes, a group of another kind than full attention, sliding-window
+            attention or MLA (naming it: Mamba state, for one), K and V of other sizes,
+            packed or quantized KV content, a block size that is not a power of two, pipeline, decode-context or
             prefill-context parallelism, or KV heads that do not split over the
             tensor-parallel ranks.
     """
@@ -105,35 +176,70 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
         raise ValueError("hostkv: prefill context parallelism is not supported (pcp="
                          f"{parallel.prefill_context_parallel_size})")
     groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise ValueError(f"hostkv holds one KV-cache group (full attention in every layer); "
-                         f"this model has {len(groups)}")
+    if not groups:
+        raise ValueError("hostkv: vLLM's KV-cache config has no KV-cache group")
+    all_layers = [name for group in groups for name in group.layer_names]
+    backend = _backend_name(vllm_config, all_layers)
+    kinds = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        # Exactly these classes: their subclasses lay blocks out otherwise, or keep other
+        # blocks (a sink, a ring, a chunk).
+        if type(spec) is MLAAttentionSpec:
+            kinds.append("mla")
+        elif type(spec) is FullAttentionSpec:
+            kinds.append("full")
+        elif type(spec) is SlidingWindowSpec:
+            kinds.append("sliding_window")
+        else:
+            what = type(spec).__name__
+            mamba = getattr(spec, "mamba_type", None)
+            if mamba is not None:
+                what += f" ({getattr(mamba, 'name', mamba)})"
+            raise ValueError(
+                f"hostkv holds full attention, sliding-window attention or MLA; KV-cache "
+                f"group {index} of {len(groups)} is {what} (layers "
+                f"{list(group.layer_names)[:4]}{' ...' if len(group.layer_names) > 4 else ''}"
+                f", {backend}): hostkv does not store its state, so it cannot serve this "
+                "model")
+    if "mla" in kinds and len(groups) != 1:
+        raise ValueError(f"hostkv holds MLA only as a model's one KV-cache group; this one "
+                         f"has {len(groups)}: {', '.join(kinds)}")
     spec = groups[0].kv_cache_spec
-    layers = list(groups[0].layer_names)
-    backend = _backend_name(vllm_config, layers)
-    # Exactly these classes: their subclasses lay blocks out otherwise.
-    if type(spec) is MLAAttentionSpec:
+    for index, group in enumerate(groups[1:], 1):
+        other = group.kv_cache_spec
+        shape = ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype")
+        differ = [f"{name} {getattr(spec, name)} and {getattr(other, name)}" for name in shape
+                  if getattr(spec, name, None) != getattr(other, name, None)]
+        if differ:
+            # A page is one block of every layer in one layout.
+            raise ValueError(f"hostkv holds KV-cache groups of one shape; groups 0 and "
+                             f"{index} differ: {'; '.join(differ)}")
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = sorted(all_layers, key=extract_layer_index)
+    except (ImportError, AssertionError, ValueError):
+        if len(groups) > 1:
+            raise ValueError(f"hostkv: the layers {all_layers[:4]} name no layer index, so "
+                             "their order in a page is unknown") from None
+        layers = all_layers
+    position = {name: i for i, name in enumerate(layers)}
+    kv_groups = tuple(
+        KVGroup(kind, tuple(sorted(position[name] for name in group.layer_names)),
+                int(group.kv_cache_spec.sliding_window) if kind == "sliding_window" else None)
+        for kind, group in zip(kinds, groups))
+    if kinds[0] == "mla":
         kind, block_layout = "mla", VLLM_MLA
         if spec.head_size_v not in (0, None):
             raise ValueError(f"hostkv: an MLA cache with a V part of {spec.head_size_v}")
-    elif type(spec) is FullAttentionSpec:
+    else:
         kind, block_layout = "mha", VLLM
         if spec.head_size_v != spec.head_size:
             raise ValueError(f"hostkv holds K and V of one head size; the model's are "
                              f"{spec.head_size} and {spec.head_size_v}")
-    else:
-        raise ValueError(f"hostkv holds full attention or MLA; the model's KV cache is "
-                         f"{type(spec).__name__} ({backend})")
-    packed = [(name, getattr(spec, name)) for name in ("state_content_bytes", "num_head_slots")
-              if getattr(spec, name, None) is not None]
-    if getattr(spec, "tokens_per_state", 1) != 1:
-        packed.append(("tokens_per_state", spec.tokens_per_state))
-    quant = getattr(spec, "kv_quant_mode", None)
-    if quant is not None and getattr(quant, "name", "NONE") != "NONE":
-        packed.append(("kv_quant_mode", quant.name))
-    if packed:
-        raise ValueError(f"hostkv holds dense K/V (or latent) elements; {backend}'s KV cache "
-                         f"is packed or quantized: {', '.join(f'{k}={v}' for k, v in packed)}")
+    for group in groups:
+        _refuse_packed(group.kv_cache_spec, backend)
     local_heads = int(spec.num_kv_heads)
     if kind == "mla":
         total_heads = 1
@@ -154,7 +260,7 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
     if block_size & (block_size - 1):
         raise ValueError(f"hostkv pages hold a power-of-two number of tokens; vLLM's block "
                          f"size is {block_size}")
-    return EngineKV(layout, block_size, tuple(layers), block_layout, tp, backend)
+    return EngineKV(layout, block_size, tuple(layers), block_layout, tp, backend, kv_groups)
 
 
 def describe_layout(layout: Optional[KVLayout], page_size: int) -> str:

@@ -20,14 +20,19 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
 
     Attributes:
         step: The scheduler's step number (the workers confirm steps by it).
-        loads: (req_id, hostkv pages, vLLM blocks) to copy pool -> blocks before the forward.
-        saves: (req_id, vLLM blocks, hostkv pages) to copy blocks -> pool after the forward.
+        loads: (req_id, hostkv pages, vLLM blocks) to copy pool -> blocks before the
+            forward; the blocks one list per KV-cache group, each as long as the pages.
+        saves: (req_id, vLLM blocks, hostkv pages) to copy blocks -> pool after the forward
+            (the blocks as in ``loads``).
         bad_blocks: Blocks promised as external hits that hostkv could not hold (evicted
             between lookup and borrow); the workers report them as load errors.
         finishing: Requests that finished while their saves ran: vLLM keeps their blocks
             until every worker reports them finished sending (its saves are over).
         preempted: Requests vLLM preempted this step: their blocks go to other requests,
             so a worker finishes their saves before this step's forward.
+        recv_failed: Requests whose asynchronous load (a model of several KV-cache groups)
+            failed before it reached the workers: each worker reports them received and
+            failed, and vLLM computes them from their first token.
         segment_id: The id of the segment the scheduler's pages are in
             (``HostKVCache.segment_id``); 0: unknown. A worker that mapped a segment of
             another id (the name was unlinked and made again between their opens) copies
@@ -40,11 +45,14 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
     """
 
     step: int = 0
-    loads: List[Tuple[str, List[int], List[int]]] = dataclasses.field(default_factory=list)
-    saves: List[Tuple[str, List[int], List[int]]] = dataclasses.field(default_factory=list)
+    loads: List[Tuple[str, List[int], List[List[int]]]] = dataclasses.field(
+        default_factory=list)
+    saves: List[Tuple[str, List[List[int]], List[int]]] = dataclasses.field(
+        default_factory=list)
     bad_blocks: List[int] = dataclasses.field(default_factory=list)
     finishing: List[str] = dataclasses.field(default_factory=list)
     preempted: List[str] = dataclasses.field(default_factory=list)
+    recv_failed: List[str] = dataclasses.field(default_factory=list)
     segment_id: int = 0
     scheduler_lease: Optional[Tuple[int, int]] = None
 

@@ -31,6 +31,17 @@ The protocol, per request (docs/vllm.md, "Never wrong KV", says it with every fa
   finishing requests and names the preempted ones, and the requests it scheduled freeze
   (the blocks vLLM gave them in that step are not recorded); a report that could not be
   taken is taken at the next step.
+
+A model whose layers come in several KV-cache groups (vLLM's hybrid manager: full and
+sliding-window attention) has a block table per group, and vLLM takes no block-level load
+errors for it. Its hits load asynchronously instead: the request waits
+(``WAITING_FOR_REMOTE_KVS``) until every rank reports its load finished, and a load that
+cannot be made whole (evicted, not planned, failed on a rank) is reported failed for the
+whole request, which vLLM then computes from its first token; hostkv offers it no hit
+again, so a load that keeps failing cannot hold it back. A request finished while its load
+is outstanding keeps its blocks until the workers report the load over. A sliding-window
+group's table holds vLLM's null block once a block left the window: a save that would
+read one freezes the request (the page's KV for those layers is gone).
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from hostkv._tokens import as_tokens
 from hostkv.cache import HostKVCache
+from hostkv.vllm.groups import NULL_BLOCK, real_blocks
 from hostkv.vllm.identity import RequestIdentity, bypass_cause, fields_digest, multimodal_key
 from hostkv.vllm.metadata import HostKVConnectorMetadata, HostKVWorkerMetadata
 from hostkv.vllm.metrics import TIER_COUNTERS, Counters, Failures
@@ -85,13 +97,13 @@ class _Req:
                  "inflight", "frozen", "recompute_from", "finished")
 
     def __init__(self, req_id: str, request: Any, seq_id: int, namespace: int,
-                 reused_pages: int, seq_tokens: int, blocks: List[int]) -> None:
+                 reused_pages: int, seq_tokens: int, blocks: List[List[int]]) -> None:
         self.req_id = req_id
         self.request = request
         self.seq_id = seq_id
         self.namespace = namespace
         self.reused_pages = reused_pages
-        self.blocks = blocks
+        self.blocks = blocks                  # vLLM's block table, one list per group
         self.seq_tokens = seq_tokens          # tokens the WorkerView's sequence holds
         self.scheduled_upto = reused_pages    # blocks [0, this) are cached or being saved
         self.confirmed_upto = reused_pages    # blocks [0, this) hold written KV
@@ -103,6 +115,10 @@ class _Req:
         # The first block vLLM was told is bad: no save until vLLM computes from it again.
         self.recompute_from: Optional[int] = None
         self.finished = False
+
+    def block_slice(self, start: int, end: int) -> List[List[int]]:
+        """Blocks [start, end) of every group."""
+        return [group[start:end] for group in self.blocks]
 
     def freeze(self) -> None:
         """Nothing more of this request is saved or committed (a step it took part in
@@ -121,7 +137,7 @@ class _Load(NamedTuple):
 
     st: _Req
     pages: List[int]
-    blocks: List[int]
+    blocks: List[List[int]]              # one list per group
 
 
 class SchedulerSide:
@@ -129,8 +145,21 @@ class SchedulerSide:
 
     def __init__(self, cache: HostKVCache, settings: HostKVSettings, block_size: int,
                  namespace_base: bytes, failures: Failures, counters: Counters,
-                 tier: Optional["RemoteTier"] = None, tp_world: int = 1) -> None:
+                 tier: Optional["RemoteTier"] = None, tp_world: int = 1,
+                 sliding_groups: Tuple[int, ...] = (), async_loads: bool = False) -> None:
         self.cache = cache
+        # The KV-cache groups whose tables hold null blocks (sliding windows), and whether
+        # hits load asynchronously (several groups: see the module docstring).
+        self.sliding_groups = sliding_groups
+        self.async_loads = async_loads
+        # Requests whose asynchronous load failed: offered no hit again, so that a load
+        # that keeps failing cannot hold them back.
+        self.recv_failed_reqs: Dict[str, None] = {}
+        # Requests with an asynchronous load (or its failure) the workers have not all
+        # reported: vLLM keeps their blocks until they do, even if they finish.
+        self.awaiting_recv: Dict[str, None] = {}
+        # step -> the requests whose asynchronous loads (or failures) it carries.
+        self.step_recvs: Dict[int, List[str]] = {}
         # Ranks that confirm each step's copies; a step's saves count once all of them did.
         self.tp_world = tp_world
         # step -> (ranks that confirmed it, request ids whose copies failed on any rank)
@@ -178,6 +207,8 @@ class SchedulerSide:
         self.handoff = threading.Lock()
         self.pending_loads: List[_Load] = []
         self.pending_bad: List[int] = []
+        # Asynchronous loads that failed before reaching the workers (several groups).
+        self.pending_recv_failed: List[str] = []
         # Requests to freeze, found without ``lock`` (a step not planned, a prefix not
         # borrowed); applied before the next plan.
         self.freeze_late: Deque[_Req] = collections.deque()
@@ -235,6 +266,8 @@ class SchedulerSide:
         if bypass_cause(request) is not None:
             return 0, False              # counted once, in update_state_after_alloc
         req_id = request.request_id
+        if req_id in self.recv_failed_reqs:
+            return 0, False
         pending = self.remote_pending.get(req_id)
         if pending is not None:
             look, deadline, began, tokens, namespace, before = pending
@@ -277,7 +310,7 @@ class SchedulerSide:
         if match.num_tokens <= num_computed_tokens:
             return 0, False
         self.counters.add("hit_tokens", match.num_tokens - num_computed_tokens)
-        return match.num_tokens - num_computed_tokens, False
+        return match.num_tokens - num_computed_tokens, self.async_loads
 
     def _remote_lookup(self, req_id: str, tokens: np.ndarray, namespace: int,
                        local: int) -> bool:
@@ -359,7 +392,7 @@ class SchedulerSide:
         else:
             local, tokens, namespace = looked
         bs = self.block_size
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = [list(group) for group in blocks.get_block_ids()]
         local_blocks = local // bs
         promised = (local + num_external_tokens) // bs
         seq_id = next(self.seq_ids)
@@ -370,10 +403,8 @@ class SchedulerSide:
             self.failures.note("allocate", exc)
             self.counters.add("failures", 1)
             if promised > local_blocks:
-                with self.handoff:
-                    self.pending_bad.extend(block_ids[local_blocks:promised])
-                self.counters.add("bad_blocks", promised - local_blocks)
-                self._invalid_in_vllm(block_ids[local_blocks:promised])
+                self._unloadable(request, None,
+                                 [group[local_blocks:promised] for group in block_ids])
             return
         reused = alloc.reused_tokens // bs
         self.counters.add("borrowed_tokens", alloc.reused_tokens)
@@ -381,19 +412,46 @@ class SchedulerSide:
         self.reqs[req_id] = st
         load_end = min(reused, promised)
         bad_start = max(load_end, local_blocks)
+        if self.async_loads and promised > local_blocks:
+            self.awaiting_recv[req_id] = None
+            if promised > bad_start:
+                # Evicted between lookup and borrow: vLLM takes only whole-request
+                # failures for a model of several groups, and computes it all.
+                self._unloadable(request, st, st.block_slice(local_blocks, promised))
+                return
         with self.handoff:
             if load_end > local_blocks:
                 self.pending_loads.append(_Load(
                     st, alloc.page_table[local_blocks:load_end].tolist(),
-                    block_ids[local_blocks:load_end]))
-            if promised > bad_start:
-                # Evicted between lookup and borrow: never load what is not held. vLLM
-                # recomputes these blocks; until it does, the request's KV rests on them.
-                self.pending_bad.extend(block_ids[bad_start:promised])
+                    st.block_slice(local_blocks, load_end)))
         if promised > bad_start:
-            self.counters.add("bad_blocks", promised - bad_start)
+            # Evicted between lookup and borrow: never load what is not held. vLLM
+            # recomputes these blocks; until it does, the request's KV rests on them.
             st.bad_from(bad_start)
-            self._invalid_in_vllm(block_ids[bad_start:promised])
+            self._unloadable(request, st, st.block_slice(bad_start, promised))
+
+    def _unloadable(self, request: "Request", st: Optional[_Req],
+                    blocks: List[List[int]]) -> None:
+        """Promised blocks that will not be loaded: vLLM computes them. With one group they
+        go to vLLM as bad blocks (and leave its prefix cache); with several the request's
+        whole asynchronous load is reported failed. Needs only ``handoff``."""
+        real = real_blocks(blocks, self.sliding_groups)
+        if self.async_loads:
+            self.recv_failed_reqs[request.request_id] = None
+            self.awaiting_recv[request.request_id] = None
+            if st is not None:
+                # What it later computes rests on nothing hostkv loaded: nothing of this
+                # attempt is saved (vLLM frees its blocks and admits it again).
+                with self.handoff:
+                    self.freeze_late.append(st)
+            with self.handoff:
+                self.pending_recv_failed.append(request.request_id)
+            self.counters.add("bad_blocks", len(real))
+            return
+        with self.handoff:
+            self.pending_bad.extend(real)
+        self.counters.add("bad_blocks", len(real))
+        self._invalid_in_vllm(real)
 
     def _invalid_in_vllm(self, blocks: List[int]) -> None:
         """Drops blocks that hold no valid KV from vLLM's prefix cache: vLLM cached them
@@ -418,34 +476,59 @@ class SchedulerSide:
         bs = self.block_size
         first, promised = local // bs, (local + num_external_tokens) // bs
         old = self.reqs.get(req_id)
-        with self.handoff:
-            if promised > first:
-                self.pending_bad.extend(list(blocks.get_block_ids()[0])[first:promised])
-            if old is not None:
+        if old is not None:
+            with self.handoff:
                 # A state this call did not replace: whatever it plans is suspect.
                 self.freeze_late.append(old)
         if promised > first:
-            self.counters.add("bad_blocks", promised - first)
-            self._invalid_in_vllm(list(blocks.get_block_ids()[0])[first:promised])
+            self._unloadable(request, None, [list(group)[first:promised]
+                                             for group in blocks.get_block_ids()])
 
-    def build_connector_meta(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
-        self.step += 1
-        step = self.step
-        self._take_late()
+    def _take_handoff(self) -> Tuple[int, List[_Load], List[int], List[str], List[str]]:
+        """A new step number and what its metadata must carry: (step, loads, bad blocks,
+        failed asynchronous loads, finishing requests). Needs only ``handoff``."""
         with self.handoff:
+            self.step += 1
             loads, self.pending_loads = self.pending_loads, []
             bad, self.pending_bad = self.pending_bad, []
+            recv_failed, self.pending_recv_failed = self.pending_recv_failed, []
             finishing, self.finishing = self.finishing, []
-        # A request that finished before its load was sent: its blocks were never
-        # loaded, and vLLM may still hold them under their hashes.
-        dropped = [b for load in loads if load.st.finished for b in load.blocks]
-        if dropped:
-            bad = bad + dropped
-            self._invalid_in_vllm(dropped)
-        loads = [load for load in loads if not load.st.finished]
+            return self.step, loads, bad, recv_failed, finishing
+
+    def _drop_finished_loads(self, loads: List[_Load], bad: List[int],
+                             recv_failed: List[str]) -> List[_Load]:
+        """The loads whose requests have not finished. A request that finished before its
+        load was sent: its blocks were never loaded, and vLLM may still hold them under
+        their hashes (one group: bad blocks), or waits for its load to be reported (an
+        asynchronous load: reported failed)."""
+        for load in loads:
+            if not load.st.finished:
+                continue
+            if self.async_loads:
+                recv_failed.append(load.st.req_id)
+            else:
+                dropped = real_blocks(load.blocks, self.sliding_groups)
+                bad.extend(dropped)
+                self._invalid_in_vllm(dropped)
+        return [load for load in loads if not load.st.finished]
+
+    def _carry_recvs(self, step: int, meta: HostKVConnectorMetadata) -> None:
+        """Notes the asynchronous loads (and failures) ``step`` carries: once every rank
+        confirmed it, every rank reported them received. Needs only ``handoff``."""
+        recvs = list(meta.recv_failed)
+        if self.async_loads:
+            recvs += [req_id for req_id, _, _ in meta.loads]
+        if recvs:
+            with self.handoff:
+                self.step_recvs[step] = recvs
+
+    def build_connector_meta(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
+        self._take_late()
+        step, loads, bad, recv_failed, finishing = self._take_handoff()
+        loads = self._drop_finished_loads(loads, bad, recv_failed)
         meta = HostKVConnectorMetadata(
             step=step, loads=[(ld.st.req_id, ld.pages, ld.blocks) for ld in loads],
-            bad_blocks=bad, finishing=finishing)
+            bad_blocks=bad, finishing=finishing, recv_failed=recv_failed)
         meta.segment_id, meta.scheduler_lease = self.cache.segment_id, self.cache.lease_identity
         self.suspect_blocks = {b: s for b, s in self.suspect_blocks.items() if s >= step - 2}
         for block in bad:
@@ -455,19 +538,23 @@ class SchedulerSide:
         except Exception as exc:          # noqa: BLE001 - fail open, forgetting nothing
             self.failures.note("build_connector_meta", exc)
             self.counters.add("failures", 1)
-            return self._unplanned(step, loads, bad, finishing, out)
+            return self._unplanned(step, loads, bad, recv_failed, finishing, out)
+        self._carry_recvs(step, meta)
         involved: Dict[str, _Req] = {}
         for load in loads:
             load.st.inflight[step] = None
             involved[load.st.req_id] = load.st
         if loads:
-            self.step_loads[step] = [(load.st, load.blocks) for load in loads]
-            # The loads feed this very step's forward: vLLM must start them before it.
-            # It does for the steps that admit a request with external tokens, which is
-            # where every load comes from; said here so that no other path can differ.
-            out.has_sync_kv_loads = True
+            self.step_loads[step] = [(load.st, real_blocks(load.blocks, self.sliding_groups))
+                                     for load in loads]
+            if not self.async_loads:
+                # The loads feed this very step's forward: vLLM must start them before
+                # it. It does for the steps that admit a request with external tokens,
+                # which is where every load comes from; said here so that no other path
+                # can differ.
+                out.has_sync_kv_loads = True
         for st, end, pages in saves:
-            meta.saves.append((st.req_id, st.blocks[st.scheduled_upto:end], pages))
+            meta.saves.append((st.req_id, st.block_slice(st.scheduled_upto, end), pages))
             st.inflight[step] = (st.scheduled_upto, end)
             st.scheduled_upto = end
             involved[st.req_id] = st
@@ -490,7 +577,7 @@ class SchedulerSide:
         for new in out.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is not None:
-                st.blocks = list(new.block_ids[0])
+                st.blocks = [list(group) for group in new.block_ids]
                 self._plan(st, new.num_computed_tokens,
                            new.num_computed_tokens + scheduled.get(new.req_id, 0), plans)
         cached = out.scheduled_cached_reqs
@@ -501,9 +588,10 @@ class SchedulerSide:
             new_blocks = cached.new_block_ids[i]
             if new_blocks is not None:
                 if req_id in cached.resumed_req_ids:
-                    st.blocks = list(new_blocks[0])
+                    st.blocks = [list(group) for group in new_blocks]
                 else:
-                    st.blocks.extend(new_blocks[0])
+                    for group, added in zip(st.blocks, new_blocks):
+                        group.extend(added)
             computed = cached.num_computed_tokens[i]
             self._plan(st, computed, computed + scheduled.get(req_id, 0), plans)
         self._append_tokens(plans)
@@ -511,23 +599,48 @@ class SchedulerSide:
         for st, end in plans:
             if st.frozen or st.seq_tokens < end * self.block_size:
                 continue
+            if self.sliding_groups and not self._window_holds(st, end):
+                st.freeze()
+                continue
             saves.append((st, end, self.view.page_table(st.seq_id)[st.scheduled_upto:end]
                           .tolist()))
         return saves
 
+    def _window_holds(self, st: _Req, end: int) -> bool:
+        """Whether every sliding-window group still holds blocks [scheduled_upto, end) of
+        the request. vLLM's own table says (its copy in the scheduler output is only what
+        it added): it frees a block once it left the window, and gives it to others."""
+        if self.kv_cache_manager is not None:
+            try:
+                live = self.kv_cache_manager.get_block_ids(st.req_id)
+            except Exception:             # noqa: BLE001 - a request vLLM does not know
+                return False
+            st.blocks = [list(group) for group in live]
+        return all(len(st.blocks[g]) >= end
+                   and NULL_BLOCK not in st.blocks[g][st.scheduled_upto:end]
+                   for g in self.sliding_groups)
+
     def _unplanned(self, step: int, loads: List[_Load], bad: List[int],
-                   finishing: List[str], out: "SchedulerOutput") -> HostKVConnectorMetadata:
+                   recv_failed: List[str], finishing: List[str],
+                   out: "SchedulerOutput") -> HostKVConnectorMetadata:
         """The step's metadata when its copies could not be planned: no copies, every
-        promised load reported bad (vLLM recomputes it), the finishing requests kept, and
-        the preempted ones named (their saves in flight end before their blocks are
-        reused). Needs only ``handoff``."""
+        promised load reported bad (vLLM recomputes it; or, loaded asynchronously,
+        reported failed), the finishing requests kept, and the preempted ones named
+        (their saves in flight end before their blocks are reused). Needs only
+        ``handoff``."""
         meta = HostKVConnectorMetadata(step=step, bad_blocks=list(bad), finishing=finishing,
                                        preempted=list(getattr(out, "preempted_req_ids", None)
-                                                      or ()))
-        unloaded = {b for load in loads for b in load.blocks}
+                                                      or ()),
+                                       recv_failed=list(recv_failed))
+        unloaded = ({b for load in loads for b in real_blocks(load.blocks, self.sliding_groups)}
+                    if not self.async_loads else set())
         with self.handoff:
             for load in loads:
-                meta.bad_blocks.extend(load.blocks)
+                if self.async_loads:
+                    meta.recv_failed.append(load.st.req_id)
+                    self.recv_failed_reqs[load.st.req_id] = None
+                else:
+                    meta.bad_blocks.extend(real_blocks(load.blocks, self.sliding_groups))
                 self.freeze_late.append(load.st)
             # Every request scheduled in this step freezes: the blocks vLLM gave it are
             # not recorded (a later save would copy the wrong blocks into its pages), and
@@ -536,31 +649,33 @@ class SchedulerSide:
                 scheduled = self.reqs.get(req_id)
                 if scheduled is not None:
                     self.freeze_late.append(scheduled)
-        if loads:
+        if unloaded:
             self.counters.add("bad_blocks", len(unloaded))
             self._invalid_in_vllm(sorted(unloaded))
+        self._carry_recvs(step, meta)
         return meta
 
     def meta_without_lock(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
         """:meth:`build_connector_meta` when the lock was not had: no copies this step,
-        and nothing promised is forgotten (see :meth:`_unplanned`)."""
-        with self.handoff:
-            loads, self.pending_loads = self.pending_loads, []
-            bad, self.pending_bad = self.pending_bad, []
-            finishing, self.finishing = self.finishing, []
-        # Step 0: the workers confirm no step of it, and the scheduler waits for none.
-        return self._unplanned(0, loads, bad, finishing, out)
+        and nothing promised is forgotten (see :meth:`_unplanned`). The step has a
+        number like any other: the workers confirm it (which tells the scheduler that
+        the asynchronous loads it reports failed were reported), and the scheduler waits
+        for no save of it."""
+        step, loads, bad, recv_failed, finishing = self._take_handoff()
+        return self._unplanned(step, loads, bad, recv_failed, finishing, out)
 
     def _take_late(self) -> None:
         """Applies what happened without the lock: requests finished, prefixes not held,
         reports not taken."""
         while self.finished_late:
-            late = self.finished_late.popleft()
+            late, receiving = self.finished_late.popleft()
             saving = False
             try:
                 saving = self.request_finished(late)
             finally:
-                if not saving and self.settings.async_saves:
+                # (A request vLLM keeps for its load's report must not be reported
+                # finished sending too: vLLM frees its blocks at the first report.)
+                if not saving and not receiving and self.settings.async_saves:
                     # vLLM was told to keep its blocks: the workers must report it, even
                     # if retiring it failed.
                     with self.handoff:
@@ -579,7 +694,8 @@ class SchedulerSide:
             st.recompute_from = None
         if self.suspect_blocks:
             computed = -(-computed_start // self.block_size)
-            if any(b in self.suspect_blocks for b in st.blocks[:computed]):
+            if any(b in self.suspect_blocks
+                   for b in real_blocks(st.block_slice(0, computed), self.sliding_groups)):
                 # It reads, as computed, a block with no valid KV (a prefix-cache hit on
                 # a block another request was promised and never got).
                 st.freeze()
@@ -587,7 +703,7 @@ class SchedulerSide:
         # Only blocks whose every token id is known now (asynchronous scheduling may run a
         # step ahead of the sampled tokens) and whose KV is complete after this step.
         end = min(computed_end, st.request.num_tokens) // self.block_size
-        end = min(end, len(st.blocks))
+        end = min([end] + [len(group) for group in st.blocks])
         if end > st.scheduled_upto:
             plans.append((st, end))
 
@@ -613,12 +729,15 @@ class SchedulerSide:
             position += 1
             todo = [(st, toks) for st, toks in todo if len(toks) > position]
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: Optional["KVConnectorOutput"]) -> None:
+        """Takes the workers' reports (this one, None for only those kept for later):
+        confirms steps, commits what every rank wrote, releases retired requests."""
         changed: Dict[int, _Req] = {}
         reports = []
         while self.reports_late:
             reports.append(self.reports_late.popleft())
-        reports.append(output.kv_connector_worker_meta)
+        if output is not None:
+            reports.append(output.kv_connector_worker_meta)
         for report in reports:
             if not isinstance(report, HostKVWorkerMetadata):
                 continue
@@ -651,8 +770,18 @@ class SchedulerSide:
         """Every rank confirmed ``step``: its saves hold written KV, but those that failed."""
         loads = self.step_loads.pop(step, ())
         garbage = {b for st, blocks in loads if st.req_id in failed_ids for b in blocks}
-        if garbage:
+        if garbage and not self.async_loads:
+            # (An asynchronous load that failed is the request's alone: vLLM frees its
+            # blocks without caching them and computes it from its first token.)
             self._loaded_garbage(garbage, step, changed)
+        with self.handoff:
+            over = [s for s in self.step_recvs if s <= step]
+            for s in over:
+                for req_id in self.step_recvs.pop(s):
+                    # Every rank reported it received (or lost the report with its step).
+                    self.awaiting_recv.pop(req_id, None)
+                    if s == step and req_id in failed_ids:
+                        self.recv_failed_reqs[req_id] = None
         # Each rank confirms its steps in order: an older step that some rank never
         # confirmed never will be. Its saves are lost, and the steps planned after it may
         # rest on them.
@@ -681,7 +810,7 @@ class SchedulerSide:
         (the loading request, and any request that took them as vLLM prefix-cache hits
         since) saves and commits nothing more, and vLLM's prefix cache drops them."""
         for st in list(self.reqs.values()) + self.retiring:
-            if not blocks.isdisjoint(st.blocks):
+            if not blocks.isdisjoint(real_blocks(st.blocks, self.sliding_groups)):
                 st.freeze()
                 changed[st.seq_id] = st
         for block in blocks:
@@ -729,29 +858,39 @@ class SchedulerSide:
 
     def request_finished(self, request: "Request") -> bool:
         """Retires the request; True if a save of its blocks may still run (vLLM must
-        keep them until the workers report the request finished sending)."""
+        keep them until the workers report the request finished sending) or its
+        asynchronous load was not reported yet (until they report it received)."""
         req_id = request.request_id
         self.lookups.pop(req_id, None)
         self.remote_pending.pop(req_id, None)
         self.remote_done.pop(req_id, None)
+        self.recv_failed_reqs.pop(req_id, None)
+        if self.reports_late:
+            # A load's report vLLM has seen must not be waited for again.
+            self.update_connector_output(None)
+        receiving = req_id in self.awaiting_recv
         st = self.reqs.pop(req_id, None)
         if st is None:
-            return False
+            return receiving
         saving = bool(self.settings.async_saves) and any(
             saved is not None for saved in st.inflight.values())
         self._retire(st)
-        if saving:
+        if saving and not receiving:
             with self.handoff:
                 self.finishing.append(req_id)
-        return saving
+        return saving or receiving
 
     def finish_later(self, request: "Request") -> bool:
         """A request that finished while this side could not look (lock busy, error):
-        retired at the next step (its sequence is released then), and with asynchronous
-        saves vLLM keeps its blocks until the workers report it (they do at once if no
-        save of it runs). Safe without the lock."""
-        self.finished_late.append(request)
-        return bool(self.settings.async_saves)
+        retired at the next step (its sequence is released then). vLLM keeps its blocks
+        until the workers report its asynchronous load received, if one is outstanding,
+        or else, with asynchronous saves, until they report it finished sending (they do
+        at once if no save of it runs). Safe without the lock (a report of its load kept
+        for later may leave it waiting for one that never comes: its blocks stay
+        allocated)."""
+        receiving = request.request_id in self.awaiting_recv
+        self.finished_late.append((request, receiving))
+        return receiving or bool(self.settings.async_saves)
 
     def take_events(self) -> List[KVCacheEvent]:
         events, self.events = self.events, []

@@ -9,6 +9,10 @@ Saves are submitted after the forward and finish beside the next steps (``async_
 a step is reported once its copies are over, steps in order. A finished request whose
 saves still run keeps its blocks (the scheduler told vLLM so) until this worker reports
 it finished sending; a preempted one's saves are waited for before the blocks are reused.
+
+A model of several KV-cache groups (``hostkv.vllm.groups``) loads asynchronously: each
+load's request is reported received once its copies are over, and failed as well if they
+failed or could not run (vLLM takes no block-level load errors for such a model).
 """
 
 from __future__ import annotations
@@ -21,9 +25,8 @@ from typing import Deque, Dict, List, Optional, Set, Tuple
 import torch
 
 from hostkv.cache import HostKVCache
-from hostkv.copy_engine import CopyEngine
 from hostkv.errors import IncompatibleSegmentError
-from hostkv.transfers import Transfer
+from hostkv.vllm.groups import GroupCopies, GroupTransfer, real_blocks
 from hostkv.vllm.layout import EngineKV, describe_layout
 from hostkv.vllm.metadata import HostKVConnectorMetadata
 from hostkv.vllm.metrics import Counters, Failures
@@ -36,8 +39,8 @@ class _StepCopies:
     """One step's copies on this worker, until they are over and reported."""
 
     step: int
-    save: Optional[Transfer]
-    load: Optional[Transfer]
+    save: Optional[GroupTransfer]
+    load: Optional[GroupTransfer]
     failed: Set[str]               # requests whose copies failed
     saving: List[str]              # requests whose blocks the save reads
     pages: int
@@ -63,7 +66,7 @@ class WorkerSide:
         self.heads = kv.heads_of_rank(rank)
         self.failures = failures
         self.counters = counters
-        self.engine: Optional[CopyEngine] = None
+        self.engine: Optional[GroupCopies] = None
         self.bad_blocks: Set[int] = set()
         self.done: List[Tuple[int, int, List[str]]] = []
         self.load_failed: Set[str] = set()
@@ -71,6 +74,10 @@ class WorkerSide:
         self.registered = 0
         self.register_failed = False
         self.async_saves = async_saves
+        # Several KV-cache groups: loads are asynchronous, reported per request.
+        self.async_loads = len(kv.groups) > 1
+        self.received: Set[str] = set()
+        self.recv_failed: Set[str] = set()
         # Steps whose copies are submitted and not yet reported, oldest first.
         self.inflight: Deque[_StepCopies] = collections.deque()
         # req_id -> steps in flight whose save reads its blocks.
@@ -78,7 +85,7 @@ class WorkerSide:
         # Requests vLLM keeps the blocks of until their saves are over; then reported.
         self.finishing: Set[str] = set()
         self.finished_sending: Set[str] = set()
-        self.loading: Optional[Transfer] = None
+        self.loading: Optional[GroupTransfer] = None
         self.loading_reqs: List[str] = []
         self.loading_blocks: List[int] = []
         self.segment_id = cache.segment_id
@@ -98,9 +105,8 @@ class WorkerSide:
         first, stop, writes = self.heads
         tensors = [kv_caches[name] for name in kv.layer_names]
         try:
-            engine = CopyEngine(self.cache.pages_tensor(), kv.layout, kv.page_size, tensors,
-                                kv.block_layout, heads=(first, stop), writes=writes,
-                                asynchronous=self.async_saves)
+            engine = GroupCopies(self.cache.pages_tensor(), kv, kv_caches, heads=(first, stop),
+                                 writes=writes, asynchronous=self.async_saves)
         except ValueError as exc:
             raise ValueError(
                 f"hostkv: {kv.backend}'s KV cache (layer {kv.layer_names[0]!r}: shape "
@@ -137,7 +143,7 @@ class WorkerSide:
             self.engine.close()
         self.engine = None
 
-    def _engine(self) -> CopyEngine:
+    def _engine(self) -> GroupCopies:
         if self.engine is None:
             raise RuntimeError("vLLM's KV caches are not registered (asleep?)")
         return self.engine
@@ -178,37 +184,56 @@ class WorkerSide:
             return False
         return True
 
+    def _real_blocks(self, groups: List[List[int]]) -> List[int]:
+        """Every block of every group but a sliding-window group's null blocks."""
+        return real_blocks(groups, self.kv.sliding_groups)
+
+    def _loads_failed(self, req_ids: Set[str], blocks: List[int]) -> None:
+        """Loads that failed or could not run: their blocks go to vLLM as load errors
+        (it recomputes them), or, loaded asynchronously, their requests as received and
+        failed (it computes them whole)."""
+        self.load_failed |= req_ids
+        if self.async_loads:
+            self.recv_failed |= req_ids
+            self.received |= req_ids
+        else:
+            self.bad_blocks.update(blocks)
+
     def start_load_kv(self, meta: HostKVConnectorMetadata) -> None:
         """Copies this step's borrowed pages into their blocks (before the forward; on a
         GPU they are enqueued, and the forward's stream waits for every layer's, without
         the host waiting)."""
         self.bad_blocks.update(meta.bad_blocks)
         self.finishing.update(meta.finishing)
+        if meta.recv_failed:
+            self.recv_failed.update(meta.recv_failed)
+            self.received.update(meta.recv_failed)
         self.load_failed = set()
         self.loading = None
         self.loading_reqs = []
         self.loading_blocks = []
         if not meta.loads:
             return
+        req_ids = {req_id for req_id, _, _ in meta.loads}
+        pages = [p for _, ps, _ in meta.loads for p in ps]
+        blocks = [[b for _, _, bs in meta.loads for b in bs[g]]
+                  for g in range(len(self.kv.groups))]
+        real = self._real_blocks(blocks)
         if not self._may_copy(meta, saves=False):
             # Its loads are recomputed, and nothing of these requests is committed.
-            self.bad_blocks.update(b for _, _, bs in meta.loads for b in bs)
-            self.load_failed = {req_id for req_id, _, _ in meta.loads}
+            self._loads_failed(req_ids, real)
             return
-        pages = [p for _, ps, _ in meta.loads for p in ps]
-        blocks = [b for _, _, bs in meta.loads for b in bs]
         start = time.perf_counter()
         try:
             transfer = self._engine().submit_load(pages, blocks)
         except Exception as exc:          # noqa: BLE001 - fail open: vLLM recomputes
             self.failures.note("load", exc)
             self.counters.add("failures", 1)
-            self.bad_blocks.update(blocks)
-            self.load_failed = {req_id for req_id, _, _ in meta.loads}
+            self._loads_failed(req_ids, real)
             return
         self.loading = transfer
-        self.loading_reqs = sorted({req_id for req_id, _, _ in meta.loads})
-        self.loading_blocks = blocks
+        self.loading_reqs = sorted(req_ids)
+        self.loading_blocks = real
         # Every step, the forward waits for every layer's load before it starts: vLLM
         # replays a full CUDA graph (FULL_AND_PIECEWISE, for uniform-decode batches)
         # without running the per-layer hooks, so a wait left to wait_for_layer_load is
@@ -232,11 +257,12 @@ class WorkerSide:
         if saves and not self._may_copy(meta, saves=True):
             failed |= {req_id for req_id, _, _ in saves}
             saves = []
-        transfer: Optional[Transfer] = None
+        transfer: Optional[GroupTransfer] = None
         saving: List[str] = []
         pages = 0
         if saves:
-            blocks = [b for _, bs, _ in saves for b in bs]
+            blocks = [[b for _, bs, _ in saves for b in bs[g]]
+                      for g in range(len(self.kv.groups))]
             page_ids = [p for _, _, ps in saves for p in ps]
             try:
                 transfer = self._engine().submit_save(blocks, page_ids)
@@ -281,7 +307,12 @@ class WorkerSide:
                 self.failures.note("load", head.load.error)
                 self.counters.add("failures", 1)
                 head.failed |= set(head.loading)
-                self.bad_blocks.update(head.loaded_blocks)
+                if self.async_loads:
+                    self.recv_failed |= set(head.loading)
+                else:
+                    self.bad_blocks.update(head.loaded_blocks)
+            if head.load is not None and self.async_loads:
+                self.received |= set(head.loading)
             save = head.save
             if save is not None:
                 if save.error is not None:
@@ -324,6 +355,14 @@ class WorkerSide:
         self.poll()
         over, self.finished_sending = self.finished_sending, set()
         return over
+
+    def take_received(self) -> Tuple[Set[str], Set[str]]:
+        """(received, failed): the requests whose asynchronous loads are over since the
+        last call, and those of them that failed (every failed one is also received)."""
+        self.poll()
+        received, self.received = self.received, set()
+        failed, self.recv_failed = self.recv_failed & received, self.recv_failed - received
+        return received, failed
 
     def shutdown(self) -> None:
         """Lets the copies in flight finish, drops the views of the pool and detaches."""

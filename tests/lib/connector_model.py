@@ -409,9 +409,9 @@ class Harness:
                 self.note(f"save fails on rank {rank}")
                 _OneShot(engine, "submit_save", OSError("save failed"))
             if (self.opts.async_saves and rng.random() < self.opts.fault_rate
-                    and engine._thread is not None):
+                    and engine.engines[0][1]._thread is not None):
                 release = threading.Event()
-                engine._thread.submit(release.wait, 0)
+                engine.engines[0][1]._thread.submit(release.wait, 0)
                 self.holds.append((self.step_no + rng.randrange(1, 4), release))
                 self.note(f"hold copies of rank {rank}")
             worker.bind_connector_metadata(meta)

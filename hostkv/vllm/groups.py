@@ -1,0 +1,155 @@
+"""Copies of an engine whose layers come in KV-cache groups, each with its own block table.
+
+vLLM's hybrid KV-cache manager gives each group of layers (full attention, sliding window)
+a block table of its own: block ``b`` of a full-attention layer and block ``b`` of a
+sliding-window layer are different tokens. A page is still one block of every layer
+(``hostkv.vllm.layout``), so a step's copy of a page moves, for each group, the group's
+layers from the block that group's table names. :class:`GroupCopies` builds one
+:class:`hostkv.copy_engine.CopyEngine` per arithmetic run of a group's page layers (one
+strided view of the pool each) and hands each its group's blocks.
+
+A sliding-window group's table names vLLM's null block for the blocks that fell out of the
+window: a load skips them (vLLM never reads them), a save refuses them (the page's KV
+for those layers is gone, so the page cannot be written).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hostkv.copy_engine import CopyEngine
+from hostkv.transfers import Transfer
+from hostkv.vllm.layout import EngineKV, layer_runs
+
+__all__ = ["GroupCopies", "GroupTransfer", "NULL_BLOCK", "real_blocks"]
+
+# vLLM's block pool hands out block 0 as the null block: never a request's KV.
+NULL_BLOCK = 0
+
+
+def real_blocks(groups: Sequence[Sequence[int]], sliding: Sequence[int]) -> List[int]:
+    """Every block of every group, but a sliding-window group's null blocks (never KV)."""
+    return [b for g, blocks in enumerate(groups) for b in blocks
+            if g not in sliding or b != NULL_BLOCK]
+
+
+class GroupTransfer:
+    """The transfers of one step's copy over every group, as one: done when all are, and
+    failed if any failed. The interface of :class:`hostkv.transfers.Transfer`."""
+
+    def __init__(self, parts: List[Transfer]) -> None:
+        self.parts = parts
+        self.nbytes = sum(part.nbytes for part in parts)
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """The first part's error, once done; None if every part succeeded."""
+        return next((part.error for part in self.parts if part.error is not None), None)
+
+    @property
+    def seconds(self) -> float:
+        """The parts' copy time, summed."""
+        return sum(part.seconds for part in self.parts)
+
+    def done(self) -> bool:
+        """True once every part is over; never blocks."""
+        return all(part.done() for part in self.parts)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until every part is over (``timeout`` for each); True if all are."""
+        return all([part.wait(timeout) for part in self.parts])
+
+    def wait_all_layers(self) -> None:
+        """For a load: orders what the engine runs next after every part's copies."""
+        for part in self.parts:
+            part.wait_all_layers()
+
+
+class GroupCopies:
+    """Copies between an engine's grouped KV blocks and hostkv's pages.
+
+    Args:
+        pool: The page pool (``HostKVCache.pages_tensor()``).
+        kv: The engine's KV cache as hostkv pages (its groups and layers).
+        kv_caches: vLLM's per-layer KV tensors, by layer name.
+        heads: (first, stop) of this rank's KV heads.
+        writes: False for a rank whose saves move nothing.
+        asynchronous: As :class:`CopyEngine` takes it.
+
+    Raises:
+        ValueError: as :class:`CopyEngine` raises for a tensor it cannot map.
+    """
+
+    def __init__(self, pool: torch.Tensor, kv: EngineKV, kv_caches: Dict[str, torch.Tensor],
+                 heads: Tuple[int, int], writes: bool, asynchronous: bool) -> None:
+        self.kv = kv
+        self.engines: List[Tuple[int, CopyEngine]] = []
+        whole = (0, kv.layout.num_layers, 1)
+        try:
+            for index, group in enumerate(kv.groups):
+                for run in layer_runs(group.layers):
+                    tensors = [kv_caches[kv.layer_names[i]] for i in range(*run)]
+                    engine = CopyEngine(pool, kv.layout, kv.page_size, tensors, kv.block_layout,
+                                        heads=heads, writes=writes, asynchronous=asynchronous,
+                                        layers=None if run == whole else run)
+                    self.engines.append((index, engine))
+        except BaseException:
+            self.close()
+            raise
+        self.sliding = set(kv.sliding_groups)
+
+    def _pairs(self, group: int, blocks: Sequence[int], pages: Sequence[int],
+               saving: bool) -> Tuple[List[int], List[int]]:
+        if group not in self.sliding or NULL_BLOCK not in blocks:
+            return list(blocks), list(pages)
+        if saving:
+            raise ValueError(f"hostkv: a save of sliding-window group {group} names vLLM's "
+                             f"null block (KV out of the window is gone): {list(blocks)[:16]}")
+        kept = [(b, p) for b, p in zip(blocks, pages) if b != NULL_BLOCK]
+        return [b for b, _ in kept], [p for _, p in kept]
+
+    def _check(self, blocks: Sequence[Sequence[int]], pages: Sequence[int]) -> None:
+        if len(blocks) != len(self.kv.groups) or any(len(b) != len(pages) for b in blocks):
+            raise ValueError(f"hostkv: blocks of {[len(b) for b in blocks]} for "
+                             f"{len(self.kv.groups)} groups and {len(pages)} pages")
+
+    def submit_save(self, blocks: Sequence[Sequence[int]], pages: Sequence[int]) -> GroupTransfer:
+        """Starts copying, for every group, its block ``blocks[group][i]`` of the group's
+        layers into page ``pages[i]`` (see :meth:`CopyEngine.submit_save`).
+
+        Raises:
+            ValueError: lengths that differ, an index out of range, or a null block in a
+                sliding-window group; nothing was copied.
+        """
+        self._check(blocks, pages)
+        plans = [(engine, *self._pairs(g, blocks[g], pages, saving=True))
+                 for g, engine in self.engines]
+        for engine, b, p in plans:
+            engine._indices(b, p)       # every index checked before any group copies
+        return GroupTransfer([engine.submit_save(b, p) for engine, b, p in plans])
+
+    def submit_load(self, pages: Sequence[int], blocks: Sequence[Sequence[int]]) -> GroupTransfer:
+        """Starts copying page ``pages[i]`` into every group's block ``blocks[group][i]``,
+        skipping a sliding-window group's null blocks (see :meth:`CopyEngine.submit_load`).
+
+        Raises:
+            ValueError: lengths that differ or an index out of range; nothing was copied.
+        """
+        self._check(blocks, pages)
+        plans = [(engine, *self._pairs(g, blocks[g], pages, saving=False))
+                 for g, engine in self.engines]
+        for engine, b, p in plans:
+            engine._indices(b, p)       # every index checked before any group copies
+        return GroupTransfer([engine.submit_load(p, b) for engine, b, p in plans])
+
+    def registration(self):
+        """The first engine's registration of the pool with CUDA (see
+        :meth:`CopyEngine.registration`); None on a CPU."""
+        return self.engines[0][1].registration() if self.engines else None
+
+    def close(self) -> None:
+        """Closes every engine."""
+        for _, engine in self.engines:
+            engine.close()
