@@ -1,9 +1,10 @@
 """hostkv.cuda_copy: the copy engine's GPU path gives the CPU path's page bytes.
 
-The GPU path's address arithmetic (the runs of a page-layer, per layout and per
-tensor-parallel head slice) runs here on every machine: ``host_memcpy_function`` stands in
-for ``cuMemcpyAsync``, and the result must equal what the CPU copy engine writes and reads,
-byte for byte. The tests marked ``cuda`` run the whole path (side streams, events, the
+The GPU path's address arithmetic (the 2-D copies of a staged page, per layout and per
+tensor-parallel head slice), its staging pieces and its stream and event ordering run here on
+every machine: ``tests/lib/cuda_standin.py`` stands in for CUDA's primitives over CPU
+tensors (``host_memcpy2d_function`` for ``cuMemcpy2DAsync``), the copier is the real one, and
+the result must equal what the CPU copy engine writes and reads, byte for byte. The tests marked ``cuda`` run the whole path (side streams, events, the
 pool registered) on a CUDA device and skip only where none exists.
 """
 
@@ -16,9 +17,10 @@ torch = pytest.importorskip("torch")
 
 import hostkv  # noqa: E402
 from hostkv import copy_engine  # noqa: E402
-from hostkv._cudacopy import host_memcpy_function, memcpy_batch  # noqa: E402
+from hostkv._cudacopy import host_memcpy2d_function, memcpy2d_batch  # noqa: E402
 from hostkv.copy_engine import CopyEngine  # noqa: E402
 from hostkv.cuda_copy import CudaCopier, run_offsets  # noqa: E402
+from lib.cuda_standin import RecordingCuda  # noqa: E402
 from lib.kv_layouts import (  # noqa: E402, F401  (make_cache: a fixture)
     DIM, HEADS, LAYERS, TOKENS, as_flash_attn, as_flashinfer_hnd, as_vllm, as_vllm_mla,
     make_cache, reference_kv)
@@ -36,19 +38,28 @@ def test_run_offsets_walk_the_grid_row_major():
     assert run_offsets((2, 3), (100, 10)).tolist() == [0, 10, 20, 100, 110, 120]
 
 
-def test_memcpy_batch_copies_every_run_and_refuses_unequal_arrays():
-    src = np.arange(64, dtype=np.uint8)
-    dst = np.zeros(64, dtype=np.uint8)
-    base_s, base_d = src.ctypes.data, dst.ctypes.data
-    d = np.array([base_d + 32, base_d], dtype=np.uint64)
-    s = np.array([base_s, base_s + 40], dtype=np.uint64)
-    memcpy_batch(host_memcpy_function(), d, s, np.array([8, 4], dtype=np.uint64), 0)
-    assert dst[32:40].tolist() == list(range(8)) and dst[:4].tolist() == [40, 41, 42, 43]
-    with pytest.raises(ValueError, match="2 destinations, 1 sources"):
-        memcpy_batch(host_memcpy_function(), d, s[:1], np.array([8, 4], dtype=np.uint64), 0)
+def test_memcpy2d_batch_copies_every_row_at_both_pitches_and_refuses_unequal_arrays():
+    host = np.zeros(64, dtype=np.uint8)
+    device = np.arange(64, dtype=np.uint8)
+    u = lambda *v: np.array(v, dtype=np.uint64)          # noqa: E731
+    # Device -> host: 3 rows of 4 bytes, 8 apart on the device side, 16 apart on the host.
+    n = memcpy2d_batch(host_memcpy2d_function(), True, u(host.ctypes.data),
+                       u(device.ctypes.data + 1), u(16), u(8), u(4), u(3), 0)
+    assert n == 1
+    assert host[0:4].tolist() == [1, 2, 3, 4] and host[16:20].tolist() == [9, 10, 11, 12]
+    assert host[32:36].tolist() == [17, 18, 19, 20] and host[4:16].tolist() == [0] * 12
+    back = np.zeros(64, dtype=np.uint8)
+    memcpy2d_batch(host_memcpy2d_function(), False, u(host.ctypes.data),
+                   u(back.ctypes.data), u(16), u(4), u(4), u(3), 0)
+    assert back[:12].tolist() == [1, 2, 3, 4, 9, 10, 11, 12, 17, 18, 19, 20]
+    with pytest.raises(ValueError, match="1 host addresses, 2 device"):
+        memcpy2d_batch(host_memcpy2d_function(), True, u(0), u(0, 0), u(1), u(1), u(1), u(1), 0)
     with pytest.raises(ValueError, match="no copy function"):
-        memcpy_batch(0, d, s, np.array([8, 4], dtype=np.uint64), 0)
-
+        memcpy2d_batch(0, True, u(0), u(0), u(1), u(1), u(1), u(1), 0)
+    # A row wider than its pitch is the driver's CUDA_ERROR_INVALID_VALUE.
+    with pytest.raises(RuntimeError, match="copy 0 of 1 failed with CUDA error 1"):
+        memcpy2d_batch(host_memcpy2d_function(), True, u(host.ctypes.data),
+                       u(device.ctypes.data), u(2), u(8), u(4), u(1), 0)
 
 
 class _EventAfter:
@@ -82,8 +93,8 @@ def test_a_cuda_transfers_wait_keeps_to_its_timeout():
 
 
 def test_the_gpu_path_holds_no_reference_back_to_its_engine(make_cache):
-    """The copier the engine builds for CUDA tensors (here over CPU tensors, with a host
-    memcpy) holds the engine's views and the pool's addresses, never the engine: so once
+    """The copier the engine builds for CUDA tensors (here over CPU tensors, with the
+    recording stand-in for CUDA) holds the engine's views and the pool's addresses, never the engine: so once
     the engine is closed and dropped, nothing keeps the pool's views alive, and the cache
     closes at once, without the garbage collector (a cycle would make close() raise
     BufferError at a worker's shutdown, and the lease be held until the process exits)."""
@@ -97,9 +108,9 @@ def test_the_gpu_path_holds_no_reference_back_to_its_engine(make_cache):
     gc.disable()                       # a collection could break a cycle by chance
     try:
         engine = CopyEngine(cache.pages_tensor(), layout, TOKENS, tensors, copy_engine.VLLM)
-        engine._cuda = engine._cuda_copier(memcpy=host_memcpy_function(), register=False)
+        engine._cuda = engine._cuda_copier(cuda=RecordingCuda(), register=False)
         assert isinstance(engine._cuda, CudaCopier)
-        keep = engine._cuda.enqueue_save(np.array([3, 1]), np.array([0, 5]), 0)
+        keep = engine.submit_save([3, 1], [0, 5])
         engine.close()
         gone = weakref.ref(engine)
         del engine, keep
@@ -131,22 +142,31 @@ def test_gpu_path_runs_give_the_cpu_paths_bytes(make_cache, block_layout, build,
     cpu_cache, gpu_cache = make_cache(layout), make_cache(layout)
     cpu_pool, gpu_pool = cpu_cache.pages_tensor(), gpu_cache.pages_tensor()
     CopyEngine(cpu_pool, layout, TOKENS, tensors, block_layout, heads=heads).save(blocks, pages)
-    engine = CopyEngine(gpu_pool, layout, TOKENS, tensors, block_layout, heads=heads)
-    copier = engine._cuda_copier(memcpy=host_memcpy_function(), register=False)
-    keep = copier.enqueue_save(blocks, pages, 0)
-    assert torch.equal(gpu_pool, cpu_pool)
-    # And back: each layer's pages into zeroed blocks.
-    back = [torch.zeros_like(t) for t in tensors]
-    loader = CopyEngine(gpu_pool, layout, TOKENS, back, block_layout, heads=heads)
-    load = loader._cuda_copier(memcpy=host_memcpy_function(), register=False)
-    targets = torch.tensor([1, 5, 6, 10])
-    for layer in range(LAYERS):
-        keep.append(load.enqueue_load_layer(layer, pages, targets, 0))
-    for layer in range(LAYERS):
-        want = torch.zeros_like(ref[layer])
-        want[targets] = ref[layer][torch.from_numpy(blocks)]
-        assert torch.equal(back[layer], build(want))
-    del keep, copier, engine, load, loader, cpu_pool, gpu_pool
+    page = LAYERS * layout.kv_planes * TOKENS * (stop - first) * dim * 2
+    # Whole, in groups of one layer over the 4 pages, in groups of one page over every layer:
+    # every way through the staging gives the same bytes.
+    for staging in (None, 4 * page // LAYERS + 1, page):
+        gpu_pool.zero_()
+        engine = CopyEngine(gpu_pool, layout, TOKENS, tensors, block_layout, heads=heads)
+        engine._cuda = engine._cuda_copier(cuda=RecordingCuda(), register=False,
+                                           staging_bytes=staging)
+        engine.save(blocks, pages)
+        assert torch.equal(gpu_pool, cpu_pool), staging
+        # And back: the pages into zeroed blocks.
+        back = [torch.zeros_like(t) for t in tensors]
+        loader = CopyEngine(gpu_pool, layout, TOKENS, back, block_layout, heads=heads)
+        loader._cuda = loader._cuda_copier(cuda=RecordingCuda(), register=False,
+                                           staging_bytes=staging)
+        targets = [1, 5, 6, 10]
+        loader.submit_load(pages, targets)
+        for layer in range(LAYERS):
+            want = torch.zeros_like(ref[layer])
+            want[targets] = ref[layer][torch.from_numpy(blocks)]
+            assert torch.equal(back[layer], build(want)), (staging, layer)
+        engine.close()
+        loader.close()
+        del engine, loader
+    del cpu_pool, gpu_pool
 
 
 @cuda
