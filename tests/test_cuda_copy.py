@@ -19,7 +19,10 @@ import hostkv  # noqa: E402
 from hostkv import copy_engine  # noqa: E402
 from hostkv._cudacopy import host_memcpy2d_function, memcpy2d_batch  # noqa: E402
 from hostkv.copy_engine import CopyEngine  # noqa: E402
-from hostkv.cuda_copy import CudaCopier, run_offsets  # noqa: E402
+from hostkv._copyplan import CopyPlan  # noqa: E402
+from hostkv.cuda_copy import (  # noqa: E402
+    DEFAULT_STAGING_BYTES, CudaCopier, HostRegistration, copies_for_pages, plan_pieces,
+    run_offsets)
 from lib.cuda_standin import RecordingCuda  # noqa: E402
 from lib.kv_layouts import (  # noqa: E402, F401  (make_cache: a fixture)
     DIM, HEADS, LAYERS, TOKENS, as_flash_attn, as_flashinfer_hnd, as_vllm, as_vllm_mla,
@@ -200,3 +203,191 @@ def test_cuda_saves_and_loads_are_byte_exact(make_cache, block_layout, build, ki
     engine.close()
     loader.close()
     del engine, loader, transfer, load, cpu_pool, gpu_pool
+
+
+# -- stream and event ordering, staging, copy counts, registration (the recording stand-in) --
+
+def _recorded_engine(make_cache, tensors=None, staging=None, cuda=None, heads=None):
+    """A CopyEngine over CPU tensors whose GPU path runs on the recording stand-in."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "float32")
+    cache = make_cache(layout)
+    first, stop = heads or (0, HEADS)
+    tensors = tensors or [as_vllm(kv) for kv in reference_kv(heads=stop - first)]
+    engine = CopyEngine(cache.pages_tensor(), layout, TOKENS, tensors, copy_engine.VLLM,
+                        heads=heads)
+    cuda = cuda or RecordingCuda()
+    engine._cuda = engine._cuda_copier(cuda=cuda, register=False, staging_bytes=staging)
+    return engine, cuda, cache
+
+
+def _position(log, entry):
+    return log.index(entry)
+
+
+def test_a_save_waits_for_the_forward_by_event_and_never_blocks_the_host(make_cache):
+    engine, cuda, _ = _recorded_engine(make_cache)
+    copier = engine._cuda
+    cuda.note("forward")                                    # the forward wrote the KV
+    transfer = engine.submit_save([3, 1, 7], [0, 5, 2])
+    log = cuda.log
+    assert cuda.syncs() == []                               # the host waited for nothing
+    save = copier.save_stream.name
+    ready = [e for e in log if e[0] == "record" and e[1] == "compute"]
+    assert len(ready) == 1 and _position(log, ready[0]) > _position(log, ("kernel", "compute",
+                                                                          "forward"))
+    wait = ("wait", save, ready[0][2])
+    use = ("use", save)
+    # The save stream waits for the compute stream's event before anything runs on it.
+    assert _position(log, wait) < _position(log, use)
+    upload = ("upload", save, "pinned", "non_blocking")
+    dma = [e for e in log if e[0] == "dma"]
+    assert dma and all(e[1] == save and e[2] == "to_host" and e[4] == save for e in dma)
+    done = ("record", save, transfer.event.id)
+    assert (_position(log, use) < _position(log, upload) < _position(log, dma[0])
+            < _position(log, done) < _position(log, ("end", save)))
+    # The index tensors live until the event completes, and not after.
+    assert not transfer.done() and len(transfer.keep) == 2
+    cuda.complete()
+    assert transfer.done() and transfer.keep == [] and transfer.error is None
+    engine.close()
+
+
+def test_a_load_runs_on_the_high_priority_stream_and_the_forward_waits_by_event(make_cache):
+    engine, cuda, _ = _recorded_engine(make_cache)
+    copier = engine._cuda
+    assert copier.load_stream.priority == cuda.priorities()[1]      # the highest
+    assert copier.save_stream.priority == cuda.priorities()[0]      # the lowest
+    transfer = engine.submit_load([0, 5], [3, 1])
+    load = copier.load_stream.name
+    assert [e for e in cuda.log if e[0] == "dma"] == [("dma", load, "to_device", 2, load)]
+    transfer.wait_all_layers()
+    assert cuda.log[-1] == ("wait", "compute", transfer.event.id)
+    transfer.wait_layer(1)
+    assert cuda.log[-1] == ("wait", "compute", transfer.layer_events[1].id)
+    assert cuda.syncs() == []
+    engine.close()
+
+
+def test_a_load_that_fails_half_way_makes_the_forward_wait_for_what_it_enqueued(make_cache):
+    # Staging of one page a piece: a load of 3 pages is 3 pieces; the second one fails.
+    page = LAYERS * 2 * TOKENS * HEADS * DIM * 4
+    engine, cuda, _ = _recorded_engine(make_cache, staging=page, cuda=RecordingCuda(fail_enqueue=2))
+    copier = engine._cuda
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        engine.submit_load([0, 5, 2], [3, 1, 7])
+    load = copier.load_stream.name
+    dma = [i for i, e in enumerate(cuda.log) if e[0] == "dma"]
+    assert len(dma) == 1                                    # the first piece was enqueued
+    fence = [e for e in cuda.log if e[0] == "record" and e[1] == load][-1]
+    assert _position(cuda.log, fence) > dma[0]
+    assert ("wait", "compute", fence[2]) in cuda.log        # the forward waits for it
+    assert len(copier._orphans) == 1 and len(copier._orphans[0][1]) == 2
+    cuda.complete()
+    engine.submit_load([0], [3])                            # a later call lets them go
+    assert copier._orphans == []
+    engine.close()
+
+
+def test_staging_is_allocated_once_and_bounds_every_transfer(make_cache):
+    page = LAYERS * 2 * TOKENS * HEADS * DIM * 4
+    engine, cuda, _ = _recorded_engine(make_cache, staging=2 * page)
+    allocs = [e for e in cuda.log if e[0] == "alloc"]
+    assert allocs == [("alloc", 2 * page), ("alloc", 2 * page)]     # save's, load's
+    assert engine.stats().staging_bytes == 4 * page
+    before = len(cuda.log)
+    engine.submit_save(list(range(9)), list(range(9)))      # 9 pages through 2: 5 pieces
+    engine.submit_load(list(range(9)), list(range(9)))
+    assert [e for e in cuda.log[before:] if e[0] == "alloc"] == []
+    assert engine.stats().pieces == 5 + 5
+    engine.close()
+
+
+def test_pieces_go_by_layers_then_by_pages():
+    assert plan_pieces(4, 3, 10, 120) == [(0, 4, 0, 3)]
+    assert plan_pieces(4, 3, 10, 80) == [(0, 4, 0, 2), (0, 4, 2, 3)]
+    assert plan_pieces(4, 3, 10, 30) == [(0, 1, 0, 3), (1, 2, 0, 3), (2, 3, 0, 3), (3, 4, 0, 3)]
+    assert plan_pieces(5, 3, 10, 60) == [(0, 5, 0, 1), (0, 5, 1, 2), (0, 5, 2, 3)]
+    assert plan_pieces(7, 3, 10, 65) == [(0, 2, 0, 3), (2, 4, 0, 3), (4, 6, 0, 3), (6, 7, 0, 3)]
+    with pytest.raises(ValueError, match="holds no page"):
+        plan_pieces(1, 3, 10, 29)
+
+
+@pytest.mark.parametrize("heads,world", [(None, 1), ((0, 2), 2), ((1, 2), 4)])
+def test_one_copy_a_page_every_layer_at_any_tensor_parallel_degree(make_cache, heads, world):
+    engine, cuda, _ = _recorded_engine(make_cache, heads=heads)
+    before = engine.stats().copy_calls
+    engine.submit_save([3, 1, 7, 0], [9, 5, 2, 7])          # no two pages adjacent
+    assert engine.stats().copy_calls - before == 4
+    engine.submit_save([3, 1, 7], [4, 5, 6])                 # adjacent: one copy
+    assert engine.stats().copy_calls - before == 5
+    engine.close()
+
+
+def test_adjacent_pages_merge_but_never_across_a_registration_chunk():
+    plan = CopyPlan((32,), (4096,), (1024,), 1024)           # TP rows: 1 KiB at 4 KiB pitch
+    copies = copies_for_pages(plan, np.array([0, 1, 2, 3, 5]), 0, 32 * 4096, 0, 32 * 1024, 2)
+    assert copies.host.tolist() == [0, 2 * 32 * 4096, 5 * 32 * 4096]
+    assert copies.height.tolist() == [64, 64, 32]          # chunks: pages {0,1}, {2,3}, {4,5}
+    assert copies.device.tolist() == [0, 2 * 32 * 1024, 4 * 32 * 1024]
+    whole = CopyPlan((), (), (), 8192)                       # TP=1: a page is one run
+    copies = copies_for_pages(whole, np.array([4, 5, 6]), 0, 8192, 0, 8192, 1 << 40)
+    assert len(copies) == 1 and copies.height.tolist() == [3] and copies.width.tolist() == [8192]
+
+
+def test_a_2k_prefill_at_tp2_of_an_8b_model_is_128_copies_not_131072():
+    """The example that made the old path's cost plain: 32 layers, 8 KV heads of 128, bf16,
+    16-token blocks, TP=2 (4 heads a rank): 128 pages of 1 MiB a rank. One run per (K|V,
+    token, layer) row was 131,072 calls of 1 KiB; one 2-D copy a page is 128 at most."""
+    layers, heads, dim, tokens, item = 32, 8, 128, 16, 2
+    layer_bytes = 2 * tokens * (heads // 2) * dim * item
+    pieces = plan_pieces(128, layers, layer_bytes, DEFAULT_STAGING_BYTES)
+    assert pieces == [(0, 128, 0, 32)]
+    row = (heads // 2) * dim * item
+    plan = CopyPlan.build((layers, 2, tokens, heads // 2, dim),
+                          [2 * tokens * heads * dim * item, tokens * heads * dim * item,
+                           heads * dim * item, dim * item, item],
+                          [2 * tokens * row, tokens * row, row, dim * item, item], item)
+    assert plan.shape == (layers * 2 * tokens,) and plan.run == row
+    pages = np.random.default_rng(0).permutation(100_000)[:128]
+    copies = copies_for_pages(plan, pages, 0, layers * 2 * tokens * heads * dim * item, 0,
+                              layers * layer_bytes, 1 << 40)
+    assert len(copies) <= 128 and 131_072 == 128 * layers * 2 * tokens
+
+
+def test_registration_goes_in_whole_pages_and_counts_and_logs_each_failure_once(caplog):
+    cuda = RecordingCuda(register_codes=[0, 2, 2, 0])
+    page = 3 << 20                                          # 3 MiB pages, 8 MiB chunks
+    with caplog.at_level("WARNING", logger="hostkv.cuda"):
+        registration = HostRegistration(cuda, 1 << 30, 10 * page, page, chunk_bytes=8 << 20)
+        assert registration.finished.wait(10)
+    assert registration.pages_per_chunk == 2
+    assert [(a - (1 << 30)) % page for a, _, _ in cuda.registered] == [0] * 5
+    assert [n for _, n, _ in cuda.registered] == [2 * page] * 5
+    assert registration.failures == 2 and "CUDA error 2" in registration.failed
+    assert registration.registered_bytes == 3 * 2 * page
+    assert len([r for r in caplog.records if "CUDA error 2" in r.getMessage()]) == 1
+    registration.close()
+    assert [e for e in cuda.log if e[0] == "unregister"] == [
+        ("unregister", (1 << 30) + i * 2 * page) for i in (0, 3, 4)]
+
+
+def test_an_exception_in_the_registration_thread_is_logged_and_counted(caplog):
+    cuda = RecordingCuda(fail_bind=RuntimeError("no such device"))
+    with caplog.at_level("WARNING", logger="hostkv.cuda"):
+        registration = HostRegistration(cuda, 0, 1 << 20, 4096)
+        assert registration.finished.wait(10)
+    assert registration.failures == 1 and "no such device" in registration.failed
+    assert any("no such device" in r.getMessage() for r in caplog.records)
+    registration.close()
+
+
+def test_the_copy_engine_and_its_cuda_half_import_in_one_direction():
+    import ast
+    import inspect
+
+    from hostkv import cuda_copy
+    tree = ast.parse(inspect.getsource(cuda_copy))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+    assert "hostkv.copy_engine" not in imported and "hostkv" not in imported
