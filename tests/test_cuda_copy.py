@@ -391,3 +391,68 @@ def test_the_copy_engine_and_its_cuda_half_import_in_one_direction():
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                  for alias in node.names}
     assert "hostkv.copy_engine" not in imported and "hostkv" not in imported
+
+
+def _wait_registered(engine, timeout=60.0):
+    registration = engine.registration()
+    registration.finished.wait(timeout)
+    if registration.registered_bytes < registration.nbytes:
+        pytest.skip(f"the pool was not registered with CUDA: {registration.failed}")
+
+
+@cuda
+@pytest.mark.parametrize("heads", [None, (2, 4)], ids=["tp1", "rank1of2"])
+def test_on_a_gpu_a_step_never_synchronizes_the_host(make_cache, heads):
+    """torch raises on any call that would make the host wait for the device (a pageable
+    upload, an ``.item()``, a blocking copy) while the sync debug mode is "error"; a save
+    and a load through a registered pool make none, and come to one copy a page."""
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "bfloat16")
+    first, stop = heads or (0, HEADS)
+    ref = reference_kv(heads=stop - first, dtype=torch.bfloat16)
+    tensors = [as_vllm(kv).cuda() for kv in ref]
+    cache = make_cache(layout)
+    pool = cache.pages_tensor()
+    engine = CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM, heads=heads)
+    try:
+        _wait_registered(engine)
+        engine.submit_save([0], [0]).wait()              # first calls (allocator, driver)
+        before = engine.stats().copy_calls
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            save = engine.submit_save([7, 0, 3, 11], [2, 9, 0, 4])
+            load = engine.submit_load([2, 9], [1, 5])
+            load.wait_all_layers()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert engine.stats().copy_calls - before == 4 + 2
+        assert save.wait() and load.wait() and save.error is None
+        cpu_pool = make_cache(layout).pages_tensor()
+        CopyEngine(cpu_pool, layout, TOKENS, [t.cpu() for t in tensors], copy_engine.VLLM,
+                   heads=heads).save([7, 0, 3, 11], [2, 9, 0, 4])
+        assert torch.equal(pool, cpu_pool)
+        del cpu_pool
+    finally:
+        engine.close()
+        del engine, pool
+
+
+@cuda
+def test_on_a_gpu_a_transfer_larger_than_the_staging_runs_in_pieces(make_cache):
+    layout = hostkv.KVLayout(LAYERS, HEADS, DIM, "bfloat16")
+    ref = reference_kv(dtype=torch.bfloat16)
+    tensors = [as_vllm(kv).cuda() for kv in ref]
+    page = layout.page_bytes(TOKENS)
+    cache, cpu_cache = make_cache(layout), make_cache(layout)
+    pool, cpu_pool = cache.pages_tensor(), cpu_cache.pages_tensor()
+    engine = CopyEngine(pool, layout, TOKENS, tensors, copy_engine.VLLM, staging_bytes=page)
+    try:
+        assert engine.stats().staging_bytes == 2 * page
+        blocks, pages = [7, 0, 3, 11, 5], [2, 9, 0, 4, 6]
+        assert engine.submit_save(blocks, pages).wait()
+        assert engine.stats().pieces == 5
+        CopyEngine(cpu_pool, layout, TOKENS, [as_vllm(kv) for kv in ref],
+                   copy_engine.VLLM).save(blocks, pages)
+        assert torch.equal(pool, cpu_pool)
+    finally:
+        engine.close()
+        del engine, pool, cpu_pool
