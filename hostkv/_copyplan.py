@@ -1,9 +1,10 @@
-"""A layer's copy as a grid of contiguous runs: what the CPU and GPU copy paths share.
+"""What the CPU and GPU copy paths share: a layer's copy as a grid of contiguous runs, and
+the copy engine's counters.
 
 :class:`hostkv.copy_engine.CopyEngine` builds one :class:`CopyPlan` per layer and hands it
-to the compiled CPU loop; :class:`hostkv.cuda_copy.CudaCopier` builds one for a page-layer
-against its staging tensor and turns it into the addresses of its DMA copies. Both import it
-from here, so neither of those two modules imports the other back.
+to the compiled CPU loop; :class:`hostkv.cuda_copy.CudaCopier` builds one for a staged page
+against the pool's and turns it into the addresses of its DMA copies. Both import it from
+here: ``copy_engine`` imports ``cuda_copy`` (only for CUDA tensors), never the other way.
 
 Pure Python, importing neither torch nor numpy.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Sequence, Tuple
 
-__all__ = ["CopyPlan"]
+__all__ = ["CopyPlan", "CopyStats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +55,26 @@ class CopyPlan:
             merged.append((n, p, e))
         return CopyPlan(tuple(a[0] for a in merged), tuple(a[1] for a in merged),
                         tuple(a[2] for a in merged), run)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyStats:
+    """A copy engine's counters since it was built (``CopyEngine.stats()``).
+
+    Attributes:
+        transfers: Saves and loads that moved bytes.
+        copy_calls: Copy calls they made: on a GPU, DMA calls enqueued (one a page, or one
+            per run of adjacent pages); on a CPU, compiled copy calls.
+        pieces: Staging fills (GPU; a transfer larger than the staging takes several).
+        staging_bytes: Device memory held for staging, both directions (GPU; fixed when the
+            engine is built).
+        registered_bytes: Pool bytes registered with CUDA so far (GPU).
+        register_failures: Registration chunks that failed (GPU; they stay pageable).
+    """
+
+    transfers: int = 0
+    copy_calls: int = 0
+    pieces: int = 0
+    staging_bytes: int = 0
+    registered_bytes: int = 0
+    register_failures: int = 0

@@ -30,15 +30,15 @@ import numpy as np
 import torch
 
 from hostkv._blockcopy import check_blocks, copy_layers, populate_pages
-from hostkv._copyplan import CopyPlan
+from hostkv._copyplan import CopyPlan, CopyStats
 from hostkv._validate import is_bool
 from hostkv.config import KVLayout
 from hostkv.transfers import CopyThread, Transfer
 
 if TYPE_CHECKING:
-    from hostkv.cuda_copy import CudaCopier
+    from hostkv.cuda_copy import CudaCopier, CudaDevice, HostRegistration
 
-__all__ = ["BlockLayout", "CopyEngine", "CopyPlan", "head_slice_for_rank"]
+__all__ = ["BlockLayout", "CopyEngine", "CopyPlan", "CopyStats", "head_slice_for_rank"]
 
 # The canonical order of one block's axes, after the block axis.
 _CANONICAL = ("kv", "token", "head", "dim")
@@ -321,9 +321,14 @@ class CopyEngine:
             saves move nothing.
         asynchronous: On a CPU, run :meth:`submit_save`'s copies on a copy thread
             instead of inline (on a GPU they always run on a side stream).
+        staging_bytes: On a GPU, each direction's staging buffer, allocated now and never
+            grown (``hostkv.cuda_copy.DEFAULT_STAGING_BYTES`` unless told; at least one
+            page of this rank). Larger transfers run through it in pieces.
         layers: (start, stop, step) of the page's layers these tensors are, as a slice
             takes them (an engine whose layers come in groups with block tables of their
             own copies each group's layers with an engine of its own); None: every layer.
+        register: On a GPU, register the pool with CUDA (False for every engine of a
+            pool but one: a range is registered once).
 
     Raises:
         ValueError: a tensor whose shape, dtype or device does not fit the layout (the
@@ -337,8 +342,8 @@ class CopyEngine:
     def __init__(self, pool: torch.Tensor, layout: KVLayout, page_size: int,
                  kv_tensors: Sequence[torch.Tensor] | torch.Tensor, block_layout: BlockLayout,
                  *, heads: Optional[Tuple[int, int]] = None, writes: bool = True,
-                 asynchronous: bool = False,
-                 layers: Optional[Tuple[int, int, int]] = None) -> None:
+                 asynchronous: bool = False, staging_bytes: Optional[int] = None,
+                 layers: Optional[Tuple[int, int, int]] = None, register: bool = True) -> None:
         self.layout = layout
         self.page_size = page_size
         self.writes = writes
@@ -393,8 +398,10 @@ class CopyEngine:
                                * itemsize * num_layers)
         self._thread: Optional[CopyThread] = None
         self._cuda: Optional[CudaCopier] = None
+        self._transfers = 0
+        self._cpu_calls = 0
         if self.device.type == "cuda":
-            self._cuda = self._cuda_copier()
+            self._cuda = self._cuda_copier(register=register, staging_bytes=staging_bytes)
         elif self.device.type != "cpu":
             raise ValueError(f"hostkv: KV tensors on {self.device}: the copy engine moves "
                              "blocks of CPU and CUDA tensors")
@@ -410,18 +417,21 @@ class CopyEngine:
             raise ValueError(f"hostkv: {block_layout.name or block_layout.axes}: a KV tensor "
                              f"of dtype {tensor.dtype}, the pages hold {dtype}")
 
-    def _cuda_copier(self, memcpy: Optional[int] = None, register: bool = True) -> "CudaCopier":
+    def _cuda_copier(self, cuda: Optional["CudaDevice"] = None, register: bool = True,
+                     staging_bytes: Optional[int] = None,
+                     register_chunk_bytes: Optional[int] = None) -> "CudaCopier":
         """The GPU path, handed the views it copies between and never this engine: a copier
         that held its engine would make a reference cycle, which keeps the pool's views
         alive until the garbage collector runs, and the cache's close() raises BufferError
         while they live (a worker's shutdown would hold its lease until the process exits).
 
-        ``memcpy`` and ``register`` as :class:`hostkv.cuda_copy.CudaCopier` takes them (the
-        tests build the GPU path over CPU tensors with a host memcpy)."""
-        from hostkv.cuda_copy import CudaCopier
+        The arguments as :class:`hostkv.cuda_copy.CudaCopier` takes them (the tests build
+        the GPU path over CPU tensors with a recording stand-in for CUDA)."""
+        from hostkv.cuda_copy import REGISTER_CHUNK_BYTES, CudaCopier
 
-        return CudaCopier(self.pool, self.pool_bytes, self.engine_views, memcpy=memcpy,
-                          register=register)
+        return CudaCopier(self.pool, self.pool_bytes, self.engine_views, cuda=cuda,
+                          register=register, staging_bytes=staging_bytes,
+                          register_chunk_bytes=register_chunk_bytes or REGISTER_CHUNK_BYTES)
 
     def _indices(self, blocks: Sequence[int], pages: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
         """The step's block and page indices, checked (integers, equal lengths, in range)
@@ -461,6 +471,7 @@ class CopyEngine:
         if not self.writes or block_index.size == 0:
             return Transfer.finished(0)
         nbytes = block_index.size * self.bytes_per_page
+        self._transfers += 1
         if self._cuda is not None:
             return self._cuda.save(block_index, page_index, nbytes)
         if self._thread is not None:
@@ -486,16 +497,30 @@ class CopyEngine:
         """
         block_index, page_index = self._indices(blocks, pages)
         nbytes = block_index.size * self.bytes_per_page
+        if block_index.size:
+            self._transfers += 1
         if self._cuda is not None and block_index.size:
             return self._cuda.load(page_index, block_index, nbytes)
         if block_index.size:
             self._copy(block_index, page_index, to_pool=False)
         return Transfer.finished(nbytes)
 
-    def registration(self):
-        """On a GPU, the pool's registration with CUDA (``registered_bytes``,
-        ``failed``); None on a CPU."""
+    def registration(self) -> Optional["HostRegistration"]:
+        """On a GPU, the pool's registration with CUDA (``registered_bytes``, ``nbytes``,
+        ``failed``, ``failures``, ``finished``); None on a CPU."""
         return self._cuda.registration if self._cuda is not None else None
+
+    def stats(self) -> CopyStats:
+        """The engine's counters since it was built: transfers, copy calls (DMA calls on a
+        GPU), staging fills and bytes, registration progress and failures."""
+        cuda = self._cuda
+        if cuda is None:
+            return CopyStats(transfers=self._transfers, copy_calls=self._cpu_calls)
+        registration = cuda.registration
+        return CopyStats(transfers=self._transfers, copy_calls=cuda.copy_calls,
+                         pieces=cuda.pieces, staging_bytes=cuda.staging_bytes,
+                         registered_bytes=registration.registered_bytes if registration else 0,
+                         register_failures=registration.failures if registration else 0)
 
     def close(self) -> None:
         """Lets submitted copies finish, stops the copy thread and unregisters the pool
@@ -548,6 +573,7 @@ class CopyEngine:
             check_blocks(page_index, cpu.num_pages, block_index, self.num_blocks)
             populate_pages(cpu.pool_base, cpu.page_stride, cpu.page_stride, cpu.num_pages,
                            page_index, cpu.mapped)
+        self._cpu_calls += len(cpu.groups)
         for group in cpu.groups:
             engine = (group.engine_layers, self.num_blocks, group.engine_block_stride,
                       block_index)

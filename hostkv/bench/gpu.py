@@ -7,7 +7,10 @@ Runs only where torch sees a CUDA device (elsewhere the section says it was skip
 the physical limit: torch's ``copy_`` of as many bytes between one device buffer and pinned
 host memory (``cudaMemcpyAsync`` from page-locked memory, one call). Then a large matmul is
 timed with CUDA events on the compute stream, alone and with a save submitted before each
-of its calls (the save's DMA and gathers run on their side stream beside it).
+of its calls (the save's DMA and gathers run on their side stream beside it). It also reports
+the copy calls a step's save and load make (``CopyEngine.stats()``), the device memory held
+for staging, and how long ``submit_save`` takes to answer with another save in flight (what
+a vLLM worker's ``wait_for_save`` costs the step).
 """
 
 from __future__ import annotations
@@ -109,6 +112,10 @@ def gpu_copy_step(quick: bool, seed: int) -> Dict[str, Any]:
                 for first_call in ops.values():
                     first_call()                        # once untimed: first calls
                 samples = _take_turns(ops, rounds)
+                report["copy_calls"] = _copy_calls(engine, blocks, pages)
+                report["staging_bytes"] = engine.stats().staging_bytes
+                report["submit_save_us"] = _submit_latency(torch, engine, blocks, pages,
+                                                           rounds)
                 report["bytes_exact"] = _saved_bytes_match(engine, handle, kv, blocks, pages)
                 report["matmul"] = _matmul_beside_saves(torch, device, engine, blocks, pages,
                                                          calls=4 if quick else 20)
@@ -123,6 +130,38 @@ def gpu_copy_step(quick: bool, seed: int) -> Dict[str, Any]:
     report["vs_pinned"] = {"save": medians["save"] / medians["pinned_d2h"],
                            "load": medians["load"] / medians["pinned_h2d"]}
     return report
+
+
+def _copy_calls(engine: Any, blocks: List[int], pages: List[int]) -> Dict[str, float]:
+    """DMA calls of one step's save and load, in all and per (page, layer)."""
+    layers = STEP_LAYOUT.num_layers
+    before = engine.stats().copy_calls
+    engine.submit_save(blocks, pages).wait()
+    save = engine.stats().copy_calls - before
+    transfer = engine.submit_load(pages, blocks)
+    transfer.wait_all_layers()
+    transfer.wait()
+    load = engine.stats().copy_calls - before - save
+    return {"save": save, "load": load, "save_per_page_layer": save / (len(pages) * layers),
+            "load_per_page_layer": load / (len(pages) * layers)}
+
+
+def _submit_latency(torch: Any, engine: Any, blocks: List[int], pages: List[int],
+                    rounds: int) -> Dict[str, float]:
+    """Microseconds ``submit_save`` takes to answer while the previous save is still in
+    flight (median and worst of ``rounds``)."""
+    took = []
+    in_flight = 0
+    for _ in range(rounds):
+        first = engine.submit_save(blocks, pages)
+        start = time.perf_counter()
+        second = engine.submit_save(blocks, pages)
+        took.append((time.perf_counter() - start) * 1e6)
+        in_flight += not first.done()       # whether the first was in flight after all
+        first.wait()
+        second.wait()
+    return {"median": float(np.median(took)), "max": float(max(took)),
+            "rounds_with_a_save_in_flight": in_flight, "rounds": rounds}
 
 
 def _saved_bytes_match(engine: Any, handle: Any, kv: List[Any], blocks: List[int],

@@ -105,6 +105,8 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._cache = open_segment(self._settings, layout, kv.page_size)
         self._sched: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
+        # vLLM's KV tensors as last registered: vLLM 0.33's restore_kv_caches() names none.
+        self._registered: Optional[Dict[str, torch.Tensor]] = None
         if role == KVConnectorRole.SCHEDULER:
             # vLLM 0.32 fails a request whose external blocks failed to load unless the
             # policy is "recompute"; for a cache, a block evicted between lookup and borrow
@@ -153,12 +155,14 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         """A cache: a dropped save is only a future miss."""
         return False
 
-    @property
-    def supports_sleep_mode(self) -> bool:
-        """False: an engine put to sleep remaps its KV tensors. The worker drops its views
-        in :meth:`unregister_kv_caches` and copies nothing until
-        :meth:`restore_kv_caches` maps the new ones, but that pair is untested on a vLLM
-        that sleeps, so hostkv does not claim it."""
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """False: hostkv does not follow sleep mode's remap of the KV cache. vLLM 0.33 asks
+        the class (``VllmConfig`` refuses to start an engine with sleep mode on and a
+        connector that answers False, naming it); 0.32 never asks. The worker does drop its
+        views in :meth:`unregister_kv_caches` and copies nothing until
+        :meth:`restore_kv_caches`, but that pair has not run on a vLLM that sleeps, so
+        hostkv does not claim it."""
         return False
 
     def _fail(self, where: str, exc: BaseException) -> None:
@@ -197,18 +201,23 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             raise RuntimeError("hostkv: register_kv_caches on the scheduler's connector")
         self._worker.register_kv_caches(kv_caches)
+        self._registered = kv_caches
 
-    def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+    def unregister_kv_caches(self) -> None:
         """Forgets vLLM's KV tensors (they are being remapped): nothing copies until
         :meth:`restore_kv_caches`; a step's loads meanwhile are recomputed, its saves
-        dropped."""
+        dropped. Idempotent, as vLLM 0.33's base asks."""
         if self._worker is not None:
             self._worker.unregister_kv_caches()
 
-    def restore_kv_caches(self, kv_caches: Dict[str, torch.Tensor], *args: Any,
-                          **kwargs: Any) -> None:
-        """Maps vLLM's new KV tensors after :meth:`unregister_kv_caches`."""
-        self.register_kv_caches(kv_caches)
+    def restore_kv_caches(self, kv_caches: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Maps vLLM's KV tensors again after :meth:`unregister_kv_caches`: the ones given,
+        or (vLLM 0.33 passes none: sleep mode keeps the tensors' addresses) the ones last
+        registered."""
+        if kv_caches is None:
+            kv_caches = self._registered
+        if kv_caches is not None and self._worker is not None:
+            self.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Copies this step's borrowed pages into their blocks (before the forward)."""

@@ -87,14 +87,23 @@ class GroupCopies:
         self.kv = kv
         self.engines: List[Tuple[int, CopyEngine]] = []
         whole = (0, kv.layout.num_layers, 1)
+        runs = [(index, run) for index, group in enumerate(kv.groups)
+                for run in layer_runs(group.layers)]
+        # On a GPU the engines share one budget of staging (each rounds up to a page), and
+        # the first registers the pool for all.
+        staging = None
+        if any(tensor.device.type == "cuda" for tensor in kv_caches.values()):
+            from hostkv.cuda_copy import DEFAULT_STAGING_BYTES
+
+            staging = DEFAULT_STAGING_BYTES // len(runs)
         try:
-            for index, group in enumerate(kv.groups):
-                for run in layer_runs(group.layers):
-                    tensors = [kv_caches[kv.layer_names[i]] for i in range(*run)]
-                    engine = CopyEngine(pool, kv.layout, kv.page_size, tensors, kv.block_layout,
-                                        heads=heads, writes=writes, asynchronous=asynchronous,
-                                        layers=None if run == whole else run)
-                    self.engines.append((index, engine))
+            for index, run in runs:
+                tensors = [kv_caches[kv.layer_names[i]] for i in range(*run)]
+                engine = CopyEngine(pool, kv.layout, kv.page_size, tensors, kv.block_layout,
+                                    heads=heads, writes=writes, asynchronous=asynchronous,
+                                    layers=None if run == whole else run,
+                                    staging_bytes=staging, register=not self.engines)
+                self.engines.append((index, engine))
         except BaseException:
             self.close()
             raise
