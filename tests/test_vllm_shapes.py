@@ -130,10 +130,39 @@ def test_mla_engines_share_latent_pages(tmp_path):
                      vllm_caches=False, settings=ASYNC)
 
 
-def test_sliding_window_model_keeps_working(tmp_path):
-    model = write_model(str(tmp_path / "model"), num_layers=4, num_kv_heads=1,
-                        kind="gemma3")
-    _share_both_ways(tmp_path, "gemma3", model, tp_b=1)
+@pytest.mark.parametrize("kind,num_layers,dtype", [
+    ("gemma3", 4, "float32"), ("gemma3_swa", 2, "float32"), ("gpt_oss", 2, "bfloat16")],
+    ids=["gemma3-mixed", "gemma3-all-sliding", "gpt-oss"])
+def test_sliding_window_models_share_pages_with_the_hybrid_manager_on(tmp_path, kind,
+                                                                       num_layers, dtype):
+    """vLLM's hybrid KV-cache manager stays on (hostkv is SupportsHMA): sliding-window
+    layers keep only the blocks of their window. Gemma-3 with sliding-window and full layers
+    alternating (two KV-cache groups: hits load asynchronously), a Gemma-3 all of whose
+    layers slide (one group, Mistral-7B-v0.1's kind), and gpt-oss (attention sinks, experts;
+    bfloat16, its checkpoints' dtype). A (TP=1) and B (TP=2) share pages both ways, the
+    loads filling only the blocks vLLM keeps in the window."""
+    model = write_model(str(tmp_path / "model"), num_layers=num_layers, num_kv_heads=2,
+                        kind=kind)
+    _share_both_ways(tmp_path, kind, model, llm_kwargs={"dtype": dtype})
+
+
+def test_a_model_with_recurrent_state_is_refused_naming_its_group(tmp_path):
+    """Qwen3-Next's Gated DeltaNet layers keep a recurrent state (vLLM's MambaSpec) that
+    hostkv does not store: the engine is refused at start-up, the error naming the group's
+    kind, never served with a silent partial state."""
+    model = write_model(str(tmp_path / "model"), num_layers=4, num_kv_heads=2,
+                        kind="qwen3_next")
+    segment = f"hostkv-test-gdn-{os.getpid()}-{random.randrange(1 << 30):x}"
+    shm_before = vllm_shm()
+    engine = Engine(model, {"segment": segment, "size": "64MiB"}, str(tmp_path / "gdn.log"),
+                    dtype="bfloat16", block_size=None)
+    try:
+        with pytest.raises(RuntimeError, match=r"MambaSpec \(GDN_ATTN\)"):
+            engine.ready()
+    finally:
+        stop_engines([engine])
+        unlink_quietly(segment)
+        unlink_vllm_shm(shm_before)
 
 
 def _worker_pid(engine: Engine, rank: int) -> int:

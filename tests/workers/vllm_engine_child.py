@@ -63,6 +63,39 @@ def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_di
                                   num_key_value_heads=num_kv_heads, head_dim=head_dim,
                                   sliding_window=64, sliding_window_pattern=2, **common)
         model = Gemma3ForCausalLM(config)
+    elif kind == "gemma3_swa":
+        # Every layer sliding-window (Gemma-3 below six layers, Mistral-7B-v0.1): one
+        # KV-cache group whose blocks leave the window.
+        from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+        config = Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                  num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                                  sliding_window=64, **common)
+        assert set(config.layer_types) == {"sliding_attention"}, config.layer_types
+        model = Gemma3ForCausalLM(config)
+    elif kind == "gpt_oss":
+        # gpt-oss: sliding-window and full-attention layers alternating, with attention
+        # sinks and a mixture of experts.
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        config = GptOssConfig(hidden_size=128, intermediate_size=128, num_attention_heads=2,
+                              num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                              num_local_experts=2, num_experts_per_tok=1, sliding_window=64,
+                              **common)
+        model = GptOssForCausalLM(config)
+    elif kind == "qwen3_next":
+        # Gated DeltaNet (linear attention, a recurrent state) beside full attention. vLLM's
+        # CPU kernel for it takes bfloat16 and a head dim of 64 or 128.
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        config = Qwen3NextConfig(
+            hidden_size=128, intermediate_size=256, num_attention_heads=2,
+            num_key_value_heads=num_kv_heads, head_dim=head_dim, linear_num_value_heads=2,
+            linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+            num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64, full_attention_interval=2,
+            **{**common, "torch_dtype": "bfloat16"})
+        model = Qwen3NextForCausalLM(config)
     else:
         raise ValueError(f"no such model kind {kind!r}")
     model.save_pretrained(path)
@@ -116,8 +149,9 @@ def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path
             kwargs["kv_transfer_config"] = KVTransferConfig(
                 kv_connector=connector[0], kv_connector_module_path=connector[1],
                 kv_role="kv_both", kv_connector_extra_config=extra)
-        llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32",
-                  block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("block_size", BLOCK_SIZE)
+        llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0,
                   **kwargs)
     except BaseException:                        # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
