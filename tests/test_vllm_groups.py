@@ -1,0 +1,193 @@
+"""KV-cache groups (vLLM's hybrid manager): how hostkv reads them, and how it copies them.
+
+engine_kv reads full-attention and sliding-window groups of one shape as one page of every
+layer in model order, and refuses any other kind naming it; GroupCopies moves each group's
+layers from the block its own table names, skipping a sliding window's null blocks on a
+load and refusing them on a save; CopyEngine's ``layers`` (a strided slice of the pool's
+layers) gives the bytes a whole engine gives, on the CPU path and on the GPU path (through
+the recording stand-in for CUDA).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import hostkv  # noqa: E402
+from hostkv import copy_engine  # noqa: E402
+from hostkv.copy_engine import CopyEngine  # noqa: E402
+from lib.cuda_standin import RecordingCuda  # noqa: E402
+from lib.kv_layouts import as_vllm, make_cache, reference_kv  # noqa: E402, F401
+from lib.vllm_helpers import vllm_module  # noqa: E402
+
+BLOCK = 16
+
+
+def _engine_kv(groups, total_heads=2, tp=1):
+    """engine_kv over a KV-cache config of ``groups``: [(spec, layer names)]."""
+    hv = vllm_module()
+    from vllm.config import ParallelConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(names, spec)
+                                            for spec, names in groups])
+    vllm_config = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                                  model_config=SimpleNamespace(
+                                      get_total_num_kv_heads=lambda: total_heads))
+    return hv.layout.engine_kv(vllm_config, config)
+
+
+def _specs(heads=2, dim=64, dtype=None, window=64):
+    vllm_module()
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    dtype = dtype or torch.float32
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=dim, dtype=dtype)
+    sliding = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=heads, head_size=dim,
+                                dtype=dtype, sliding_window=window)
+    return full, sliding
+
+
+def _names(*indices):
+    return [f"model.layers.{i}.self_attn.attn" for i in indices]
+
+
+def test_layer_runs_split_indices_into_strided_slices():
+    layer_runs = vllm_module().layout.layer_runs
+    assert layer_runs([0, 1, 2, 3]) == [(0, 4, 1)]
+    assert layer_runs([1, 3, 5]) == [(1, 6, 2)]
+    assert layer_runs([4]) == [(4, 5, 1)]
+    # Gemma-3: five sliding layers of every six, and the sixth full.
+    sliding = [i for i in range(12) if i % 6 != 5]
+    assert layer_runs(sliding) == [(0, 5, 1), (6, 11, 1)]
+    assert layer_runs([5, 11, 17]) == [(5, 18, 6)]
+    for layers in ([0, 2, 3, 7, 9, 11], sliding, [5, 11, 17], [2]):
+        runs = layer_runs(layers)
+        assert [i for run in runs for i in range(*run)] == layers
+
+
+def test_sliding_and_full_groups_make_one_page_of_every_layer_in_model_order():
+    full, sliding = _specs()
+    kv = _engine_kv([(sliding, _names(0, 2)), (full, _names(1, 3))])
+    assert kv.layout.num_layers == 4 and kv.page_size == BLOCK
+    assert kv.layer_names == tuple(_names(0, 1, 2, 3))
+    assert [(g.kind, g.layers, g.sliding_window) for g in kv.groups] == [
+        ("sliding_window", (0, 2), 64), ("full", (1, 3), None)]
+    assert kv.sliding_groups == (0,)
+    # One group, all sliding: the same page as a full-attention model of its shape.
+    kv = _engine_kv([(sliding, _names(0, 1))])
+    assert kv.layout.num_layers == 2 and kv.sliding_groups == (0,)
+    # Without the hybrid manager every layer is one full-attention group, in model order.
+    kv = _engine_kv([(full, _names(0, 1, 2, 3))])
+    assert [(g.kind, g.layers) for g in kv.groups] == [("full", (0, 1, 2, 3))]
+
+
+def test_groups_hostkv_cannot_hold_are_refused_naming_what_they_are():
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, MambaSpec,
+                                            MLAAttentionSpec)
+
+    full, sliding = _specs()
+    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 64), (2, 16, 16)),
+                      dtypes=(torch.float32, torch.float32))
+    with pytest.raises(ValueError, match=r"group 0 of 2 is MambaSpec \(.*\).*cannot serve"):
+        _engine_kv([(mamba, ["model.layers.0.linear_attn"]), (full, _names(1))])
+    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
+                                        dtype=torch.float32, attention_chunk_size=64)
+    with pytest.raises(ValueError, match="group 1 of 2 is ChunkedLocalAttentionSpec"):
+        _engine_kv([(full, _names(0)), (chunked, _names(1))])
+    # Groups of other shapes: a page is one layout.
+    wide, _ = _specs(dim=128)
+    with pytest.raises(ValueError, match="groups 0 and 1 differ: head_size 64 and 128"):
+        _engine_kv([(sliding, _names(0)), (wide, _names(1))])
+    mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576,
+                           dtype=torch.float32)
+    with pytest.raises(ValueError, match="MLA only as a model's one KV-cache group"):
+        _engine_kv([(mla, _names(0)), (sliding, _names(1))], total_heads=1)
+
+
+def _group_copies(cache, kv, tensors):
+    vllm_module()
+    from hostkv.vllm.groups import GroupCopies
+
+    return GroupCopies(cache.pages_tensor(), kv, dict(zip(kv.layer_names, tensors)),
+                       heads=(0, kv.layout.num_kv_heads), writes=True, asynchronous=False)
+
+
+def test_each_group_copies_its_layers_from_its_own_blocks(make_cache):
+    """Layers 0 and 2 (sliding) take blocks from their table, 1 and 3 (full) from theirs:
+    the page holds every layer's KV of the same tokens, and loads put it back where each
+    group's table says, skipping the sliding window's null blocks."""
+    full, sliding = _specs(heads=4, dim=8)
+    kv = _engine_kv([(sliding, _names(0, 2)), (full, _names(1, 3))], total_heads=4)
+    layout = hostkv.KVLayout(4, 4, 8, "float32")
+    assert kv.layout == layout
+    ref = reference_kv(layers=4, heads=4, dim=8)        # [blocks, kv, tokens, heads, dim]
+    tensors = [as_vllm(r) for r in ref]
+    cache = make_cache(layout)
+    copies = _group_copies(cache, kv, tensors)
+    pages = [3, 5]
+    sliding_blocks, full_blocks = [7, 2], [4, 9]
+    transfer = copies.submit_save([sliding_blocks, full_blocks], pages)
+    assert transfer.wait() and transfer.error is None
+    pool = cache.pages_tensor().view(torch.float32).view(-1, 4, 2, BLOCK, 4, 8)
+    for i, page in enumerate(pages):
+        for layer in range(4):
+            block = (sliding_blocks if layer in (0, 2) else full_blocks)[i]
+            assert torch.equal(pool[page, layer], ref[layer][block].to(pool.dtype))
+    # A load of the two pages, the first out of the window (its sliding blocks are vLLM's
+    # null block): the full layers get both pages, the sliding layers only the second.
+    back = [torch.zeros_like(t) for t in tensors]
+    loader = _group_copies(cache, kv, back)
+    loader.submit_load(pages, [[0, 6], [1, 10]]).wait()
+    for layer in range(4):
+        got = back[layer]
+        if layer in (0, 2):
+            assert not got[0].any()                      # the null block stays untouched
+            assert torch.equal(got[6], tensors[layer][2])
+        else:
+            assert torch.equal(got[1], tensors[layer][4])
+            assert torch.equal(got[10], tensors[layer][9])
+    # A save that names a null block of a sliding group reads KV that is gone: refused
+    # before anything moves.
+    before = cache.pages_tensor().clone()
+    with pytest.raises(ValueError, match="null block"):
+        copies.submit_save([[0, 7], [4, 9]], [1, 2])
+    with pytest.raises(ValueError, match="outside"):
+        copies.submit_save([[7, 2], [4, 99]], [1, 2])
+    assert torch.equal(cache.pages_tensor(), before)
+    copies.close()
+    loader.close()
+    del copies, loader, pool, before
+
+
+@pytest.mark.parametrize("gpu_path", [False, True], ids=["cpu", "gpu-standin"])
+def test_engines_over_slices_of_the_layers_give_a_whole_engines_bytes(make_cache, gpu_path):
+    layout = hostkv.KVLayout(5, 4, 8, "float32")
+    ref = reference_kv(layers=5, heads=2, dim=8)          # rank 1 of 2: heads [2, 4)
+    tensors = [as_vllm(r) for r in ref]
+    blocks, pages = [7, 0, 3], [2, 9, 0]
+    whole_cache, parts_cache = make_cache(layout), make_cache(layout)
+    CopyEngine(whole_cache.pages_tensor(), layout, BLOCK, tensors, copy_engine.VLLM,
+               heads=(2, 4)).save(blocks, pages)
+    engines = []
+    for run in [(0, 5, 2), (1, 4, 2)]:
+        engine = CopyEngine(parts_cache.pages_tensor(), layout, BLOCK,
+                            [tensors[i] for i in range(*run)], copy_engine.VLLM,
+                            heads=(2, 4), layers=run)
+        if gpu_path:
+            engine._cuda = engine._cuda_copier(cuda=RecordingCuda(), register=False)
+        engine.save(blocks, pages)
+        engines.append(engine)
+    assert torch.equal(parts_cache.pages_tensor(), whole_cache.pages_tensor())
+    for engine in engines:
+        engine.close()
+    with pytest.raises(ValueError, match=r"layers \(4, 7, 1\) of pages of 5"):
+        CopyEngine(parts_cache.pages_tensor(), layout, BLOCK, tensors[:3], copy_engine.VLLM,
+                   layers=(4, 7, 1))
+    del engines, engine
+    assert np.array_equal(parts_cache.pages_array(), whole_cache.pages_array())
