@@ -82,17 +82,27 @@ def _set_env() -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 
-def _write_model(path: str, layers: int, kv_heads: int, head_dim: int) -> None:
+def _write_model(path: str, layers: int, kv_heads: int, head_dim: int,
+                 kind: str = "llama") -> None:
+    """A tiny random-weight model: a Llama, or ("gemma3") a Gemma-3 whose layers alternate
+    sliding-window (a 256-token window) and full attention, a hybrid KV cache."""
     _set_env()
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=layers, num_attention_heads=max(4, kv_heads),
-                         num_key_value_heads=kv_heads, head_dim=head_dim,
-                         max_position_embeddings=8192, torch_dtype="float32")
-    LlamaForCausalLM(config).save_pretrained(path)
+    common = dict(vocab_size=1000, hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=layers, num_attention_heads=max(4, kv_heads),
+                  num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=8192, torch_dtype="float32")
+    if kind == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        Gemma3ForCausalLM(Gemma3TextConfig(sliding_window=256, sliding_window_pattern=2,
+                                           **common)).save_pretrained(path)
+        return
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(path)
 
 
 def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str,
@@ -579,6 +589,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="the random Llama's layers (4)")
     parser.add_argument("--kv-heads", type=int, default=2, help="its KV heads (2)")
     parser.add_argument("--head-dim", type=int, default=64, help="its head_dim (64)")
+    parser.add_argument("--kind", choices=("llama", "gemma3"), default="llama",
+                        help="the random model: a Llama, or a Gemma-3 with sliding-window "
+                        "and full layers alternating (vLLM's hybrid KV-cache manager)")
     parser.add_argument("--tp-a", type=int, default=1, help="engine A's tensor-parallel "
                         "degree (1)")
     parser.add_argument("--tp-b", type=int, default=1, help="engine B's (1)")
@@ -611,10 +624,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model = args.model
         if model is None:
             model = os.path.join(tmp, "model")
-            print(f"writing a tiny random-weight Llama to {model} ...", flush=True)
+            print(f"writing a tiny random-weight {args.kind} to {model} ...", flush=True)
             ctx = multiprocessing.get_context("spawn")
             writer = ctx.Process(target=_write_model,
-                                 args=(model, args.layers, args.kv_heads, args.head_dim))
+                                 args=(model, args.layers, args.kv_heads, args.head_dim,
+                                       args.kind))
             writer.start()
             writer.join()
             if writer.exitcode != 0:

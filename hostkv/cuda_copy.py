@@ -451,6 +451,10 @@ class CudaCopier:
         self.load_staging = self.cuda.empty(capacity)
         self.staging_bytes = 2 * capacity
         self.registration: Optional[HostRegistration] = None
+        # Where registration chunks start, whoever registers the pool: copiers of one pool
+        # (one per run of a hybrid model's layers) split their copies at the same edges,
+        # so that no copy spans a registered and a pageable range.
+        self.chunk_pages = max(1, register_chunk_bytes // page_bytes_all_heads)
         if register:
             self.registration = HostRegistration(self.cuda, pool_bytes.data_ptr(),
                                                  int(pool_bytes.numel()),
@@ -470,9 +474,7 @@ class CudaCopier:
         return plan
 
     def _pages_per_chunk(self) -> int:
-        registration = self.registration
-        # Without a registration (tests), nothing to split at: one chunk of every page.
-        return registration.pages_per_chunk if registration is not None else 1 << 62
+        return self.chunk_pages
 
     def piece_copies(self, pages: np.ndarray, first_layer: int, stop_layer: int,
                      staging: int) -> _Copies:

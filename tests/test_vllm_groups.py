@@ -191,3 +191,135 @@ def test_engines_over_slices_of_the_layers_give_a_whole_engines_bytes(make_cache
                    layers=(4, 7, 1))
     del engines, engine
     assert np.array_equal(parts_cache.pages_array(), whole_cache.pages_array())
+
+
+# -- the scheduler side with a sliding-window group (the review's findings, as regressions) --
+
+def _scheduler(hv, segment, sliding_groups=(0,), async_loads=True, num_pages=64):
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    settings = hv.HostKVSettings(segment=segment, num_pages=num_pages, async_saves=False)
+    cache = hv.open_segment(settings, layout, BLOCK)
+    return hv.scheduler.SchedulerSide(cache, settings, BLOCK, b"model", hv.metrics.Failures(),
+                                      hv.metrics.Counters(), sliding_groups=sliding_groups,
+                                      async_loads=async_loads)
+
+
+def _cache_prefix(hv, sched, tokens):
+    with hostkv.WorkerView(sched.cache) as view:
+        view.allocate_pages_for_sequences_with_prefix(
+            [hostkv.SequenceRequest(1, tokens, hv.scheduler._namespace(b"model", None, None))])
+        view.release([1])
+
+
+def _request(req_id, tokens):
+    import hashlib
+
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+    from vllm.sampling_params import SamplingParams
+
+    init_none_hash(hashlib.sha256)
+    return Request(req_id, list(tokens), SamplingParams(max_tokens=8), None, 0,
+                   block_hasher=get_request_block_hasher(BLOCK, hashlib.sha256))
+
+
+def _sliding_manager(window):
+    """vLLM's own KVCacheManager over one sliding-window group, as its scheduler holds it."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
+                             dtype=torch.float32, sliding_window=window)
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(_names(0, 1), spec)])
+    return KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK,
+                          hash_block_size=BLOCK)
+
+
+def test_a_sliding_window_hit_that_cannot_be_loaded_whole_fails_the_whole_request(
+        segment_name):
+    """All layers sliding (one group). The hit's last page is evicted between lookup and
+    borrow. A block-level error would make vLLM recompute from that block, attending to
+    window blocks it never allocated (null): wrong KV, which hostkv would then save. So the
+    load is asynchronous and fails whole: vLLM computes the request from its first token,
+    nothing of this attempt is saved, and the request is offered no hit again."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    manager = _sliding_manager(window=2 * BLOCK)
+    sched = _scheduler(hv, segment_name)
+    sched.kv_cache_manager = manager
+    try:
+        rng = np.random.default_rng(5)
+        history = rng.integers(1, 1000, 6 * BLOCK + 8).tolist()
+        _cache_prefix(hv, sched, history)
+        request = _request("r1", history + rng.integers(1, 1000, 60).tolist())
+        offered, asynchronous = sched.get_num_new_matched_tokens(request, 0)
+        assert (offered, asynchronous) == (6 * BLOCK, True)
+        assert sched.cache.evict(1) == 1                      # the hit's last page
+        assert manager.allocate_slots(request, request.num_tokens - offered,
+                                      num_external_computed_tokens=offered) is not None
+        table = list(manager.get_block_ids("r1")[0])
+        assert table[:4] == [0, 0, 0, 0]                      # out of the window: null
+        sched.update_state_after_alloc(request, manager.get_blocks("r1"), offered)
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert meta.recv_failed == ["r1"] and meta.loads == [] and meta.bad_blocks == []
+        # vLLM frees its blocks and admits it again, from token 0: no hit is offered.
+        manager.free(request)
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        request.num_computed_tokens = 0
+        assert manager.allocate_slots(request, request.num_tokens) is not None
+        table = list(manager.get_block_ids("r1")[0])
+        sched.update_state_after_alloc(request, manager.get_blocks("r1"), 0)
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = [NewRequestData.from_request(request, (table,))]
+        out.num_scheduled_tokens = {"r1": request.num_tokens}
+        meta = sched.build_connector_meta(out)
+        assert meta.loads == [] and meta.recv_failed == [] and meta.bad_blocks == []
+        # A request that finishes with its load outstanding: vLLM keeps its blocks by
+        # itself until the load is reported (it knows whether it was); hostkv asks nothing.
+        other = _request("r2", history[:3 * BLOCK] + rng.integers(1, 1000, 9).tolist())
+        offered, asynchronous = sched.get_num_new_matched_tokens(other, 0)
+        assert asynchronous and offered == 3 * BLOCK
+        assert sched.request_finished(other) is False
+        sched.request_finished(request)
+        sched.cache.check()
+    finally:
+        sched.shutdown()
+
+
+def test_asynchronous_loads_never_run_with_asynchronous_saves(segment_name):
+    """A finished request would be reported both received and finished sending: vLLM
+    frees its blocks at the first report and fails at the second."""
+    hv = vllm_module()
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    settings = hv.HostKVSettings(segment=segment_name, num_pages=8, async_saves=True)
+    with hv.open_segment(settings, layout, BLOCK) as cache:
+        with pytest.raises(ValueError, match="asynchronous loads with asynchronous saves"):
+            hv.scheduler.SchedulerSide(cache, settings, BLOCK, b"model", hv.metrics.Failures(),
+                                       hv.metrics.Counters(), sliding_groups=(0,),
+                                       async_loads=True)
+
+
+def test_copiers_of_one_pool_split_at_the_same_registration_edges(make_cache):
+    """Only the first engine of a hybrid model's pool registers it; every engine splits its
+    copies at the registration chunks' edges, so none spans a registered and a pageable
+    range."""
+    from lib.kv_layouts import TOKENS
+
+    layout = hostkv.KVLayout(4, 4, 8, "float32")
+    cache = make_cache(layout)
+    tensors = [as_vllm(r) for r in reference_kv(layers=4, heads=4, dim=8)]
+    page = cache.pages_tensor()[0].numel() * cache.pages_tensor().element_size()
+    engines = []
+    for run, register in [((0, 4, 2), True), ((1, 4, 2), False)]:
+        engine = CopyEngine(cache.pages_tensor(), layout, TOKENS,
+                            [tensors[i] for i in range(*run)], copy_engine.VLLM, layers=run)
+        engine._cuda = engine._cuda_copier(cuda=RecordingCuda(), register=register,
+                                           register_chunk_bytes=2 * page)
+        engines.append(engine)
+    pages = np.array([1, 2])                 # chunk 0 = pages {0, 1}, chunk 1 = {2, 3}
+    for engine in engines:
+        assert len(engine._cuda.piece_copies(pages, 0, 2, 0)) == 2
+    for engine in reversed(engines):
+        engine.close()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import pytest
 
@@ -66,10 +66,12 @@ def _computed_then_again(engine: Engine, prompts: List[List[int]], block_size: i
 def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int = 2,
                      block_size: int = BLOCK_SIZE, vllm_caches: bool = True,
                      settings: Optional[Dict] = None,
-                     llm_kwargs: Optional[Dict] = None) -> None:
+                     llm_kwargs: Optional[Dict] = None,
+                     then: Optional[Callable[[Engine, Engine, str], None]] = None) -> None:
     """Engines A (tp_a) and B (tp_b) share pages both ways. block_size: the one vLLM runs
     the model with; vllm_caches: False where vLLM turns its own prefix cache off (MLA on the
-    CPU); settings: more of hostkv's connector settings (kv_connector_extra_config)."""
+    CPU); settings: more of hostkv's connector settings (kv_connector_extra_config); then:
+    more to do with A, B and the segment before they stop."""
     llm_kwargs = llm_kwargs or {}
     segment = f"hostkv-test-{name}-{os.getpid()}-{random.randrange(1 << 30):x}"
     extra = {"segment": segment, "size": "64MiB", **(settings or {})}
@@ -100,6 +102,8 @@ def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int =
             assert stats.active_sequences == 0 and stats.borrowed_pages == 0
         for engine in engines:
             assert "hostkv: " not in engine.log()    # the connector failed nowhere
+        if then is not None:
+            then(a, b, segment)
     finally:
         stop_engines(engines)
         unlink_quietly(segment)
@@ -140,10 +144,17 @@ def test_sliding_window_models_share_pages_with_the_hybrid_manager_on(tmp_path, 
     alternating (two KV-cache groups: hits load asynchronously), a Gemma-3 all of whose
     layers slide (one group, Mistral-7B-v0.1's kind), and gpt-oss (attention sinks, experts;
     bfloat16, its checkpoints' dtype). A (TP=1) and B (TP=2) share pages both ways, the
-    loads filling only the blocks vLLM keeps in the window."""
+    loads filling only the blocks vLLM keeps in the window; then, for the mixed Gemma-3,
+    B's rank 1 is killed mid-save and A reads nothing half-written."""
     model = write_model(str(tmp_path / "model"), num_layers=num_layers, num_kv_heads=2,
                         kind=kind)
-    _share_both_ways(tmp_path, kind, model, llm_kwargs={"dtype": dtype})
+
+    def kill_b_mid_save(a: Engine, b: Engine, segment: str) -> None:
+        # Then B (TP=2) loses rank 1 mid-save: A reads nothing half-written.
+        _kill_a_rank_mid_save(b, a, segment, _prompts(random.Random(11), 3))
+
+    _share_both_ways(tmp_path, kind, model, llm_kwargs={"dtype": dtype},
+                     then=kill_b_mid_save if kind == "gemma3" else None)
 
 
 def test_a_model_with_recurrent_state_is_refused_naming_its_group(tmp_path):
@@ -181,14 +192,54 @@ def _worker_pid(engine: Engine, rank: int) -> int:
     raise AssertionError(f"no VLLM::Worker_TP{rank} in the engine's process group")
 
 
+def _kill_a_rank_mid_save(victim: Engine, survivor: Engine, segment: str,
+                          prompts: List[List[int]], block_size: int = BLOCK_SIZE) -> None:
+    """kill -9 of rank 1 of ``victim`` (TP=2) while it decodes ``prompts`` (pages reserved,
+    saves in flight), then the whole engine: ``survivor`` reuses what the segment holds and
+    must generate what it computes for the same prompts, and the segment checks clean once
+    the dead engine's leases are swept."""
+    import signal
+    import time
+
+    victim.submit(prompts, 1000)
+    deadline = time.monotonic() + 120
+    with hostkv.HostKVCache.attach(segment, lease=False) as observer:
+        base = observer.stats().cached_pages
+        while time.monotonic() < deadline:
+            stats = observer.stats()
+            if stats.active_sequences >= len(prompts) and stats.cached_pages > base:
+                break
+            time.sleep(0.005)
+        else:
+            pytest.fail("the TP=2 engine never committed a page")
+        allocated = stats.pages_allocated
+        while time.monotonic() < deadline:           # into the decode: pages reserved
+            if observer.stats().pages_allocated > allocated:
+                break
+            time.sleep(0.005)
+    os.kill(_worker_pid(victim, 1), signal.SIGKILL)
+    victim.kill()                                    # vLLM gives up the engine; all of it
+    outs, cached, _ = survivor.generate(prompts, MAX_TOKENS)
+    assert cached == _hits(prompts, block_size)      # the prompts' pages were committed
+    # The same prompts under a cache salt share no block with anything cached: the
+    # survivor computes them, and that is what the pages it loaded must have given.
+    expected, cached, _ = survivor.generate(prompts, MAX_TOKENS,
+                                            salts=["recompute"] * len(prompts))
+    assert cached == [0] * len(prompts)
+    assert outs == expected
+    with hostkv.HostKVCache.attach(segment) as cache:
+        cache.reap()
+        cache.check()
+        stats = cache.stats()
+        assert stats.active_sequences == 0 and stats.borrowed_pages == 0
+        assert stats.free_pages + stats.cached_pages == cache.config.num_pages
+
+
 def test_a_tp_rank_killed_mid_save_commits_nothing_half_written(tmp_path):
     """kill -9 of one rank of a TP=2 engine while its requests decode (pages reserved, saves
     in flight): its pages are never committed unless both ranks confirmed them, so another
     engine that reuses what the cache holds generates exactly the tokens it computes for the
     same prompts, and the segment checks clean once the dead engine's leases are swept."""
-    import signal
-    import time
-
     model = write_model(str(tmp_path / "model"), num_layers=2, num_kv_heads=4, head_dim=64,
                         seed=4)
     segment = f"hostkv-test-tpkill-{os.getpid()}-{random.randrange(1 << 30):x}"
@@ -202,36 +253,7 @@ def test_a_tp_rank_killed_mid_save_commits_nothing_half_written(tmp_path):
         engines = [victim, survivor]
         for engine in engines:
             engine.ready()
-        victim.submit(prompts, 1000)
-        deadline = time.monotonic() + 120
-        with hostkv.HostKVCache.attach(segment, lease=False) as observer:
-            while time.monotonic() < deadline:
-                stats = observer.stats()
-                if stats.active_sequences >= len(prompts) and stats.cached_pages > 0:
-                    break
-                time.sleep(0.005)
-            else:
-                pytest.fail("the TP=2 engine never committed a page")
-            allocated = stats.pages_allocated
-            while time.monotonic() < deadline:       # into the decode: pages reserved
-                if observer.stats().pages_allocated > allocated:
-                    break
-                time.sleep(0.005)
-        os.kill(_worker_pid(victim, 1), signal.SIGKILL)
-        victim.kill()                                # vLLM gives up the engine; all of it
-        outs, cached, _ = survivor.generate(prompts, MAX_TOKENS)
-        assert cached == _hits(prompts, BLOCK_SIZE)  # the prompts' pages were committed
-        # The same prompts under a cache salt share no block with anything cached: the
-        # survivor computes them, and that is what the pages it loaded must have given.
-        expected, cached, _ = survivor.generate(prompts, MAX_TOKENS, salts=["recompute"] * 3)
-        assert cached == [0] * len(prompts)
-        assert outs == expected
-        with hostkv.HostKVCache.attach(segment) as cache:
-            cache.reap()
-            cache.check()
-            stats = cache.stats()
-            assert stats.active_sequences == 0 and stats.borrowed_pages == 0
-            assert stats.free_pages + stats.cached_pages == cache.config.num_pages
+        _kill_a_rank_mid_save(victim, survivor, segment, prompts)
     finally:
         stop_engines(engines)
         unlink_quietly(segment)

@@ -159,6 +159,7 @@ class GroupCopies:
         return self.engines[0][1].registration() if self.engines else None
 
     def close(self) -> None:
-        """Closes every engine."""
-        for _, engine in self.engines:
+        """Closes every engine, the first (which registered the pool with CUDA) last:
+        the others' copies must be over before the pool is unregistered."""
+        for _, engine in reversed(self.engines):
             engine.close()

@@ -108,6 +108,14 @@ class EngineKV:
                                (KVGroup(kind, tuple(range(self.layout.num_layers))),))
 
     @property
+    def loads_asynchronously(self) -> bool:
+        """Whether hits load asynchronously, a failure failing the whole request: with a
+        sliding-window group, vLLM recomputing from a bad block would attend to window
+        blocks it never allocated (null), and with several groups it takes no block-level
+        load errors at all."""
+        return len(self.groups) > 1 or bool(self.sliding_groups)
+
+    @property
     def sliding_groups(self) -> Tuple[int, ...]:
         """Indices of the sliding-window groups (their tables hold vLLM's null block for
         the blocks that fell out of the window)."""

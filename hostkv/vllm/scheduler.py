@@ -32,16 +32,17 @@ The protocol, per request (docs/vllm.md, "Never wrong KV", says it with every fa
   (the blocks vLLM gave them in that step are not recorded); a report that could not be
   taken is taken at the next step.
 
-A model whose layers come in several KV-cache groups (vLLM's hybrid manager: full and
-sliding-window attention) has a block table per group, and vLLM takes no block-level load
-errors for it. Its hits load asynchronously instead: the request waits
-(``WAITING_FOR_REMOTE_KVS``) until every rank reports its load finished, and a load that
-cannot be made whole (evicted, not planned, failed on a rank) is reported failed for the
-whole request, which vLLM then computes from its first token; hostkv offers it no hit
-again, so a load that keeps failing cannot hold it back. A request finished while its load
-is outstanding keeps its blocks until the workers report the load over. A sliding-window
-group's table holds vLLM's null block once a block left the window: a save that would
-read one freezes the request (the page's KV for those layers is gone).
+A model with a sliding-window KV-cache group (vLLM's hybrid manager) has a block table per
+group, and a sliding-window group's table holds vLLM's null block once a block left the
+window. Its hits load asynchronously: the request waits (``WAITING_FOR_REMOTE_KVS``) until
+every rank reports its load finished, and a load that cannot be made whole (evicted, not
+planned, failed on a rank) is reported failed for the whole request, which vLLM then
+computes from its first token; hostkv offers it no hit again, so a load that keeps failing
+cannot hold it back. Block-level errors would not do: vLLM takes none for a model of
+several groups, and recomputing from a bad block would attend to window blocks it never
+allocated. vLLM itself keeps the blocks of a request that finishes while its load is
+outstanding until the load is reported. A save that would read a sliding window's null
+block freezes the request (the page's KV for those layers is gone).
 """
 
 from __future__ import annotations
@@ -155,11 +156,10 @@ class SchedulerSide:
         # Requests whose asynchronous load failed: offered no hit again, so that a load
         # that keeps failing cannot hold them back.
         self.recv_failed_reqs: Dict[str, None] = {}
-        # Requests with an asynchronous load (or its failure) the workers have not all
-        # reported: vLLM keeps their blocks until they do, even if they finish.
-        self.awaiting_recv: Dict[str, None] = {}
-        # step -> the requests whose asynchronous loads (or failures) it carries.
-        self.step_recvs: Dict[int, List[str]] = {}
+        if async_loads and settings.async_saves:
+            # A finished request would be reported both received and finished sending:
+            # vLLM frees its blocks at the first report and fails at the second.
+            raise ValueError("hostkv: asynchronous loads with asynchronous saves")
         # Ranks that confirm each step's copies; a step's saves count once all of them did.
         self.tp_world = tp_world
         # step -> (ranks that confirmed it, request ids whose copies failed on any rank)
@@ -413,7 +413,6 @@ class SchedulerSide:
         load_end = min(reused, promised)
         bad_start = max(load_end, local_blocks)
         if self.async_loads and promised > local_blocks:
-            self.awaiting_recv[req_id] = None
             if promised > bad_start:
                 # Evicted between lookup and borrow: vLLM takes only whole-request
                 # failures for a model of several groups, and computes it all.
@@ -438,7 +437,6 @@ class SchedulerSide:
         real = real_blocks(blocks, self.sliding_groups)
         if self.async_loads:
             self.recv_failed_reqs[request.request_id] = None
-            self.awaiting_recv[request.request_id] = None
             if st is not None:
                 # What it later computes rests on nothing hostkv loaded: nothing of this
                 # attempt is saved (vLLM frees its blocks and admits it again).
@@ -512,34 +510,27 @@ class SchedulerSide:
                 self._invalid_in_vllm(dropped)
         return [load for load in loads if not load.st.finished]
 
-    def _carry_recvs(self, step: int, meta: HostKVConnectorMetadata) -> None:
-        """Notes the asynchronous loads (and failures) ``step`` carries: once every rank
-        confirmed it, every rank reported them received. Needs only ``handoff``."""
-        recvs = list(meta.recv_failed)
-        if self.async_loads:
-            recvs += [req_id for req_id, _, _ in meta.loads]
-        if recvs:
-            with self.handoff:
-                self.step_recvs[step] = recvs
-
     def build_connector_meta(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
         self._take_late()
         step, loads, bad, recv_failed, finishing = self._take_handoff()
-        loads = self._drop_finished_loads(loads, bad, recv_failed)
-        meta = HostKVConnectorMetadata(
-            step=step, loads=[(ld.st.req_id, ld.pages, ld.blocks) for ld in loads],
-            bad_blocks=bad, finishing=finishing, recv_failed=recv_failed)
-        meta.segment_id, meta.scheduler_lease = self.cache.segment_id, self.cache.lease_identity
-        self.suspect_blocks = {b: s for b, s in self.suspect_blocks.items() if s >= step - 2}
-        for block in bad:
-            self.suspect_blocks[block] = step
         try:
+            # Once the handoff is taken, any failure must carry what it held (the
+            # connector's fallback would find it empty).
+            loads = self._drop_finished_loads(loads, bad, recv_failed)
+            meta = HostKVConnectorMetadata(
+                step=step, loads=[(ld.st.req_id, ld.pages, ld.blocks) for ld in loads],
+                bad_blocks=bad, finishing=finishing, recv_failed=recv_failed)
+            meta.segment_id = self.cache.segment_id
+            meta.scheduler_lease = self.cache.lease_identity
+            self.suspect_blocks = {b: s for b, s in self.suspect_blocks.items()
+                                   if s >= step - 2}
+            for block in bad:
+                self.suspect_blocks[block] = step
             saves = self._plan_saves(out)
         except Exception as exc:          # noqa: BLE001 - fail open, forgetting nothing
             self.failures.note("build_connector_meta", exc)
             self.counters.add("failures", 1)
             return self._unplanned(step, loads, bad, recv_failed, finishing, out)
-        self._carry_recvs(step, meta)
         involved: Dict[str, _Req] = {}
         for load in loads:
             load.st.inflight[step] = None
@@ -652,15 +643,14 @@ class SchedulerSide:
         if unloaded:
             self.counters.add("bad_blocks", len(unloaded))
             self._invalid_in_vllm(sorted(unloaded))
-        self._carry_recvs(step, meta)
         return meta
 
     def meta_without_lock(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
         """:meth:`build_connector_meta` when the lock was not had: no copies this step,
         and nothing promised is forgotten (see :meth:`_unplanned`). The step has a
         number like any other: the workers confirm it (which tells the scheduler that
-        the asynchronous loads it reports failed were reported), and the scheduler waits
-        for no save of it."""
+        older steps some rank never confirmed were lost), and the scheduler waits for no
+        save of it."""
         step, loads, bad, recv_failed, finishing = self._take_handoff()
         return self._unplanned(step, loads, bad, recv_failed, finishing, out)
 
@@ -668,14 +658,12 @@ class SchedulerSide:
         """Applies what happened without the lock: requests finished, prefixes not held,
         reports not taken."""
         while self.finished_late:
-            late, receiving = self.finished_late.popleft()
+            late = self.finished_late.popleft()
             saving = False
             try:
                 saving = self.request_finished(late)
             finally:
-                # (A request vLLM keeps for its load's report must not be reported
-                # finished sending too: vLLM frees its blocks at the first report.)
-                if not saving and not receiving and self.settings.async_saves:
+                if not saving and self.settings.async_saves:
                     # vLLM was told to keep its blocks: the workers must report it, even
                     # if retiring it failed.
                     with self.handoff:
@@ -729,15 +717,14 @@ class SchedulerSide:
             position += 1
             todo = [(st, toks) for st, toks in todo if len(toks) > position]
 
-    def update_connector_output(self, output: Optional["KVConnectorOutput"]) -> None:
-        """Takes the workers' reports (this one, None for only those kept for later):
-        confirms steps, commits what every rank wrote, releases retired requests."""
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """Takes the workers' reports (and those kept for later): confirms steps, commits
+        what every rank wrote, releases retired requests."""
         changed: Dict[int, _Req] = {}
         reports = []
         while self.reports_late:
             reports.append(self.reports_late.popleft())
-        if output is not None:
-            reports.append(output.kv_connector_worker_meta)
+        reports.append(output.kv_connector_worker_meta)
         for report in reports:
             if not isinstance(report, HostKVWorkerMetadata):
                 continue
@@ -771,17 +758,14 @@ class SchedulerSide:
         loads = self.step_loads.pop(step, ())
         garbage = {b for st, blocks in loads if st.req_id in failed_ids for b in blocks}
         if garbage and not self.async_loads:
-            # (An asynchronous load that failed is the request's alone: vLLM frees its
-            # blocks without caching them and computes it from its first token.)
             self._loaded_garbage(garbage, step, changed)
-        with self.handoff:
-            over = [s for s in self.step_recvs if s <= step]
-            for s in over:
-                for req_id in self.step_recvs.pop(s):
-                    # Every rank reported it received (or lost the report with its step).
-                    self.awaiting_recv.pop(req_id, None)
-                    if s == step and req_id in failed_ids:
-                        self.recv_failed_reqs[req_id] = None
+        if self.async_loads:
+            # An asynchronous load that failed is the request's alone: vLLM frees its
+            # blocks without caching them and computes it from its first token, and
+            # hostkv offers it no hit again (unless it already finished).
+            for st, _ in loads:
+                if st.req_id in failed_ids and not st.finished:
+                    self.recv_failed_reqs[st.req_id] = None
         # Each rank confirms its steps in order: an older step that some rank never
         # confirmed never will be. Its saves are lost, and the steps planned after it may
         # rest on them.
@@ -858,39 +842,32 @@ class SchedulerSide:
 
     def request_finished(self, request: "Request") -> bool:
         """Retires the request; True if a save of its blocks may still run (vLLM must
-        keep them until the workers report the request finished sending) or its
-        asynchronous load was not reported yet (until they report it received)."""
+        keep them until the workers report the request finished sending). A request whose
+        asynchronous load is outstanding vLLM keeps by itself until the load is reported
+        (it knows whether it was)."""
         req_id = request.request_id
         self.lookups.pop(req_id, None)
         self.remote_pending.pop(req_id, None)
         self.remote_done.pop(req_id, None)
         self.recv_failed_reqs.pop(req_id, None)
-        if self.reports_late:
-            # A load's report vLLM has seen must not be waited for again.
-            self.update_connector_output(None)
-        receiving = req_id in self.awaiting_recv
         st = self.reqs.pop(req_id, None)
         if st is None:
-            return receiving
+            return False
         saving = bool(self.settings.async_saves) and any(
             saved is not None for saved in st.inflight.values())
         self._retire(st)
-        if saving and not receiving:
+        if saving:
             with self.handoff:
                 self.finishing.append(req_id)
-        return saving or receiving
+        return saving
 
     def finish_later(self, request: "Request") -> bool:
         """A request that finished while this side could not look (lock busy, error):
-        retired at the next step (its sequence is released then). vLLM keeps its blocks
-        until the workers report its asynchronous load received, if one is outstanding,
-        or else, with asynchronous saves, until they report it finished sending (they do
-        at once if no save of it runs). Safe without the lock (a report of its load kept
-        for later may leave it waiting for one that never comes: its blocks stay
-        allocated)."""
-        receiving = request.request_id in self.awaiting_recv
-        self.finished_late.append((request, receiving))
-        return receiving or bool(self.settings.async_saves)
+        retired at the next step (its sequence is released then), and with asynchronous
+        saves vLLM keeps its blocks until the workers report it (they do at once if no
+        save of it runs). Safe without the lock."""
+        self.finished_late.append(request)
+        return bool(self.settings.async_saves)
 
     def take_events(self) -> List[KVCacheEvent]:
         events, self.events = self.events, []

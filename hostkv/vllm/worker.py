@@ -74,8 +74,9 @@ class WorkerSide:
         self.registered = 0
         self.register_failed = False
         self.async_saves = async_saves
-        # Several KV-cache groups: loads are asynchronous, reported per request.
-        self.async_loads = len(kv.groups) > 1
+        # A model with a sliding-window group: loads are asynchronous, reported per
+        # request (see EngineKV.loads_asynchronously).
+        self.async_loads = kv.loads_asynchronously
         self.received: Set[str] = set()
         self.recv_failed: Set[str] = set()
         # Steps whose copies are submitted and not yet reported, oldest first.
@@ -261,10 +262,12 @@ class WorkerSide:
         saving: List[str] = []
         pages = 0
         if saves:
-            blocks = [[b for _, bs, _ in saves for b in bs[g]]
-                      for g in range(len(self.kv.groups))]
-            page_ids = [p for _, _, ps in saves for p in ps]
             try:
+                # (Inside: the step is reported whatever fails here, or its loads' and
+                # saves' requests would wait for a report forever.)
+                blocks = [[b for _, bs, _ in saves for b in bs[g]]
+                          for g in range(len(self.kv.groups))]
+                page_ids = [p for _, _, ps in saves for p in ps]
                 transfer = self._engine().submit_save(blocks, page_ids)
             except Exception as exc:      # noqa: BLE001 - fail open: nothing is committed
                 self.failures.note("save", exc)
