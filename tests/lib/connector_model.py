@@ -504,10 +504,15 @@ class Harness:
                 invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta)))
         if step_bad - set(meta.bad_blocks):
             self.note(f"load errors {sorted(step_bad - set(meta.bad_blocks))}")
-        for req_id, block in poisoned:
+        for req_id, block, written in poisoned:
             if block not in self.bad_known and block not in step_bad:
                 self.fail(f"{req_id}'s forward read wrong KV in block {block}, which was "
                           "never reported bad")
+            # Computed on top of a block vLLM was told is bad: vLLM recomputes the request
+            # from that block, these included. Until then a step planned before it knew
+            # (asynchronous scheduling) reads them, and a sliding window may read only
+            # them, no longer the bad block itself.
+            self.bad_known |= written
         self.bad_known |= step_bad
         return self.aggregator.aggregate(outputs, 0)
 
@@ -596,9 +601,10 @@ class Harness:
                 v = heads[li].transpose(1, 2, 0, 3).reshape(n, local, 2 * DIM)  # [n, h, 2d]
                 self.tensors[rank][name][blk[self.layer_group[li]], :, slot] = v
 
-    def _forward(self, out: Any) -> List[Tuple[str, int]]:
-        """Computes every scheduled request's tokens; returns (request, block) for each
-        request that read wrong KV (the first wrong block), which wrote poison."""
+    def _forward(self, out: Any) -> List[Tuple[str, int, Set[int]]]:
+        """Computes every scheduled request's tokens; returns (request, block, blocks
+        written) for each request that read wrong KV (the first wrong block), which wrote
+        poison."""
         pending = [r for r in out.num_scheduled_tokens]
         for worker in self.workers:
             for name in self.layer_names:
@@ -618,9 +624,8 @@ class Harness:
                     wrong = self._first_wrong(req_id)
                     assert wrong is not None
                     first, block = wrong
-                    poisoned.append((req_id, block))
                     self.note(f"forward {req_id} reads wrong KV at {first} (block {block})")
-                    self._compute(req_id, poison=True)
+                    poisoned.append((req_id, block, self._compute(req_id, poison=True)))
                 break
         return poisoned
 
@@ -649,10 +654,10 @@ class Harness:
                         first = (p, table[p // BS])
         return first
 
-    def _compute(self, req_id: str, poison: bool) -> None:
-        """Writes the request's scheduled positions: their KV, or poison. Every layer's KV
-        rests on the attention of the layers before it, so a wrong read anywhere poisons
-        every layer."""
+    def _compute(self, req_id: str, poison: bool) -> Set[int]:
+        """Writes the request's scheduled positions: their KV, or poison; returns the blocks
+        written. Every layer's KV rests on the attention of the layers before it, so a
+        wrong read anywhere poisons every layer."""
         c = self.computed[req_id]
         n = self.scheduled[req_id]
         if poison:
@@ -664,6 +669,8 @@ class Harness:
                     for table in self.block_tables[req_id]:
                         self.bad_known.discard(table[p // BS])
         self._write(req_id, c, values)
+        return {table[b] for table in self.block_tables[req_id]
+                for b in range(c // BS, (c + n - 1) // BS + 1)}
 
     def check_null_block(self) -> None:
         """vLLM's null block stands for KV nobody holds: no copy or forward writes it."""
