@@ -443,3 +443,35 @@ def test_a_finished_request_whose_report_was_lost_is_released_at_a_later_step(se
         sched.cache.check()
     finally:
         sched.shutdown()
+
+
+def test_a_load_vllm_saw_received_is_not_waited_for_again(segment_name):
+    """A model of several KV-cache groups loads asynchronously. Both ranks report the load
+    received (vLLM schedules the request) but rank 1's step report is lost; the request
+    is then aborted. vLLM already had every rank's finished_recving, so it must free the
+    blocks now: waiting for another report would keep the request and its blocks forever."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    settings = hv.HostKVSettings(segment=segment_name, num_pages=64)
+    cache = hv.open_segment(settings, LAYOUT, BLOCK_SIZE)
+    sched = hv.scheduler.SchedulerSide(cache, settings, BLOCK_SIZE, b"model",
+                                       hv.metrics.Failures(), hv.metrics.Counters(),
+                                       tp_world=2, async_loads=True)
+    try:
+        tokens = random_tokens(random.Random(3), 3 * BLOCK_SIZE + 5)
+        _commit_prefix(hv, sched, tokens[:2 * BLOCK_SIZE])
+        request = vllm_request("r", tokens)
+        assert sched.get_num_new_matched_tokens(request, 0) == (2 * BLOCK_SIZE, True)
+        blocks = list(range(10, 14))
+        sched.update_state_after_alloc(request, vllm_blocks(blocks), 2 * BLOCK_SIZE)
+        # (vLLM schedules nothing of it while it waits for the load.)
+        load = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert [req_id for req_id, _, _ in load.loads] == ["r"]
+        sched.update_connector_output(KVConnectorOutput(
+            finished_recving={"r"},
+            kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=[(load.step, 0, [])])))
+        assert sched.request_finished(request) is False
+    finally:
+        sched.shutdown()

@@ -155,8 +155,11 @@ class SchedulerSide:
         # Requests whose asynchronous load failed: offered no hit again, so that a load
         # that keeps failing cannot hold them back.
         self.recv_failed_reqs: Dict[str, None] = {}
-        # Requests with an asynchronous load (or its failure) the workers have not all
-        # reported: vLLM keeps their blocks until they do, even if they finish.
+        # Requests with an asynchronous load (or its failure) vLLM has not yet seen
+        # reported by every rank (finished_recving): it keeps their blocks until it
+        # does, even if they finish. Taken from vLLM's own view of the reports, never
+        # from the step reports, which travel apart (a rank's may be lost or come a step
+        # later) and would otherwise leave vLLM waiting for a report it already had.
         self.awaiting_recv: Dict[str, None] = {}
         # step -> the requests whose asynchronous loads (or failures) it carries.
         self.step_recvs: Dict[int, List[str]] = {}
@@ -732,6 +735,7 @@ class SchedulerSide:
     def update_connector_output(self, output: Optional["KVConnectorOutput"]) -> None:
         """Takes the workers' reports (this one, None for only those kept for later):
         confirms steps, commits what every rank wrote, releases retired requests."""
+        self.received(output)
         changed: Dict[int, _Req] = {}
         reports = []
         while self.reports_late:
@@ -760,9 +764,23 @@ class SchedulerSide:
             if done:
                 self._release(done)
 
+    def received(self, output: Optional["KVConnectorOutput"]) -> None:
+        """The asynchronous loads vLLM now knows every rank finished (it frees or
+        schedules those requests on this very output, lock or no lock), and those that
+        failed (offered no hit again). Needs only ``handoff``."""
+        if output is None or not (output.finished_recving or output.failed_recving):
+            return
+        with self.handoff:
+            for req_id in output.finished_recving or ():
+                self.awaiting_recv.pop(req_id, None)
+            for req_id in output.failed_recving or ():
+                self.recv_failed_reqs[req_id] = None
+
     def report_later(self, output: "KVConnectorOutput") -> None:
         """Keeps a report that arrived while the lock was busy for the next call: a step
-        whose report is dropped counts as lost, which freezes its requests."""
+        whose report is dropped counts as lost, which freezes its requests. The loads it
+        reports received are taken now: vLLM acts on them at once."""
+        self.received(output)
         if output.kv_connector_worker_meta is not None:
             self.reports_late.append(output.kv_connector_worker_meta)
 
@@ -778,8 +796,6 @@ class SchedulerSide:
             over = [s for s in self.step_recvs if s <= step]
             for s in over:
                 for req_id in self.step_recvs.pop(s):
-                    # Every rank reported it received (or lost the report with its step).
-                    self.awaiting_recv.pop(req_id, None)
                     if s == step and req_id in failed_ids:
                         self.recv_failed_reqs[req_id] = None
         # Each rank confirms its steps in order: an older step that some rank never
@@ -885,9 +901,7 @@ class SchedulerSide:
         retired at the next step (its sequence is released then). vLLM keeps its blocks
         until the workers report its asynchronous load received, if one is outstanding,
         or else, with asynchronous saves, until they report it finished sending (they do
-        at once if no save of it runs). Safe without the lock (a report of its load kept
-        for later may leave it waiting for one that never comes: its blocks stay
-        allocated)."""
+        at once if no save of it runs). Safe without the lock."""
         receiving = request.request_id in self.awaiting_recv
         self.finished_late.append((request, receiving))
         return receiving or bool(self.settings.async_saves)
