@@ -475,3 +475,21 @@ def test_a_load_vllm_saw_received_is_not_waited_for_again(segment_name):
         assert sched.request_finished(request) is False
     finally:
         sched.shutdown()
+
+
+def test_a_sliding_window_model_loads_asynchronously():
+    """A block-level load error makes vLLM recompute from the bad block, reading the
+    window before it, which vLLM already freed (its null blocks): the connector model
+    found a sliding-window model computing on them. Such a model's hits load
+    asynchronously, so a failed load is recomputed from the first token."""
+    hv = vllm_module()
+    from hostkv.copy_engine import VLLM
+    from hostkv.vllm.layout import EngineKV, KVGroup
+
+    def kv(*groups):
+        return EngineKV(LAYOUT, BLOCK_SIZE, ("a.0", "a.1"), VLLM, 1, "test", tuple(groups))
+
+    assert hv is not None
+    assert not kv(KVGroup("full", (0, 1))).async_loads
+    assert kv(KVGroup("sliding_window", (0, 1), 24)).async_loads
+    assert kv(KVGroup("sliding_window", (0,), 32), KVGroup("full", (1,))).async_loads

@@ -144,7 +144,7 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
                                         identity, self._failures, self._counters,
                                         tier, tp_world=kv.tp_world,
                                         sliding_groups=kv.sliding_groups,
-                                        async_loads=len(kv.groups) > 1)
+                                        async_loads=kv.async_loads)
         else:
             self._worker = WorkerSide(self._cache, kv, _tensor_parallel_rank(),
                                       self._failures, self._counters,

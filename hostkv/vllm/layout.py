@@ -113,6 +113,14 @@ class EngineKV:
         the blocks that fell out of the window)."""
         return tuple(i for i, group in enumerate(self.groups) if group.kind == "sliding_window")
 
+    @property
+    def async_loads(self) -> bool:
+        """Whether hits load asynchronously, failing whole requests: with several groups
+        vLLM 0.32 takes no block-level load errors; with a sliding window a block-level
+        error makes vLLM recompute from the bad block on top of a window it already
+        freed (its null blocks), so only a recompute from the first token is right."""
+        return len(self.groups) > 1 or bool(self.sliding_groups)
+
     def heads_of_rank(self, rank: int) -> Tuple[int, int, bool]:
         """(first head, stop, writes) of a rank's slice of every page (see
         :func:`hostkv.copy_engine.head_slice_for_rank`); MLA: every rank holds the whole

@@ -34,7 +34,8 @@ The protocol, per request (docs/vllm.md, "Never wrong KV", says it with every fa
 
 A model whose layers come in several KV-cache groups (vLLM's hybrid manager: full and
 sliding-window attention) has a block table per group, and vLLM takes no block-level load
-errors for it. Its hits load asynchronously instead: the request waits
+errors for it; nor can a sliding-window model (vLLM would recompute from the bad block on
+top of the window it already freed). Their hits load asynchronously instead: the request waits
 (``WAITING_FOR_REMOTE_KVS``) until every rank reports its load finished, and a load that
 cannot be made whole (evicted, not planned, failed on a rank) is reported failed for the
 whole request, which vLLM then computes from its first token; hostkv offers it no hit

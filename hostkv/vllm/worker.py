@@ -74,8 +74,9 @@ class WorkerSide:
         self.registered = 0
         self.register_failed = False
         self.async_saves = async_saves
-        # Several KV-cache groups: loads are asynchronous, reported per request.
-        self.async_loads = len(kv.groups) > 1
+        # Several KV-cache groups or a sliding window (EngineKV.async_loads): loads are
+        # asynchronous, reported per request.
+        self.async_loads = kv.async_loads
         self.received: Set[str] = set()
         self.recv_failed: Set[str] = set()
         # Steps whose copies are submitted and not yet reported, oldest first.
