@@ -12,7 +12,10 @@ wrong KV, and checks after every step that every committed page holds its tokens
 that every block vLLM computes on holds its tokens' KV or was reported bad. Faults come at
 random: failed saves and loads on one rank, lost reports, evictions between lookup and
 borrow, the connector's lock not had, segment calls raising, build_connector_meta failing,
-held asynchronous copies, aborts and preemptions. Each run is seeded (the seed is in every
+held asynchronous copies, aborts and preemptions. Hybrid models run too: a
+sliding-window and a full-attention group interleaved (vLLM's HybridKVCacheCoordinator,
+a block table per group, asynchronous loads), and a model of one sliding-window group.
+Each run is seeded (the seed is in every
 failure); ``HOSTKV_LONG=1`` runs more seeds and steps.
 """
 
@@ -35,13 +38,17 @@ from lib.vllm_helpers import vllm_module  # noqa: E402
 LONG = os.environ.get("HOSTKV_LONG") == "1"
 STEPS = 4000 if LONG else 700
 SEEDS = range(40) if LONG else range(3)
-# (tensor-parallel ranks, asynchronous scheduling, asynchronous saves)
-SHAPES = [(1, False, False), (2, True, False), (4, True, True), (2, False, True),
-          (1, True, True)]
+# (tensor-parallel ranks, asynchronous scheduling, asynchronous saves, KV-cache groups:
+# a key of lib.connector_model.GROUPS). Sliding-window models save synchronously.
+SHAPES = [(1, False, False, "full"), (2, True, False, "full"), (4, True, True, "full"),
+          (2, False, True, "full"), (1, True, True, "full"), (2, True, False, "hybrid"),
+          (1, False, False, "sliding")]
+# vLLM's blocks: a hybrid model takes a block of each group per page of tokens.
+NUM_BLOCKS = {"full": 28, "hybrid": 44, "sliding": 28}
 
 
 def _run(segment: str, seed: int, tp: int, async_scheduling: bool, async_saves: bool,
-         steps: int) -> dict:
+         steps: int, kv_groups: str = "full") -> dict:
     vllm_module()
     from lib.connector_model import Harness, Options
 
@@ -53,7 +60,8 @@ def _run(segment: str, seed: int, tp: int, async_scheduling: bool, async_saves: 
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     harness = Harness(Options(seed=seed, steps=steps, tp=tp,
-                              async_scheduling=async_scheduling, async_saves=async_saves),
+                              async_scheduling=async_scheduling, async_saves=async_saves,
+                              kv_groups=kv_groups, num_blocks=NUM_BLOCKS[kv_groups]),
                       segment)
     try:
         harness.run()
@@ -63,15 +71,17 @@ def _run(segment: str, seed: int, tp: int, async_scheduling: bool, async_saves: 
     return harness.counts
 
 
-@pytest.mark.parametrize("tp, async_scheduling, async_saves", SHAPES)
+@pytest.mark.parametrize("tp, async_scheduling, async_saves, kv_groups", SHAPES)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_connector_keeps_its_promise(segment_name, seed, tp, async_scheduling, async_saves):
+def test_connector_keeps_its_promise(segment_name, seed, tp, async_scheduling, async_saves,
+                                     kv_groups):
     start = time.monotonic()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")        # vLLM's deprecations, on its own objects
-        counts = _run(segment_name, seed, tp, async_scheduling, async_saves, STEPS)
+        counts = _run(segment_name, seed, tp, async_scheduling, async_saves, STEPS,
+                      kv_groups)
     report_counts(f"connector model seed {seed} tp {tp} async {async_scheduling} "
-                  f"async_saves {async_saves}: {STEPS} steps in "
+                  f"async_saves {async_saves} groups {kv_groups}: {STEPS} steps in "
                   f"{time.monotonic() - start:.1f} s, events {counts}")
 
 

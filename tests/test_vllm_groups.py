@@ -22,7 +22,8 @@ from hostkv import copy_engine  # noqa: E402
 from hostkv.copy_engine import CopyEngine  # noqa: E402
 from lib.cuda_standin import RecordingCuda  # noqa: E402
 from lib.kv_layouts import as_vllm, make_cache, reference_kv  # noqa: E402, F401
-from lib.vllm_helpers import vllm_module  # noqa: E402
+from lib.vllm_engine import BLOCK_SIZE  # noqa: E402
+from lib.vllm_helpers import vllm_module, vllm_request  # noqa: E402
 
 BLOCK = 16
 
@@ -195,11 +196,14 @@ def test_engines_over_slices_of_the_layers_give_a_whole_engines_bytes(make_cache
 
 # -- the scheduler side with a sliding-window group (the review's findings, as regressions) --
 
+# vllm_request hashes blocks of this size.
+SCHED_BLOCK = BLOCK_SIZE
+
 def _scheduler(hv, segment, sliding_groups=(0,), async_loads=True, num_pages=64):
     layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
     settings = hv.HostKVSettings(segment=segment, num_pages=num_pages, async_saves=False)
-    cache = hv.open_segment(settings, layout, BLOCK)
-    return hv.scheduler.SchedulerSide(cache, settings, BLOCK, b"model", hv.metrics.Failures(),
+    cache = hv.open_segment(settings, layout, SCHED_BLOCK)
+    return hv.scheduler.SchedulerSide(cache, settings, SCHED_BLOCK, b"model", hv.metrics.Failures(),
                                       hv.metrics.Counters(), sliding_groups=sliding_groups,
                                       async_loads=async_loads)
 
@@ -211,29 +215,17 @@ def _cache_prefix(hv, sched, tokens):
         view.release([1])
 
 
-def _request(req_id, tokens):
-    import hashlib
-
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-    from vllm.sampling_params import SamplingParams
-
-    init_none_hash(hashlib.sha256)
-    return Request(req_id, list(tokens), SamplingParams(max_tokens=8), None, 0,
-                   block_hasher=get_request_block_hasher(BLOCK, hashlib.sha256))
-
-
 def _sliding_manager(window):
     """vLLM's own KVCacheManager over one sliding-window group, as its scheduler holds it."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-    spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
+    spec = SlidingWindowSpec(block_size=SCHED_BLOCK, num_kv_heads=2, head_size=64,
                              dtype=torch.float32, sliding_window=window)
     config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(_names(0, 1), spec)])
-    return KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK,
-                          hash_block_size=BLOCK)
+    return KVCacheManager(config, max_model_len=4096, scheduler_block_size=SCHED_BLOCK,
+                          hash_block_size=SCHED_BLOCK)
 
 
 def test_a_sliding_window_hit_that_cannot_be_loaded_whole_fails_the_whole_request(
@@ -246,16 +238,16 @@ def test_a_sliding_window_hit_that_cannot_be_loaded_whole_fails_the_whole_reques
     hv = vllm_module()
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
-    manager = _sliding_manager(window=2 * BLOCK)
+    manager = _sliding_manager(window=2 * SCHED_BLOCK)
     sched = _scheduler(hv, segment_name)
     sched.kv_cache_manager = manager
     try:
         rng = np.random.default_rng(5)
-        history = rng.integers(1, 1000, 6 * BLOCK + 8).tolist()
+        history = rng.integers(1, 1000, 6 * SCHED_BLOCK + 8).tolist()
         _cache_prefix(hv, sched, history)
-        request = _request("r1", history + rng.integers(1, 1000, 60).tolist())
+        request = vllm_request("r1", history + rng.integers(1, 1000, 60).tolist())
         offered, asynchronous = sched.get_num_new_matched_tokens(request, 0)
-        assert (offered, asynchronous) == (6 * BLOCK, True)
+        assert (offered, asynchronous) == (6 * SCHED_BLOCK, True)
         assert sched.cache.evict(1) == 1                      # the hit's last page
         assert manager.allocate_slots(request, request.num_tokens - offered,
                                       num_external_computed_tokens=offered) is not None
@@ -278,9 +270,9 @@ def test_a_sliding_window_hit_that_cannot_be_loaded_whole_fails_the_whole_reques
         assert meta.loads == [] and meta.recv_failed == [] and meta.bad_blocks == []
         # A request that finishes with its load outstanding: vLLM keeps its blocks by
         # itself until the load is reported (it knows whether it was); hostkv asks nothing.
-        other = _request("r2", history[:3 * BLOCK] + rng.integers(1, 1000, 9).tolist())
+        other = vllm_request("r2", history[:3 * SCHED_BLOCK] + rng.integers(1, 1000, 9).tolist())
         offered, asynchronous = sched.get_num_new_matched_tokens(other, 0)
-        assert asynchronous and offered == 3 * BLOCK
+        assert asynchronous and offered == 3 * SCHED_BLOCK
         assert sched.request_finished(other) is False
         sched.request_finished(request)
         sched.cache.check()
@@ -294,9 +286,9 @@ def test_asynchronous_loads_never_run_with_asynchronous_saves(segment_name):
     hv = vllm_module()
     layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
     settings = hv.HostKVSettings(segment=segment_name, num_pages=8, async_saves=True)
-    with hv.open_segment(settings, layout, BLOCK) as cache:
+    with hv.open_segment(settings, layout, SCHED_BLOCK) as cache:
         with pytest.raises(ValueError, match="asynchronous loads with asynchronous saves"):
-            hv.scheduler.SchedulerSide(cache, settings, BLOCK, b"model", hv.metrics.Failures(),
+            hv.scheduler.SchedulerSide(cache, settings, SCHED_BLOCK, b"model", hv.metrics.Failures(),
                                        hv.metrics.Counters(), sliding_groups=(0,),
                                        async_loads=True)
 

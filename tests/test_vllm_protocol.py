@@ -443,3 +443,53 @@ def test_a_finished_request_whose_report_was_lost_is_released_at_a_later_step(se
         sched.cache.check()
     finally:
         sched.shutdown()
+
+
+def test_a_load_vllm_saw_received_is_not_waited_for_again(segment_name):
+    """A model of several KV-cache groups loads asynchronously. Both ranks report the load
+    received (vLLM schedules the request) but rank 1's step report is lost; the request
+    is then aborted. vLLM already had every rank's finished_recving, so it must free the
+    blocks now: waiting for another report would keep the request and its blocks forever."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    settings = hv.HostKVSettings(segment=segment_name, num_pages=64)
+    cache = hv.open_segment(settings, LAYOUT, BLOCK_SIZE)
+    sched = hv.scheduler.SchedulerSide(cache, settings, BLOCK_SIZE, b"model",
+                                       hv.metrics.Failures(), hv.metrics.Counters(),
+                                       tp_world=2, async_loads=True)
+    try:
+        tokens = random_tokens(random.Random(3), 3 * BLOCK_SIZE + 5)
+        _commit_prefix(hv, sched, tokens[:2 * BLOCK_SIZE])
+        request = vllm_request("r", tokens)
+        assert sched.get_num_new_matched_tokens(request, 0) == (2 * BLOCK_SIZE, True)
+        blocks = list(range(10, 14))
+        sched.update_state_after_alloc(request, vllm_blocks(blocks), 2 * BLOCK_SIZE)
+        # (vLLM schedules nothing of it while it waits for the load.)
+        load = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert [req_id for req_id, _, _ in load.loads] == ["r"]
+        sched.update_connector_output(KVConnectorOutput(
+            finished_recving={"r"},
+            kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=[(load.step, 0, [])])))
+        assert sched.request_finished(request) is False
+    finally:
+        sched.shutdown()
+
+
+def test_a_sliding_window_model_loads_asynchronously():
+    """A block-level load error makes vLLM recompute from the bad block, reading the
+    window before it, which vLLM already freed (its null blocks): the connector model
+    found a sliding-window model computing on them. Such a model's hits load
+    asynchronously, so a failed load is recomputed from the first token."""
+    hv = vllm_module()
+    from hostkv.copy_engine import VLLM
+    from hostkv.vllm.layout import EngineKV, KVGroup
+
+    def kv(*groups):
+        return EngineKV(LAYOUT, BLOCK_SIZE, ("a.0", "a.1"), VLLM, 1, "test", tuple(groups))
+
+    assert hv is not None
+    assert not kv(KVGroup("full", (0, 1))).loads_asynchronously
+    assert kv(KVGroup("sliding_window", (0, 1), 24)).loads_asynchronously
+    assert kv(KVGroup("sliding_window", (0,), 32), KVGroup("full", (1,))).loads_asynchronously

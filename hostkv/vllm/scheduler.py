@@ -720,6 +720,7 @@ class SchedulerSide:
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """Takes the workers' reports (and those kept for later): confirms steps, commits
         what every rank wrote, releases retired requests."""
+        self._take_failed_recvs(output)
         changed: Dict[int, _Req] = {}
         reports = []
         while self.reports_late:
@@ -747,9 +748,21 @@ class SchedulerSide:
             if done:
                 self._release(done)
 
+    def _take_failed_recvs(self, output: "KVConnectorOutput") -> None:
+        """The asynchronous loads that failed, as vLLM sees them (every rank reported, one
+        of them failed; vLLM computes those requests from their first token now): their
+        requests are offered no hit again. Read from the output vLLM acts on, never from
+        the step reports, which travel apart (a rank's may be lost or come a step later).
+        Needs no lock (one dict store a request)."""
+        for req_id in getattr(output, "failed_recving", None) or ():
+            if req_id in self.reqs:       # (a finished one is forgotten: nothing to keep)
+                self.recv_failed_reqs[req_id] = None
+
     def report_later(self, output: "KVConnectorOutput") -> None:
         """Keeps a report that arrived while the lock was busy for the next call: a step
-        whose report is dropped counts as lost, which freezes its requests."""
+        whose report is dropped counts as lost, which freezes its requests. The failed
+        loads it carries are taken now: vLLM acts on them at once."""
+        self._take_failed_recvs(output)
         if output.kv_connector_worker_meta is not None:
             self.reports_late.append(output.kv_connector_worker_meta)
 
@@ -759,13 +772,9 @@ class SchedulerSide:
         garbage = {b for st, blocks in loads if st.req_id in failed_ids for b in blocks}
         if garbage and not self.async_loads:
             self._loaded_garbage(garbage, step, changed)
-        if self.async_loads:
-            # An asynchronous load that failed is the request's alone: vLLM frees its
-            # blocks without caching them and computes it from its first token, and
-            # hostkv offers it no hit again (unless it already finished).
-            for st, _ in loads:
-                if st.req_id in failed_ids and not st.finished:
-                    self.recv_failed_reqs[st.req_id] = None
+        # (An asynchronous load that failed is the request's alone: vLLM frees its blocks
+        # without caching them and computes it from its first token; update_connector_output
+        # took it from vLLM's own view of the reports.)
         # Each rank confirms its steps in order: an older step that some rank never
         # confirmed never will be. Its saves are lost, and the steps planned after it may
         # rest on them.

@@ -33,16 +33,27 @@ import numpy as np
 import hostkv
 
 BS = 16                 # tokens per block and per page
-LAYERS = 2
+LAYERS = 2              # the layers of a model of one full-attention group
+MAX_LAYERS = 4
 HEADS = 4               # KV heads of the model; each rank holds HEADS // tp of them
 DIM = 8
 POISON = -1.0           # KV computed on top of wrong KV
 UNWRITTEN = -2.0        # a block no forward or load has written
-LAYER_NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
 _HASH_MOD = (1 << 61) - 1
 # One offset per (layer, K/V, head, dim): the page layout's order [layers, 2, heads, dim].
-_OFFSETS = np.arange(1, LAYERS * 2 * HEADS * DIM + 1, dtype=np.int64).reshape(
-    LAYERS, 2, 1, HEADS, DIM)
+_OFFSETS = np.arange(1, MAX_LAYERS * 2 * HEADS * DIM + 1, dtype=np.int64).reshape(
+    MAX_LAYERS, 2, 1, HEADS, DIM)
+NULL_BLOCK = 0          # vLLM's null block: a sliding-window group's blocks out of the window
+
+# KV-cache groups of each kind of model, as vLLM's hybrid manager makes them:
+# (kind, layers, sliding window in tokens). "hybrid" interleaves the kinds the way
+# Gemma-style models do, so each group's layers are a strided run of the page's layers
+# and a page's layers come from two block tables.
+GROUPS = {
+    "full": (("full", (0, 1), None),),
+    "hybrid": (("sliding_window", (0, 2), 2 * BS), ("full", (1, 3), None)),
+    "sliding": (("sliding_window", (0, 1), BS + 8),),
+}
 
 
 class Violation(AssertionError):
@@ -62,6 +73,7 @@ class Options:
     num_blocks: int = 28            # vLLM's KV blocks: small, so requests get preempted
     num_pages: int = 40             # hostkv's pages: small, so pages get evicted
     fault_rate: float = 0.08        # per step and per kind of fault
+    kv_groups: str = "full"         # a key of GROUPS
 
 
 def prefix_hashes(tokens: List[int]) -> np.ndarray:
@@ -74,20 +86,21 @@ def prefix_hashes(tokens: List[int]) -> np.ndarray:
     return out
 
 
-def expected_kv(hashes: np.ndarray) -> np.ndarray:
+def expected_kv(hashes: np.ndarray, layers: int = LAYERS) -> np.ndarray:
     """The correct KV of positions with these prefix hashes, [layers, 2, positions, heads,
     dim] float32 (the page layout), exact in float32 (below 2**23)."""
-    return (((hashes.reshape(1, 1, -1, 1, 1) * _OFFSETS) >> 9) % (1 << 23)).astype(np.float32)
+    return (((hashes.reshape(1, 1, -1, 1, 1) * _OFFSETS[:layers]) >> 9)
+            % (1 << 23)).astype(np.float32)
 
 
 def vllm_config(tp: int, async_scheduling: bool, token_budget: int, segment: str,
-                extra: Dict[str, Any]) -> Any:
+                extra: Dict[str, Any], layers: int = LAYERS) -> Any:
     """A VllmConfig for a config-only Llama (no weights: nothing is loaded), the way
     vLLM's own connector unit tests build one."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                              ParallelConfig, SchedulerConfig, VllmConfig)
 
-    model = _model_dir()
+    model = _model_dir(layers)
     model_config = ModelConfig(model=model, dtype="float32", seed=0, skip_tokenizer_init=True,
                                max_model_len=2048)
     scheduler_config = SchedulerConfig(
@@ -106,11 +119,11 @@ def vllm_config(tp: int, async_scheduling: bool, token_budget: int, segment: str
                       parallel_config=ParallelConfig(tensor_parallel_size=tp))
 
 
-_MODEL_DIR: List[str] = []
+_MODEL_DIR: Dict[int, str] = {}
 
 
-def _model_dir() -> str:
-    if not _MODEL_DIR:
+def _model_dir(layers: int) -> str:
+    if layers not in _MODEL_DIR:
         import json
         import tempfile
 
@@ -118,12 +131,12 @@ def _model_dir() -> str:
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                        "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
-                       "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+                       "num_hidden_layers": layers, "num_attention_heads": HEADS,
                        "num_key_value_heads": HEADS, "head_dim": DIM,
                        "max_position_embeddings": 4096, "torch_dtype": "float32",
                        "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2}, f)
-        _MODEL_DIR.append(path)
-    return _MODEL_DIR[0]
+        _MODEL_DIR[layers] = path
+    return _MODEL_DIR[layers]
 
 
 class _OneShot:
@@ -149,7 +162,10 @@ class Harness:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.core.kv_cache_coordinator import (HybridKVCacheCoordinator,
+                                                        UnitaryKVCacheCoordinator)
+        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                                KVCacheGroupSpec, SlidingWindowSpec)
         from vllm.v1.structured_output import StructuredOutputManager
 
         import hostkv.vllm.connector as connector_module
@@ -161,16 +177,39 @@ class Harness:
         self.step_no = 0
         tp = opts.tp
         extra = {"num_pages": opts.num_pages, "async_saves": opts.async_saves}
-        config = vllm_config(tp, opts.async_scheduling, opts.token_budget, segment, extra)
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS // tp, head_size=DIM,
-                                 dtype=torch.float32)
+        groups = GROUPS[opts.kv_groups]
+        self.layers = 1 + max(layer for _, layers, _ in groups for layer in layers)
+        self.layer_names = tuple(f"model.layers.{i}.self_attn.attn"
+                                 for i in range(self.layers))
+        # layer -> its group; group -> its sliding window (None: full attention).
+        self.layer_group = [next(g for g, (_, layers, _) in enumerate(groups) if i in layers)
+                            for i in range(self.layers)]
+        self.windows = [window for _, _, window in groups]
+        config = vllm_config(tp, opts.async_scheduling, opts.token_budget, segment, extra,
+                             self.layers)
+        if len(groups) > 1:
+            # A GPU engine's default with a connector that supports the hybrid manager
+            # (vLLM turns it off on a CPU platform, which has none).
+            config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        group_specs = []
+        for kind, layers, window in groups:
+            shape = dict(block_size=BS, num_kv_heads=HEADS // tp, head_size=DIM,
+                         dtype=torch.float32)
+            spec = (SlidingWindowSpec(sliding_window=window, **shape) if kind != "full"
+                    else FullAttentionSpec(**shape))
+            group_specs.append(KVCacheGroupSpec([self.layer_names[i] for i in layers], spec))
         kv_config = KVCacheConfig(num_blocks=opts.num_blocks, kv_cache_tensors=[],
-                                  kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)])
+                                  kv_cache_groups=group_specs)
         config.cache_config.num_gpu_blocks = opts.num_blocks
         cls = AsyncScheduler if opts.async_scheduling else Scheduler
         self.scheduler = cls(vllm_config=config, kv_cache_config=kv_config, log_stats=False,
                              structured_output_manager=StructuredOutputManager(config),
                              block_size=BS)
+        # The coordinator vLLM runs for such a model (hybrid: a block table per group,
+        # sliding-window blocks freed behind the window).
+        coordinator = self.scheduler.kv_cache_manager.coordinator
+        want = HybridKVCacheCoordinator if len(groups) > 1 else UnitaryKVCacheCoordinator
+        assert type(coordinator) is want, type(coordinator)
         self.conn = self.scheduler.connector
         self.sched = self.conn._sched
         assert self.sched is not None and self.sched.tp_world == tp
@@ -182,8 +221,7 @@ class Harness:
                 connector_module._tensor_parallel_rank = lambda rank=rank: rank
                 worker = connector_module.HostKVConnector(config, KVConnectorRole.WORKER,
                                                           kv_config)
-                tensors = {name: torch.full((opts.num_blocks, HEADS // tp, BS, 2 * DIM),
-                                            UNWRITTEN) for name in LAYER_NAMES}
+                tensors = self._kv_tensors(torch)
                 worker.register_kv_caches(tensors)
                 self.workers.append(worker)
                 # numpy views of the same memory: the forward's reads and writes (torch's
@@ -203,12 +241,27 @@ class Harness:
         self.last_sampled: Dict[str, int] = {}
         self.hashes: Dict[str, np.ndarray] = {}
         self.next_req = 0
-        self.block_tables: Dict[str, List[int]] = {}
+        self.block_tables: Dict[str, List[List[int]]] = {}     # one table per group
         self.bad_known: Set[int] = set()
         self.expected_pages: Dict[Tuple[int, Tuple[int, ...]], np.ndarray] = {}
         self.holds: List[Tuple[int, threading.Event]] = []
         self.counts: Dict[str, int] = {}
         self.aborted: Set[str] = set()
+
+    def _kv_tensors(self, torch: Any) -> Dict[str, Any]:
+        """One rank's KV tensors, shared by groups as vLLM's hybrid allocation shares them:
+        the i-th layer of every group in one tensor (block ids come from one pool, so a
+        block is one group's at a time), which a copy into another group's block would
+        show in the KV of the request that owns it."""
+        shape = (self.opts.num_blocks, HEADS // self.opts.tp, BS, 2 * DIM)
+        tensors: Dict[str, Any] = {}
+        members = [layers for _, layers, _ in GROUPS[self.opts.kv_groups]]
+        for i in range(max(len(layers) for layers in members)):
+            shared = torch.full(shape, UNWRITTEN)
+            for layers in members:
+                if i < len(layers):
+                    tensors[self.layer_names[layers[i]]] = shared
+        return dict(sorted(tensors.items(), key=lambda item: self.layer_names.index(item[0])))
 
     # -- the model's truth ------------------------------------------------------------------
 
@@ -382,6 +435,7 @@ class Harness:
         scheduler.update_from_output(out, model_out)
         self._release_holds()
         self.check_committed()
+        self.check_null_block()
 
     def _execute(self, out: Any) -> Any:
         """The workers' part of a step, in the order vLLM 0.32's model runner calls the
@@ -428,7 +482,9 @@ class Harness:
             if loads_late:
                 worker.start_load_kv(None)
             worker.wait_for_save()
-            finished_sending, _ = worker.get_finished(out.finished_req_ids)
+            # As vLLM 0.32's model runner asks (kv_connector_model_runner_mixin): the
+            # asynchronous loads' failures come only with get_transfer_results.
+            results = worker.get_transfer_results(out.finished_req_ids)
             invalid = worker.get_block_ids_with_load_errors()
             step_bad |= invalid
             worker_meta = worker.build_connector_worker_meta()
@@ -438,15 +494,25 @@ class Harness:
                 worker_meta = None
             from vllm.v1.outputs import KVConnectorOutput
 
+            if results.finished_recving:
+                self.note(f"rank {rank} received {sorted(results.finished_recving)} failed "
+                          f"{sorted(results.failed_recving)}")
             outputs.append(self._runner_output(out, KVConnectorOutput(
-                finished_sending=finished_sending, invalid_block_ids=invalid,
-                kv_connector_worker_meta=worker_meta)))
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=set(results.failed_recving or ()),
+                invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta)))
         if step_bad - set(meta.bad_blocks):
             self.note(f"load errors {sorted(step_bad - set(meta.bad_blocks))}")
-        for req_id, block in poisoned:
+        for req_id, block, written in poisoned:
             if block not in self.bad_known and block not in step_bad:
                 self.fail(f"{req_id}'s forward read wrong KV in block {block}, which was "
                           "never reported bad")
+            # Computed on top of a block vLLM was told is bad: vLLM recomputes the request
+            # from that block, these included. Until then a step planned before it knew
+            # (asynchronous scheduling) reads them, and a sliding window may read only
+            # them, no longer the bad block itself.
+            self.bad_known |= written
         self.bad_known |= step_bad
         return self.aggregator.aggregate(outputs, 0)
 
@@ -470,16 +536,22 @@ class Harness:
         """The model runner's view of each request: its blocks and computed tokens."""
         self.computed: Dict[str, int] = {}
         self.scheduled: Dict[str, int] = dict(out.num_scheduled_tokens)
+        # A sliding-window group's table keeps, as the model runner's does, the ids of
+        # blocks vLLM freed behind the window (only new blocks come in the output); the
+        # forward never reads them.
         for new in out.scheduled_new_reqs:
-            self.block_tables[new.req_id] = list(new.block_ids[0])
+            self.block_tables[new.req_id] = [list(group) for group in new.block_ids]
             self.computed[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                self.block_tables[req_id] = list(blocks[0]) if blocks is not None else []
+                self.block_tables[req_id] = ([list(group) for group in blocks]
+                                             if blocks is not None
+                                             else [[] for _ in self.windows])
             elif blocks is not None:
-                self.block_tables[req_id].extend(blocks[0])
+                for table, added in zip(self.block_tables[req_id], blocks):
+                    table.extend(added)
             self.computed[req_id] = cached.num_computed_tokens[i]
         for req_id in out.finished_req_ids:
             self.block_tables.pop(req_id, None)
@@ -492,37 +564,50 @@ class Harness:
 
     # -- the forward --------------------------------------------------------------------------
 
-    def _read(self, rank: int, blocks: List[int], n: int) -> np.ndarray:
-        """Positions [0, n) of a request's blocks on a rank, [layers, 2, n, heads, dim]."""
-        tp = self.opts.tp
-        parts = []
-        for name in LAYER_NAMES:
-            t = self.tensors[rank][name][blocks]                # [b, h, t, 2*dim]
-            t = t.reshape(len(blocks), HEADS // tp, BS, 2, DIM).transpose(3, 0, 2, 1, 4)
-            parts.append(t.reshape(2, len(blocks) * BS, HEADS // tp, DIM)[:, :n])
-        return np.stack(parts)
+    def _read(self, rank: int, layer: int, blocks: List[int], lo: int, hi: int) -> np.ndarray:
+        """Positions [lo, hi) of one layer of a request on a rank, from its group's block
+        table: [2, hi - lo, heads, dim]."""
+        local = HEADS // self.opts.tp
+        first, last = lo // BS, -(-hi // BS)
+        t = self.tensors[rank][self.layer_names[layer]][blocks[first:last]]  # [b, h, t, 2d]
+        t = t.reshape(last - first, local, BS, 2, DIM).transpose(3, 0, 2, 1, 4)
+        return t.reshape(2, (last - first) * BS, local, DIM)[:, lo - first * BS:hi - first * BS]
 
-    def _write(self, blocks: List[int], start: int, values: np.ndarray) -> None:
+    def _reads(self, c: int) -> List[int]:
+        """The first position each layer's attention reads of a request's earlier KV when
+        it computes from position c: every one for full attention; for a sliding window
+        of w tokens the last w - 1 (vLLM frees the blocks before them:
+        SlidingWindowManager.get_num_skipped_tokens)."""
+        return [0 if self.windows[g] is None else max(0, c - self.windows[g] + 1)
+                for g in self.layer_group]
+
+    def _write(self, req_id: str, start: int, values: np.ndarray) -> None:
         """Writes [layers, 2, n, heads, dim] at positions [start, start + n) on every rank
-        (each its own heads)."""
+        (each its own heads), each layer into the block its group's table names."""
         tp = self.opts.tp
         local = HEADS // tp
         n = values.shape[2]
         pos = np.arange(start, start + n)
-        blk = np.array([blocks[p // BS] for p in pos])
         slot = pos % BS
+        tables = self.block_tables[req_id]
+        blk = [np.array([table[p // BS] for p in pos]) for table in tables]
+        for g, window in enumerate(self.windows):
+            if window is not None and (blk[g] == NULL_BLOCK).any():
+                raise AssertionError(f"harness: {req_id} computes into vLLM's null block "
+                                     f"(group {g}, positions from {start}): {tables[g]}")
         for rank in range(tp):
             heads = values[:, :, :, rank * local:(rank + 1) * local]   # [l, 2, n, h, d]
-            for li, name in enumerate(LAYER_NAMES):
+            for li, name in enumerate(self.layer_names):
                 v = heads[li].transpose(1, 2, 0, 3).reshape(n, local, 2 * DIM)  # [n, h, 2d]
-                self.tensors[rank][name][blk, :, slot] = v
+                self.tensors[rank][name][blk[self.layer_group[li]], :, slot] = v
 
-    def _forward(self, out: Any) -> List[Tuple[str, int]]:
-        """Computes every scheduled request's tokens; returns (request, block) for each
-        request that read wrong KV (the first wrong block), which wrote poison."""
+    def _forward(self, out: Any) -> List[Tuple[str, int, Set[int]]]:
+        """Computes every scheduled request's tokens; returns (request, block, blocks
+        written) for each request that read wrong KV (the first wrong block), which wrote
+        poison."""
         pending = [r for r in out.num_scheduled_tokens]
         for worker in self.workers:
-            for name in LAYER_NAMES:
+            for name in self.layer_names:
                 worker.wait_for_layer_load(name)
         poisoned = []
         # KV written in a step is read by the same step's later layers: a request that
@@ -536,44 +621,63 @@ class Harness:
                     progress = True
             if not progress:
                 for req_id in pending:
-                    first = self._first_wrong(req_id)
-                    assert first is not None
-                    block = self.block_tables[req_id][first // BS]
-                    poisoned.append((req_id, block))
+                    wrong = self._first_wrong(req_id)
+                    assert wrong is not None
+                    first, block = wrong
                     self.note(f"forward {req_id} reads wrong KV at {first} (block {block})")
-                    self._compute(req_id, poison=True)
+                    poisoned.append((req_id, block, self._compute(req_id, poison=True)))
                 break
         return poisoned
 
-    def _first_wrong(self, req_id: str) -> Optional[int]:
+    def _first_wrong(self, req_id: str) -> Optional[Tuple[int, int]]:
+        """(position, block) of the first wrong KV the request's forward reads, over every
+        layer and rank; None if all it reads is right."""
         c = self.computed[req_id]
         if c == 0:
             return None
-        blocks = self.block_tables[req_id][:-(-c // BS)]
-        want = expected_kv(self.hashes_upto(req_id, c))
+        reads = self._reads(c)
+        lo = min(reads)
+        want = expected_kv(self.hashes_upto(req_id, c)[lo:], self.layers)
+        tables = self.block_tables[req_id]
         tp = self.opts.tp
         local = HEADS // tp
-        first = None
-        for rank in range(tp):
-            have = self._read(rank, blocks, c)
-            bad = np.nonzero((have != want[:, :, :, rank * local:(rank + 1) * local])
-                             .any(axis=(0, 1, 3, 4)))[0]
-            if len(bad):
-                first = int(bad[0]) if first is None else min(first, int(bad[0]))
+        first: Optional[Tuple[int, int]] = None
+        for layer, start in enumerate(reads):
+            table = tables[self.layer_group[layer]]
+            for rank in range(tp):
+                have = self._read(rank, layer, table, start, c)
+                bad = np.nonzero((have != want[layer, :, start - lo:, rank * local:
+                                               (rank + 1) * local]).any(axis=(0, 2, 3)))[0]
+                if len(bad):
+                    p = start + int(bad[0])
+                    if first is None or p < first[0]:
+                        first = (p, table[p // BS])
         return first
 
-    def _compute(self, req_id: str, poison: bool) -> None:
+    def _compute(self, req_id: str, poison: bool) -> Set[int]:
+        """Writes the request's scheduled positions: their KV, or poison; returns the blocks
+        written. Every layer's KV rests on the attention of the layers before it, so a
+        wrong read anywhere poisons every layer."""
         c = self.computed[req_id]
         n = self.scheduled[req_id]
-        blocks = self.block_tables[req_id]
         if poison:
-            values = np.full((LAYERS, 2, n, HEADS, DIM), POISON, dtype=np.float32)
+            values = np.full((self.layers, 2, n, HEADS, DIM), POISON, dtype=np.float32)
         else:
-            values = expected_kv(self.hashes_upto(req_id, c + n)[c:])
+            values = expected_kv(self.hashes_upto(req_id, c + n)[c:], self.layers)
             for p in range(c, c + n):
                 if p % BS == 0:
-                    self.bad_known.discard(blocks[p // BS])
-        self._write(blocks, c, values)
+                    for table in self.block_tables[req_id]:
+                        self.bad_known.discard(table[p // BS])
+        self._write(req_id, c, values)
+        return {table[b] for table in self.block_tables[req_id]
+                for b in range(c // BS, (c + n - 1) // BS + 1)}
+
+    def check_null_block(self) -> None:
+        """vLLM's null block stands for KV nobody holds: no copy or forward writes it."""
+        for rank, tensors in enumerate(self.tensors):
+            for name, t in tensors.items():
+                if not (t[NULL_BLOCK] == UNWRITTEN).all():
+                    self.fail(f"rank {rank}'s {name} has its null block written")
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -591,7 +695,7 @@ class Harness:
                     key = (namespace, tuple(tokens[:(k + 1) * BS]))
                     want = self.expected_pages.get(key)
                     if want is None:
-                        want = expected_kv(prefix_hashes(list(key[1]))[k * BS:])
+                        want = expected_kv(prefix_hashes(list(key[1]))[k * BS:], self.layers)
                         self.expected_pages[key] = want
                     if not np.array_equal(pool[page].reshape(want.shape), want):
                         have = pool[page].reshape(want.shape)
@@ -647,6 +751,7 @@ class Harness:
             out, model_out = self.queue.pop()
             scheduler.update_from_output(out, model_out)
             self.check_committed()
+            self.check_null_block()
         else:
             self.fail("vLLM never finished its requests")
         sched = self.scheduler
