@@ -668,7 +668,8 @@ def report(results: Dict[str, Any]) -> str:
         return ", ".join(f"{x / y:.2f}" for x, y in zip(a, b))
 
     lines.append("")
-    lines.append("ratios (pooled over rounds; per-round medians in brackets)")
+    lines.append("ratios (over every request of every round; in brackets, each round's ratio "
+                 "of the medians)")
     goals = [
         ("reader: B hostkv / B no-op, prefix repetition, median (goal <= 0.3x)", 50,
          {"variant": "hostkv", "server": "B", "workload": "prefix"},
