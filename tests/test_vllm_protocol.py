@@ -194,6 +194,7 @@ def _connector_with(hv, sched):
     connector._sched, connector._worker = sched, None
     connector._settings = sched.settings
     connector._failures, connector._counters = sched.failures, sched.counters
+    connector._clock = hv.timing.PhaseClock(sched.counters)
     return connector
 
 

@@ -34,6 +34,7 @@ from hostkv.vllm.metadata import HostKVConnectorMetadata, HostKVWorkerMetadata
 from hostkv.vllm.metrics import COUNTERS, Counters, Failures, HostKVConnectorStats, HostKVPromMetrics
 from hostkv.vllm.scheduler import SchedulerSide
 from hostkv.vllm.settings import HostKVSettings
+from hostkv.vllm.timing import PhaseClock
 from hostkv.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         layout = kv.layout
         self._failures = Failures()
         self._counters = Counters()
+        self._clock = PhaseClock(self._counters)
         self._cache = open_segment(self._settings, layout, kv.page_size)
         self._sched: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
@@ -181,18 +183,25 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         sched = self._sched
         if sched is None:
             return default
-        if not sched.lock.acquire(timeout=self._settings.lock_timeout):
-            if count_timeout:
-                self._fail(where, TimeoutError("connector lock"))
-            late = on_timeout or fallback
-            return default if late is None else late(sched)
+        # Every call here runs inside an engine step: its time, lock wait included, is
+        # counted by phase (hostkv.vllm.timing), whether it succeeds or fails open.
+        start = self._clock.now()
         try:
-            return call(sched)
-        except Exception as exc:          # noqa: BLE001 - fail open
-            self._fail(where, exc)
-            return default if fallback is None else fallback(sched)
+            if not sched.lock.acquire(timeout=self._settings.lock_timeout):
+                if count_timeout:
+                    self._fail(where, TimeoutError("connector lock"))
+                late = on_timeout or fallback
+                return default if late is None else late(sched)
+            self._clock.waited(start)
+            try:
+                return call(sched)
+            except Exception as exc:      # noqa: BLE001 - fail open
+                self._fail(where, exc)
+                return default if fallback is None else fallback(sched)
+            finally:
+                sched.lock.release()
         finally:
-            sched.lock.release()
+            self._clock.done(where, start)
 
     # -- worker side ------------------------------------------------------------------------------
 
@@ -225,7 +234,11 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = self._get_connector_metadata()
         if isinstance(meta, HostKVConnectorMetadata):
-            self._worker.start_load_kv(meta)
+            start = self._clock.now()
+            try:
+                self._worker.start_load_kv(meta)
+            finally:
+                self._clock.done("start_load_kv", start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: start_load_kv ordered the whole forward after every
@@ -240,7 +253,11 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Finishes the saves of requests vLLM preempted before their blocks are reused."""
         if self._worker is not None and isinstance(kv_connector_metadata,
                                                    HostKVConnectorMetadata):
-            self._worker.handle_preemptions(kv_connector_metadata)
+            start = self._clock.now()
+            try:
+                self._worker.handle_preemptions(kv_connector_metadata)
+            finally:
+                self._clock.done("handle_preemptions", start)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: Any, **kwargs: Any) -> None:
@@ -254,10 +271,12 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = self._get_connector_metadata()
         if isinstance(meta, HostKVConnectorMetadata):
+            start = self._clock.now()
             try:
                 self._worker.wait_for_save(meta)
             except Exception as exc:      # noqa: BLE001 - fail open
                 self._fail("wait_for_save", exc)
+            self._clock.done("wait_for_save", start)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks promised as hits that hostkv could not load: vLLM recomputes them."""
@@ -280,21 +299,26 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         results = KVConnectorTransferResults()
         if self._worker is None:
             return results
+        start = self._clock.now()
         try:
             results.finished_sending = self._worker.take_finished_sending()
             results.finished_recving, results.failed_recving = self._worker.take_received()
         except Exception as exc:          # noqa: BLE001 - reported at a later step
             self._fail("get_finished", exc)
+        finally:
+            self._clock.done("get_finished", start)
         return results
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         """The steps whose copies finished since the last report, and what failed."""
         if self._worker is None:
             return None
+        start = self._clock.now()
         try:
             self._worker.poll()
         except Exception as exc:          # noqa: BLE001 - reported at a later step
             self._fail("poll", exc)
+        self._clock.done("build_connector_worker_meta", start)
         if not self._worker.done:
             return None
         done, self._worker.done = self._worker.done, []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -11,6 +12,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+from hostkv.vllm.timing import DESCRIPTIONS as _TIMING_DESCRIPTIONS
+from hostkv.vllm.timing import TIMING_COUNTERS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,7 +54,9 @@ COUNTERS = ("lookups", "lookup_tokens", "hit_tokens", "borrowed_tokens", "bad_bl
              # the tier's own counters (RemoteStats), as increments:
              "remote_fetched_pages", "remote_invalid_pages", "remote_published_pages",
              "remote_written_pages", "remote_writes_dropped", "remote_errors",
-             "remote_bytes_down", "remote_bytes_up", "remote_breaker_opens")
+             "remote_bytes_down", "remote_bytes_up", "remote_breaker_opens",
+             # Where the serving path's time goes, by phase (hostkv.vllm.timing):
+             *TIMING_COUNTERS)
 
 # RemoteStats fields whose increments the connector reports, by counter.
 TIER_COUNTERS = {"remote_fetched_pages": "inserted_pages",
@@ -94,6 +100,7 @@ _DESCRIPTIONS = {
     "remote_bytes_down": "Value bytes received from the remote tier",
     "remote_bytes_up": "Value bytes sent to the remote tier",
     "remote_breaker_opens": "Times the remote tier's circuit breaker opened",
+    **_TIMING_DESCRIPTIONS,
 }
 
 
@@ -173,18 +180,37 @@ def registry_counters() -> Dict[str, float]:
 class Counters:
     """The counters since the last report (one object per connector, both sides)."""
 
+    # The phase timers (hostkv.vllm.timing) count something at every step, while the
+    # other counters count only steps that look up, copy or commit. A report carries
+    # them at most this often on their own, so that a decode step, which did nothing
+    # else, does not ship a stats object from every worker to the scheduler and on to
+    # vLLM's front end each time.
+    TIMING_REPORT_S = 1.0
+
     def __init__(self) -> None:
         self.values: Dict[str, float] = {key: 0 for key in COUNTERS}
+        self._reported = time.monotonic()
 
     def add(self, key: str, value: float) -> None:
         """Adds to one counter."""
         self.values[key] += value
 
     def take(self) -> Optional[HostKVConnectorStats]:
-        """The counters since the last call (None if all are zero), and zero them."""
-        if not any(self.values.values()):
-            return None
-        stats = HostKVConnectorStats(data=dict(self.values))
+        """The counters since the last report, and zero them; None if they are all zero,
+        or only the phase timers counted and the last report is under
+        ``TIMING_REPORT_S`` old (they are kept for the next)."""
+        values = self.values
+        if not any(values[key] for key in _EVENT_COUNTERS):
+            if not any(values.values()):
+                return None
+            if time.monotonic() - self._reported < self.TIMING_REPORT_S:
+                return None
+        stats = HostKVConnectorStats(data=dict(values))
         self.values = {key: 0 for key in COUNTERS}
+        self._reported = time.monotonic()
         return stats
+
+
+# The counters that are not phase timers: any of them reports at once.
+_EVENT_COUNTERS = tuple(key for key in COUNTERS if key not in TIMING_COUNTERS)
 
