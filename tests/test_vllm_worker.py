@@ -38,7 +38,8 @@ def test_worker_copies_its_slice_and_nothing_once_unregistered(segment_name):
                      backend="test")
     cache = hv.open_segment(hv.HostKVSettings(segment=segment_name, num_pages=8), layout,
                             BLOCK_SIZE)
-    worker = hv.worker.WorkerSide(cache, kv, 1, hv.metrics.Failures(), hv.metrics.Counters())
+    counters = hv.metrics.Counters()
+    worker = hv.worker.WorkerSide(cache, kv, 1, hv.metrics.Failures(), counters)
     tensors = {name: torch.randn(6, 2, BLOCK_SIZE, 128) for name in ("l0", "l1")}
     try:
         worker.register_kv_caches(tensors)
@@ -47,6 +48,10 @@ def test_worker_copies_its_slice_and_nothing_once_unregistered(segment_name):
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         assert worker.done == [(1, 1, [])]
+        # The step's copy calls reach the connector's stats (one compiled call a step on a
+        # CPU, whose layers share a plan).
+        worker.take_prefault_progress()
+        assert counters.take().data["copy_calls"] == 1
         pool = cache.pages_tensor()                  # [pages, layers, 2, tokens, heads, dim]
         for layer, name in enumerate(("l0", "l1")):
             # vLLM's [blocks, heads, tokens, K|V] block 5 is page 3's heads 2 and 3.

@@ -153,6 +153,10 @@ class GroupCopies:
             engine._indices(b, p)       # every index checked before any group copies
         return GroupTransfer([engine.submit_load(p, b) for engine, b, p in plans])
 
+    def copy_calls(self) -> int:
+        """Copy calls every engine made so far (DMA calls on a GPU)."""
+        return sum(engine.stats().copy_calls for _, engine in self.engines)
+
     def registration(self):
         """The first engine's registration of the pool with CUDA (see
         :meth:`CopyEngine.registration`); None on a CPU."""

@@ -47,7 +47,7 @@ class Failures:
 COUNTERS = ("lookups", "lookup_tokens", "hit_tokens", "borrowed_tokens", "bad_blocks",
              "loaded_pages", "loaded_bytes", "load_s", "saved_pages", "saved_bytes", "save_s",
              "committed_pages", "preempted", "failures", "prefaulted_bytes",
-             "registered_bytes", "register_failures", "bypassed_requests",
+             "registered_bytes", "register_failures", "bypassed_requests", "copy_calls",
              # The remote tier (scheduler side; zero without one). Per request:
              "remote_lookups", "remote_hit_tokens", "remote_wait_s", "remote_timeouts",
              "remote_failed",
@@ -86,6 +86,8 @@ _DESCRIPTIONS = {
     "register_failures": "GPU workers whose registration of the pool failed (copies slower)",
     "bypassed_requests": "Requests never looked up nor saved: their token ids do not say "
                          "what their KV is (prompt embeddings)",
+    "copy_calls": "Copy calls the workers' saves and loads made (DMA calls on a GPU; "
+                  "compiled copy calls on a CPU)",
     "remote_lookups": "Requests whose prompt was looked up in the remote tier",
     "remote_hit_tokens": "Prompt tokens the remote tier added to the host's cache for them",
     "remote_wait_s": "Seconds requests waited for the remote tier",

@@ -73,6 +73,7 @@ class WorkerSide:
         self.prefaulted = 0
         self.registered = 0
         self.register_failed = False
+        self.copy_calls = 0
         self.async_saves = async_saves
         # A model with a sliding-window group: loads are asynchronous, reported per
         # request (see EngineKV.loads_asynchronously).
@@ -116,17 +117,24 @@ class WorkerSide:
                 f"{describe_layout(kv.layout, kv.page_size)} (KV heads [{first}, {stop}) of "
                 f"rank {self.rank}): {exc}") from None
         self.engine = engine
+        self.copy_calls = 0
         # Off the serving path: this process's first saves into a fresh mapping would
         # otherwise pay a page fault per 4 KiB of the pool.
         self.cache.start_prefault()
 
     def take_prefault_progress(self) -> None:
         """Adds the pool bytes pre-faulted (and, on a GPU, registered for DMA) since the
-        last call to ``prefaulted_bytes`` (``registered_bytes``, ``register_failures``)."""
+        last call to ``prefaulted_bytes`` (``registered_bytes``, ``register_failures``),
+        and the copy calls made to ``copy_calls``."""
         done = self.cache.prefault_status().done_bytes
         if done > self.prefaulted:
             self.counters.add("prefaulted_bytes", done - self.prefaulted)
             self.prefaulted = done
+        if self.engine is not None:
+            calls = self.engine.copy_calls()
+            if calls > self.copy_calls:
+                self.counters.add("copy_calls", calls - self.copy_calls)
+                self.copy_calls = calls
         registration = self.engine.registration() if self.engine is not None else None
         if registration is not None:
             if registration.registered_bytes > self.registered:
