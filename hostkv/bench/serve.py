@@ -502,10 +502,23 @@ class _Runner:
         return record
 
 
-def _start_pair(model: str, out_dir: str, variant: str, segment: str, size: str,
-                names: Sequence[str] = ("A", "B"), cpus: Sequence[str] = ("0", "1"),
-                segments: Optional[Sequence[str]] = None) -> List[Server]:
-    """Two servers of one variant, started at once, each bound to its core."""
+def _server_names(count: int) -> List[str]:
+    """A, B, C, ...: the first computes, the others read what it saved."""
+    return [chr(ord("A") + i) for i in range(count)]
+
+
+def _server_cpus(count: int) -> List[str]:
+    """A core for each of ``count`` servers, round robin over the cores this process may
+    use (two servers on this 2-core machine: one core each)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [str(cores[i % len(cores)]) for i in range(count)]
+
+
+def _start_servers(model: str, out_dir: str, variant: str, segment: str, size: str,
+                   names: Sequence[str] = ("A", "B"), cpus: Sequence[str] = ("0", "1"),
+                   segments: Optional[Sequence[str]] = None) -> List[Server]:
+    """Servers of one variant on one segment (or ``segments``), started at once, each
+    bound to its core."""
     servers = []
     for i, name in enumerate(names):
         seg = segments[i] if segments is not None else segment
@@ -539,11 +552,13 @@ def _unlink(segment: str) -> None:
 
 
 def run_benchmark(args: Any) -> Dict[str, Any]:
-    """Every round: each variant's A and B (in an order rotated per round) on workload 1
-    (vLLM's prefix_repetition dataset, A then the same prompts on B, then B again, which
-    serves them from vLLM's own prefix cache) and workload 2 (the multi-turn trace, turns
-    1..k on A, the rest on B); then, for hostkv, A killed with SIGKILL and started again on
-    its segment beside a cold server, both serving A's workload-1 prompts."""
+    """Every round: each variant's servers A, B, ... (``--servers``; in an order of
+    variants rotated per round) on workload 1 (vLLM's prefix_repetition dataset, A then the
+    same prompts on each other server in turn, B a second time, when vLLM's own prefix
+    cache serves them) and workload 2 (the multi-turn trace, its turns split in contiguous
+    groups, the first on A, the next on B, ...: conversations move between servers); then,
+    for hostkv, A killed with SIGKILL and started again on its segment beside a cold
+    server, both serving A's workload-1 prompts."""
     out_dir = os.path.abspath(args.out_dir)
     os.makedirs(out_dir, exist_ok=True)
     model = args.model or os.path.join(out_dir, "model")
@@ -565,7 +580,9 @@ def run_benchmark(args: Any) -> Dict[str, Any]:
               "--prefix-repetition-output-len", str(args.output_len), "--ignore-eos"]
         trace = multi_turn_trace(seed, args.conversations, args.turns, args.system_len,
                                  args.user_len, args.reply_len)
-        split = args.turns // 2
+        names = _server_names(args.servers)
+        # Server i serves turns [bounds[i], bounds[i + 1]) of every conversation.
+        bounds = [args.turns * i // len(names) for i in range(len(names) + 1)]
 
         def custom(which: str, rows: Sequence[List[str]]) -> List[str]:
             path = _write_sharegpt(os.path.join(out_dir, f"trace-{rnd}-{which}.json"),
@@ -579,24 +596,26 @@ def run_benchmark(args: Any) -> Dict[str, Any]:
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())})", flush=True)
         for variant in order:
             segment = f"hostkv-bench-serve-{tag}-{rnd}"
-            a, b = _start_pair(model, out_dir, variant, segment, args.size)
+            servers = _start_servers(model, out_dir, variant, segment, args.size,
+                                     names=names, cpus=_server_cpus(len(names)))
             try:
                 label = {"round": rnd, "variant": variant}
-                runner.run(a, {**label, "server": "A", "workload": "prefix"}, w1)
-                runner.run(b, {**label, "server": "B", "workload": "prefix"}, w1)
-                runner.run(b, {**label, "server": "B", "workload": "prefix-again"}, w1)
-                runner.run(a, {**label, "server": "A", "workload": "multi-turn"},
-                           custom("A", trace[:split]))
-                runner.run(b, {**label, "server": "B", "workload": "multi-turn"},
-                           custom("B", trace[split:]))
+                for i, (server, name) in enumerate(zip(servers, names)):
+                    runner.run(server, {**label, "server": name, "workload": "prefix"}, w1)
+                    if i == 1:
+                        runner.run(server, {**label, "server": name,
+                                            "workload": "prefix-again"}, w1)
+                for i, (server, name) in enumerate(zip(servers, names)):
+                    runner.run(server, {**label, "server": name, "workload": "multi-turn"},
+                               custom(name, trace[bounds[i]:bounds[i + 1]]))
                 if variant == "hostkv" and args.restart:
-                    a.kill()
-                    b.kill()
+                    for server in servers:
+                        server.kill()
                     cold_segment = segment + "-cold"
                     # The restarted A on its segment, a cold server on an empty one, at once.
                     # Each takes core 0 in every other round, so that neither keeps the
                     # busier one.
-                    restarted, cold = _start_pair(
+                    restarted, cold = _start_servers(
                         model, out_dir, "hostkv", segment, args.size,
                         names=("A-restarted", "A-cold"), segments=(segment, cold_segment),
                         cpus=("0", "1") if rnd % 2 == 0 else ("1", "0"))
@@ -612,8 +631,8 @@ def run_benchmark(args: Any) -> Dict[str, Any]:
                         cold.kill()
                         _unlink(cold_segment)
             finally:
-                a.kill()
-                b.kill()
+                for server in servers:
+                    server.kill()
                 _unlink(segment)
     return {"records": records, "load_start": load_start, "load_end": os.getloadavg(),
             "args": vars(args)}
@@ -720,7 +739,7 @@ def _same_completions(records: Sequence[Dict[str, Any]]) -> str:
             continue
         workload = "prefix" if r["workload"].startswith("prefix") else r["workload"]
         if workload == "multi-turn":
-            workload += "-" + ("A" if r["server"] == "A" else "B")
+            workload += "-" + r["server"]       # each server serves its own turns
         # As a multiset: vLLM's client may send the same prompts in another order.
         groups.setdefault((r["round"], workload), []).append(sorted(r["generated"]))
     bad = [key for key, outs in groups.items() if any(o != outs[0] for o in outs)]
@@ -742,6 +761,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated: hostkv, noop (the control), none")
+    parser.add_argument("--servers", type=int, default=2,
+                        help="servers of each variant on its segment, A computing and the "
+                        "others reading (2; each bound to a core, round robin)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", default="2GiB", help="each round's hostkv segment")
@@ -761,6 +783,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "(default: its code in this process, vLLM imported once)")
     parser.add_argument("--json", help="write every record here")
     args = parser.parse_args(argv)
+    if args.servers < 2:
+        parser.error("--servers: at least 2 (one computes, the others read)")
 
     def stop(signum: int, frame: Any) -> None:
         # SIGTERM (timeout, an operator) unwinds like Ctrl-C: every server started is
