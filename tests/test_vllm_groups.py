@@ -160,6 +160,8 @@ def test_each_group_copies_its_layers_from_its_own_blocks(make_cache):
         copies.submit_save([[0, 7], [4, 9]], [1, 2])
     with pytest.raises(ValueError, match="outside"):
         copies.submit_save([[7, 2], [4, 99]], [1, 2])
+    with pytest.raises(ValueError, match=r"blocks of \[2\] for 2 groups and 2 pages"):
+        copies.submit_save([[7, 2]], [1, 2])
     assert torch.equal(cache.pages_tensor(), before)
     copies.close()
     loader.close()

@@ -124,6 +124,16 @@ class GroupCopies:
             raise ValueError(f"hostkv: blocks of {[len(b) for b in blocks]} for "
                              f"{len(self.kv.groups)} groups and {len(pages)} pages")
 
+    def _plans(self, blocks: Sequence[Sequence[int]], pages: Sequence[int],
+               saving: bool) -> List[Tuple[CopyEngine, List[int], List[int]]]:
+        """Each engine's (blocks, pages), every index checked before any group copies."""
+        self._check(blocks, pages)
+        plans = [(engine, *self._pairs(g, blocks[g], pages, saving))
+                 for g, engine in self.engines]
+        for engine, b, p in plans:
+            engine._indices(b, p)
+        return plans
+
     def submit_save(self, blocks: Sequence[Sequence[int]], pages: Sequence[int]) -> GroupTransfer:
         """Starts copying, for every group, its block ``blocks[group][i]`` of the group's
         layers into page ``pages[i]`` (see :meth:`CopyEngine.submit_save`).
@@ -132,12 +142,8 @@ class GroupCopies:
             ValueError: lengths that differ, an index out of range, or a null block in a
                 sliding-window group; nothing was copied.
         """
-        self._check(blocks, pages)
-        plans = [(engine, *self._pairs(g, blocks[g], pages, saving=True))
-                 for g, engine in self.engines]
-        for engine, b, p in plans:
-            engine._indices(b, p)       # every index checked before any group copies
-        return GroupTransfer([engine.submit_save(b, p) for engine, b, p in plans])
+        return GroupTransfer([engine.submit_save(b, p)
+                              for engine, b, p in self._plans(blocks, pages, saving=True)])
 
     def submit_load(self, pages: Sequence[int], blocks: Sequence[Sequence[int]]) -> GroupTransfer:
         """Starts copying page ``pages[i]`` into every group's block ``blocks[group][i]``,
@@ -146,12 +152,8 @@ class GroupCopies:
         Raises:
             ValueError: lengths that differ or an index out of range; nothing was copied.
         """
-        self._check(blocks, pages)
-        plans = [(engine, *self._pairs(g, blocks[g], pages, saving=False))
-                 for g, engine in self.engines]
-        for engine, b, p in plans:
-            engine._indices(b, p)       # every index checked before any group copies
-        return GroupTransfer([engine.submit_load(p, b) for engine, b, p in plans])
+        return GroupTransfer([engine.submit_load(p, b)
+                              for engine, b, p in self._plans(blocks, pages, saving=False)])
 
     def copy_calls(self) -> int:
         """Copy calls every engine made so far (DMA calls on a GPU)."""

@@ -466,8 +466,9 @@ class SchedulerSide:
     def unheld_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                            num_external_tokens: int) -> None:
         """:meth:`update_state_after_alloc` when it could not run (the lock not had, an
-        error): no prefix is held, so every promised block goes to vLLM as bad. Needs
-        only ``handoff``."""
+        error): no prefix is held, so every promised block goes to vLLM as bad (or, for a
+        model whose loads are asynchronous, the request's load as failed). Needs only
+        ``handoff``."""
         req_id = request.request_id
         looked = self.lookups.get(req_id)
         local = looked[0] if looked is not None else request.num_computed_tokens
