@@ -68,7 +68,8 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     See the module docstring for the flow and ``HostKVSettings`` for the
     ``kv_connector_extra_config`` keys. It takes part in vLLM's hybrid KV-cache manager
-    (``SupportsHMA``): full-attention and sliding-window groups (``hostkv.vllm.groups``). Construction (engine start-up) raises on a bad
+    (``SupportsHMA``): full-attention, sliding-window and recurrent-state groups
+    (``hostkv.vllm.groups``, ``hostkv.vllm.state``). Construction (engine start-up) raises on a bad
     config or a segment of another layout; every serving-path method fails open.
     """
 
@@ -93,12 +94,12 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._settings = settings
         kv = engine_kv(vllm_config, kv_cache_config)
         self._kv = kv
-        if kv.sliding_groups and settings.async_saves:
-            # vLLM frees a sliding-window block once it left the window, at the next
-            # step, and gives it to other requests: a save still reading it would read
-            # their KV.
-            logger.warning("hostkv: the model has sliding-window KV-cache groups: saves "
-                           "are synchronous (async_saves off)")
+        if kv.null_groups and settings.async_saves:
+            # vLLM frees a sliding-window block once it left the window, and may hand a
+            # state block to another request, at the next step: a save still reading it
+            # would read their KV.
+            logger.warning("hostkv: the model has sliding-window or recurrent-state "
+                           "KV-cache groups: saves are synchronous (async_saves off)")
             self._settings = settings = dataclasses.replace(settings, async_saves=False)
         layout = kv.layout
         self._failures = Failures()
@@ -141,12 +142,13 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
                 # The tier writes fetched pages into the pool from this process.
                 self._cache.start_prefault()
             # Only the scheduler keys requests, so only it fingerprints the checkpoint.
-            identity = engine_identity(vllm_config, layout, self._settings.namespace)
+            identity = engine_identity(vllm_config, layout, self._settings.namespace,
+                                       kv.parts_description())
             self._sched = SchedulerSide(self._cache, self._settings, kv.page_size,
                                         identity, self._failures, self._counters,
                                         tier, tp_world=kv.tp_world,
                                         sliding_groups=kv.sliding_groups,
-                                        async_loads=kv.loads_asynchronously)
+                                        async_loads=kv.loads_asynchronously, kv=kv)
         else:
             self._worker = WorkerSide(self._cache, kv, _tensor_parallel_rank(),
                                       self._failures, self._counters,

@@ -10,7 +10,9 @@ strided view of the pool each) and hands each its group's blocks.
 
 A sliding-window group's table names vLLM's null block for the blocks that fell out of the
 window: a load skips them (vLLM never reads them), a save refuses them (the page's KV
-for those layers is gone, so the page cannot be written).
+for those layers is gone, so the page cannot be written). A recurrent-state group's
+layers are copied by :class:`hostkv.vllm.state.StateCopies`: a null block there saves a
+page without a state, and loads nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from hostkv.copy_engine import CopyEngine
 from hostkv.transfers import Transfer
 from hostkv.vllm.layout import EngineKV, layer_runs
+from hostkv.vllm.state import StateCopies
 
 __all__ = ["GroupCopies", "GroupTransfer", "NULL_BLOCK", "real_blocks"]
 
@@ -29,10 +32,11 @@ __all__ = ["GroupCopies", "GroupTransfer", "NULL_BLOCK", "real_blocks"]
 NULL_BLOCK = 0
 
 
-def real_blocks(groups: Sequence[Sequence[int]], sliding: Sequence[int]) -> List[int]:
-    """Every block of every group, but a sliding-window group's null blocks (never KV)."""
+def real_blocks(groups: Sequence[Sequence[int]], with_null: Sequence[int]) -> List[int]:
+    """Every block of every group, but the null blocks of the groups ``with_null`` (sliding
+    windows, state: :attr:`EngineKV.null_groups`), which are never KV."""
     return [b for g, blocks in enumerate(groups) for b in blocks
-            if g not in sliding or b != NULL_BLOCK]
+            if g not in with_null or b != NULL_BLOCK]
 
 
 class GroupTransfer:
@@ -75,20 +79,24 @@ class GroupCopies:
         kv: The engine's KV cache as hostkv pages (its groups and layers).
         kv_caches: vLLM's per-layer KV tensors, by layer name.
         heads: (first, stop) of this rank's KV heads.
-        writes: False for a rank whose saves move nothing.
+        writes: False for a rank whose saves move nothing (of the K/V; every rank writes
+            its part of a state).
         asynchronous: As :class:`CopyEngine` takes it.
+        rank: This worker's tensor-parallel rank (its part of a state).
 
     Raises:
         ValueError: as :class:`CopyEngine` raises for a tensor it cannot map.
     """
 
     def __init__(self, pool: torch.Tensor, kv: EngineKV, kv_caches: Dict[str, torch.Tensor],
-                 heads: Tuple[int, int], writes: bool, asynchronous: bool) -> None:
+                 heads: Tuple[int, int], writes: bool, asynchronous: bool,
+                 rank: int = 0) -> None:
         self.kv = kv
         self.engines: List[Tuple[int, CopyEngine]] = []
         whole = (0, kv.layout.num_layers, 1)
-        runs = [(index, run) for index, group in enumerate(kv.groups)
+        runs = [(index, run) for index, group in enumerate(kv.groups) if group.kind != "state"
                 for run in layer_runs(group.layers)]
+        self.state: Optional[StateCopies] = None
         # On a GPU the engines share one budget of staging (each rounds up to a page), and
         # the first registers the pool for all.
         staging = None
@@ -104,6 +112,9 @@ class GroupCopies:
                                     layers=None if run == whole else run,
                                     staging_bytes=staging, register=not self.engines)
                 self.engines.append((index, engine))
+            if kv.state_groups:
+                self.state = StateCopies(pool.view(pool.shape[0], -1).view(torch.uint8), kv,
+                                         kv_caches, rank)
         except BaseException:
             self.close()
             raise
@@ -132,28 +143,44 @@ class GroupCopies:
                  for g, engine in self.engines]
         for engine, b, p in plans:
             engine._indices(b, p)
+        if self.state is not None:
+            for g in self.kv.state_groups:
+                self.state.check(blocks[g], pages)
         return plans
+
+    def _state_parts(self, blocks: Sequence[Sequence[int]], pages: Sequence[int],
+                     saving: bool) -> List[Transfer]:
+        if self.state is None:
+            return []
+        copy = self.state.save if saving else self.state.load
+        return [copy(blocks[g], pages) if saving else copy(pages, blocks[g])
+                for g in self.kv.state_groups]
 
     def submit_save(self, blocks: Sequence[Sequence[int]], pages: Sequence[int]) -> GroupTransfer:
         """Starts copying, for every group, its block ``blocks[group][i]`` of the group's
-        layers into page ``pages[i]`` (see :meth:`CopyEngine.submit_save`).
+        layers into page ``pages[i]`` (see :meth:`CopyEngine.submit_save`); a state
+        group's null block saves the page without a state.
 
         Raises:
             ValueError: lengths that differ, an index out of range, or a null block in a
                 sliding-window group; nothing was copied.
         """
-        return GroupTransfer([engine.submit_save(b, p)
-                              for engine, b, p in self._plans(blocks, pages, saving=True)])
+        plans = self._plans(blocks, pages, saving=True)
+        return GroupTransfer(self._state_parts(blocks, pages, saving=True)
+                             + [engine.submit_save(b, p) for engine, b, p in plans])
 
     def submit_load(self, pages: Sequence[int], blocks: Sequence[Sequence[int]]) -> GroupTransfer:
         """Starts copying page ``pages[i]`` into every group's block ``blocks[group][i]``,
-        skipping a sliding-window group's null blocks (see :meth:`CopyEngine.submit_load`).
+        skipping the null blocks of sliding-window and state groups (see
+        :meth:`CopyEngine.submit_load`). A page without the state a load asks for fails
+        the transfer.
 
         Raises:
             ValueError: lengths that differ or an index out of range; nothing was copied.
         """
-        return GroupTransfer([engine.submit_load(p, b)
-                              for engine, b, p in self._plans(blocks, pages, saving=False)])
+        plans = self._plans(blocks, pages, saving=False)
+        return GroupTransfer(self._state_parts(blocks, pages, saving=False)
+                             + [engine.submit_load(p, b) for engine, b, p in plans])
 
     def copy_calls(self) -> int:
         """Copy calls every engine made so far (DMA calls on a GPU)."""

@@ -7,7 +7,8 @@ a byte of a request's KV must be in its namespace, or the request must not use h
   revision, a fingerprint of its checkpoint as it is on disk (:func:`checkpoint_fingerprint`),
   the HF config as vLLM loaded it (``hf_overrides`` and RoPE scaling applied), ``hf_overrides``
   itself, dtype, KV-cache dtype, quantization, ``max_model_len`` (vLLM's LongRoPE picks its
-  factors by it), load format, model implementation, the page layout and the ``namespace``
+  factors by it), load format, model implementation, the page layout (with, for a model with
+  recurrent state, its layout and the tensor-parallel degree) and the ``namespace``
   setting. The segment outlives engines: a new checkpoint at the same path must never read
   the old one's KV.
 - The request (:class:`RequestIdentity`): its ``cache_salt``, its LoRA adapter (name, path
@@ -164,10 +165,13 @@ def _hf_config_text(hf_config: Any) -> str:
             return repr(hf_config)
 
 
-def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: str) -> bytes:
+def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: str,
+                    parts: str = "") -> bytes:
     """The engine's part of every namespace: every engine-wide input to a KV byte (the
-    module docstring lists them). Deliberately left out: the attention backend and the
-    tensor-parallel degree (pages are canonical: engines of any share them)."""
+    module docstring lists them), and ``parts``, what a page holds beyond the canonical
+    K/V (``EngineKV.parts_description``: recurrent state, which is each rank's shard, names
+    the tensor-parallel degree). Otherwise deliberately left out: the attention backend and
+    the tensor-parallel degree (pages are canonical: engines of any share them)."""
     model = vllm_config.model_config
     cache = getattr(vllm_config, "cache_config", None)
     load = getattr(vllm_config, "load_config", None)
@@ -186,7 +190,7 @@ def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: st
         str(getattr(load, "load_format", "")),
         str(getattr(model, "model_impl", "")),
         layout.kind, layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim,
-        namespace)
+        namespace, *((b"parts", parts) if parts else ()))
 
 
 def bypass_cause(request: "Request") -> Optional[str]:

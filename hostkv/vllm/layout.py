@@ -11,8 +11,13 @@ attention kind, each with its own block table. hostkv holds full-attention and
 sliding-window groups of one shape: a page is still every layer's block of its tokens, so
 pages mean the same whether the manager is on or off (off, vLLM keeps every token of a
 sliding-window layer; on, it frees the blocks that fell out of the window, and a load fills
-only the blocks vLLM kept, the window at the hit's end). Other kinds (Mamba and linear
-attention state, chunked-local attention, cross attention) are refused at start-up.
+only the blocks vLLM kept, the window at the hit's end).
+
+A layer with recurrent state (Mamba, Gated DeltaNet and other linear attention: vLLM's
+``MambaSpec``) has a page slot too, of the attention layers' size, as vLLM's own block pool
+pads its state to an attention page: the slot holds the layer's state after the page's last
+token, when vLLM kept it (``hostkv.vllm.state``). Other kinds (chunked-local attention,
+cross attention) are refused at start-up.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, List, Optional, Sequence, Set, Tuple
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
 
 from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig, KVLayout
@@ -39,9 +45,70 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["EngineKV", "KVGroup", "describe_layout", "engine_kv", "layer_runs", "open_segment"]
+__all__ = ["EngineKV", "KVGroup", "StateLayout", "describe_layout", "engine_kv", "layer_runs",
+           "open_segment"]
 
 logger = logging.getLogger("hostkv.vllm")
+
+
+# The marker a rank writes after its part of a layer's state: the slot holds the state
+# after the page's last token. Every save of a page of a model with state writes the marker
+# or zeros, so a slot's stale bytes never pass for a state.
+STATE_MARKER = b"hkvstat1"
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """How a recurrent-state layer's page slot holds the state: each tensor-parallel rank's
+    part (its tensors' bytes, in vLLM's order, as vLLM holds them: opaque to hostkv), rank
+    after rank, then one 8-byte marker per rank (:data:`STATE_MARKER`, or zeros).
+
+    The parts are each rank's own shard, so a page's state means the same only to engines
+    of the same tensor-parallel degree (the degree is in the engine's namespace).
+
+    Attributes:
+        shapes: A rank's state tensors' shapes, per block (vLLM's ``MambaSpec.shapes``).
+        dtypes: Their element types' names.
+        itemsizes: Their element sizes in bytes.
+        tp_world: Tensor-parallel ranks (parts in a slot).
+        kind: vLLM's name of the layer kind (``GDN_ATTN``, ``MAMBA2``, ...), for messages.
+    """
+
+    shapes: Tuple[Tuple[int, ...], ...]
+    dtypes: Tuple[str, ...]
+    itemsizes: Tuple[int, ...]
+    tp_world: int
+    kind: str
+
+    @property
+    def rank_bytes(self) -> int:
+        """Bytes of one rank's part: every tensor's state of one block."""
+        total = 0
+        for shape, size in zip(self.shapes, self.itemsizes):
+            count = 1
+            for dim in shape:
+                count *= int(dim)
+            total += count * size
+        return total
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes the slot must have: every rank's part and marker."""
+        return self.tp_world * (self.rank_bytes + len(STATE_MARKER))
+
+    def part(self, rank: int) -> Tuple[int, int]:
+        """(offset, bytes) of a rank's part in the slot."""
+        return rank * self.rank_bytes, self.rank_bytes
+
+    def marker(self, rank: int) -> int:
+        """Offset of a rank's marker in the slot."""
+        return self.tp_world * self.rank_bytes + rank * len(STATE_MARKER)
+
+    def describe(self) -> str:
+        """The layout in words; it goes into the engine's namespace."""
+        tensors = ", ".join(f"{list(shape)} {dtype}"
+                            for shape, dtype in zip(self.shapes, self.dtypes))
+        return f"{self.kind} state of {tensors} per rank, {self.tp_world} rank(s)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +116,17 @@ class KVGroup:
     """One of vLLM's KV-cache groups: layers that share a block table.
 
     Attributes:
-        kind: "full", "sliding_window" or "mla".
+        kind: "full", "sliding_window", "mla" or "state" (recurrent state: Mamba, linear
+            attention).
         layers: The group's layers as indices into the page's layers (model order).
         sliding_window: The window in tokens (sliding-window groups), else None.
+        state: How a page slot holds a layer's state ("state" groups), else None.
     """
 
     kind: str
     layers: Tuple[int, ...]
     sliding_window: Optional[int] = None
+    state: Optional[StateLayout] = None
 
 
 def layer_runs(layers: Sequence[int]) -> List[Tuple[int, int, int]]:
@@ -114,6 +184,27 @@ class EngineKV:
         blocks it never allocated (null), and with several groups it takes no block-level
         load errors at all."""
         return len(self.groups) > 1 or bool(self.sliding_groups)
+
+    @property
+    def state_groups(self) -> Tuple[int, ...]:
+        """Indices of the recurrent-state groups (see :class:`StateLayout`)."""
+        return tuple(i for i, group in enumerate(self.groups) if group.kind == "state")
+
+    @property
+    def null_groups(self) -> Tuple[int, ...]:
+        """Indices of the groups whose block lists may name vLLM's null block: sliding
+        windows (blocks out of the window) and state groups (a page whose state is not
+        copied)."""
+        return tuple(i for i, group in enumerate(self.groups)
+                     if group.kind in ("sliding_window", "state"))
+
+    def parts_description(self) -> str:
+        """What a page holds beyond every layer's K/V (or latent) in the canonical layout,
+        in words: the state layers' layouts, or "" (pages of any tensor-parallel degree
+        mean the same)."""
+        return "; ".join(f"layers {list(self.groups[g].layers)}: "
+                         f"{self.groups[g].state.describe()}"  # type: ignore[union-attr]
+                         for g in self.state_groups)
 
     @property
     def sliding_groups(self) -> Tuple[int, ...]:
@@ -199,30 +290,34 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
             kinds.append("full")
         elif type(spec) is SlidingWindowSpec:
             kinds.append("sliding_window")
+        elif type(spec) is MambaSpec:
+            kinds.append("state")
         else:
-            what = type(spec).__name__
-            mamba = getattr(spec, "mamba_type", None)
-            if mamba is not None:
-                what += f" ({getattr(mamba, 'name', mamba)})"
             raise ValueError(
-                f"hostkv holds full attention, sliding-window attention or MLA; KV-cache "
-                f"group {index} of {len(groups)} is {what} (layers "
-                f"{list(group.layer_names)[:4]}{' ...' if len(group.layer_names) > 4 else ''}"
-                f", {backend}): hostkv does not store its state, so it cannot serve this "
-                "model")
+                f"hostkv holds full attention, sliding-window attention, MLA and recurrent "
+                f"state; KV-cache group {index} of {len(groups)} is {_group_kind(spec)} "
+                f"({_layers_text(group)}, {backend}): hostkv cannot serve this model")
     if "mla" in kinds and len(groups) != 1:
         raise ValueError(f"hostkv holds MLA only as a model's one KV-cache group; this one "
                          f"has {len(groups)}: {', '.join(kinds)}")
-    spec = groups[0].kv_cache_spec
+    attention = [group for kind, group in zip(kinds, groups) if kind != "state"]
+    if not attention:
+        raise ValueError(f"hostkv pages are laid out by a model's attention layers; this "
+                         f"one has none, only {_group_kind(groups[0].kv_cache_spec)} "
+                         "(a pure state-space model)")
+    spec = attention[0].kv_cache_spec
     for index, group in enumerate(groups[1:], 1):
+        if kinds[index] == "state":
+            continue
         other = group.kv_cache_spec
         shape = ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype")
         differ = [f"{name} {getattr(spec, name)} and {getattr(other, name)}" for name in shape
                   if getattr(spec, name, None) != getattr(other, name, None)]
         if differ:
             # A page is one block of every layer in one layout.
-            raise ValueError(f"hostkv holds KV-cache groups of one shape; groups 0 and "
-                             f"{index} differ: {'; '.join(differ)}")
+            raise ValueError(f"hostkv holds KV-cache groups of one shape; groups "
+                             f"{groups.index(attention[0])} and {index} differ: "
+                             f"{'; '.join(differ)}")
     try:
         from vllm.model_executor.models.utils import extract_layer_index
 
@@ -233,10 +328,6 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
                              "their order in a page is unknown") from None
         layers = all_layers
     position = {name: i for i, name in enumerate(layers)}
-    kv_groups = tuple(
-        KVGroup(kind, tuple(sorted(position[name] for name in group.layer_names)),
-                int(group.kv_cache_spec.sliding_window) if kind == "sliding_window" else None)
-        for kind, group in zip(kinds, groups))
     if kinds[0] == "mla":
         kind, block_layout = "mla", VLLM_MLA
         if spec.head_size_v not in (0, None):
@@ -246,7 +337,7 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
         if spec.head_size_v != spec.head_size:
             raise ValueError(f"hostkv holds K and V of one head size; the model's are "
                              f"{spec.head_size} and {spec.head_size_v}")
-    for group in groups:
+    for group in attention:
         _refuse_packed(group.kv_cache_spec, backend)
     local_heads = int(spec.num_kv_heads)
     if kind == "mla":
@@ -268,7 +359,65 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
     if block_size & (block_size - 1):
         raise ValueError(f"hostkv pages hold a power-of-two number of tokens; vLLM's block "
                          f"size is {block_size}")
+    slot_bytes = layout.page_bytes(block_size) // layout.num_layers
+    kv_groups = tuple(
+        KVGroup(kind, tuple(sorted(position[name] for name in group.layer_names)),
+                int(group.kv_cache_spec.sliding_window) if kind == "sliding_window" else None,
+                _state_layout(vllm_config, group, block_size, slot_bytes, tp)
+                if kind == "state" else None)
+        for kind, group in zip(kinds, groups))
     return EngineKV(layout, block_size, tuple(layers), block_layout, tp, backend, kv_groups)
+
+
+def _group_kind(spec: object) -> str:
+    """A KV-cache spec's kind for messages: its class, and its Mamba kind if any."""
+    what = type(spec).__name__
+    mamba = getattr(spec, "mamba_type", None)
+    if mamba is not None:
+        what += f" ({getattr(mamba, 'name', mamba)})"
+    return what
+
+
+def _layers_text(group: object) -> str:
+    names = list(getattr(group, "layer_names", ()))
+    return f"layers {names[:4]}{' ...' if len(names) > 4 else ''}"
+
+
+def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
+                  slot_bytes: int, tp: int) -> StateLayout:
+    """How a page slot holds a recurrent-state group's state; raises ValueError where vLLM
+    keeps no state hostkv can save at page ends, naming what it saw."""
+    import torch
+
+    spec = group.kv_cache_spec          # type: ignore[attr-defined]
+    what = f"KV-cache group {_group_kind(spec)} ({_layers_text(group)})"
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        # Only "align" keeps the state at block ends; "all" keeps it elsewhere, "none"
+        # (prefix caching off) keeps none.
+        raise ValueError(f"hostkv stores recurrent state at page ends, which vLLM keeps "
+                         f"only with mamba_cache_mode 'align' (prefix caching on); {what} "
+                         f"has {mode!r}")
+    if int(spec.block_size) != block_size:
+        raise ValueError(f"hostkv stores recurrent state at page ends: {what} keeps it every "
+                         f"{spec.block_size} tokens, the attention layers' pages hold "
+                         f"{block_size}")
+    speculative = int(getattr(spec, "num_speculative_blocks", 0) or 0)
+    if speculative:
+        raise ValueError(f"hostkv: {what} has {speculative} speculative state blocks "
+                         "(speculative decoding), whose states are not at page ends")
+    dtypes = tuple(dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+                   for dtype in spec.dtypes)
+    state = StateLayout(
+        shapes=tuple(tuple(int(d) for d in shape) for shape in spec.shapes),
+        dtypes=tuple(str(dtype).replace("torch.", "") for dtype in dtypes),
+        itemsizes=tuple(torch.empty((), dtype=dtype).element_size() for dtype in dtypes),
+        tp_world=tp, kind=_group_kind(spec))
+    if state.slot_bytes > slot_bytes:
+        raise ValueError(f"hostkv: {what}'s state ({state.rank_bytes} bytes on each of {tp} "
+                         f"rank(s), and a marker each) does not fit a page's slot of "
+                         f"{slot_bytes} bytes (one layer's K/V of the page)")
+    return state
 
 
 def describe_layout(layout: Optional[KVLayout], page_size: int) -> str:

@@ -43,6 +43,11 @@ several groups, and recomputing from a bad block would attend to window blocks i
 allocated. vLLM itself keeps the blocks of a request that finishes while its load is
 outstanding until the load is reported. A save that would read a sliding window's null
 block freezes the request (the page's KV for those layers is gone).
+
+A model with recurrent-state layers (Mamba, linear attention) has a state group: a hit must
+end at a page holding the state, the state is loaded into the hit's last block, and a page
+is saved with the state vLLM offered for its end in that step, or without one
+(``hostkv.vllm.state`` says the protocol).
 """
 
 from __future__ import annotations
@@ -58,12 +63,14 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from hostkv._tokens import as_tokens
-from hostkv.cache import HostKVCache
+from hostkv.cache import HostKVCache, PrefixMatch
 from hostkv.vllm.groups import NULL_BLOCK, real_blocks
 from hostkv.vllm.identity import RequestIdentity, bypass_cause, fields_digest, multimodal_key
+from hostkv.vllm.layout import EngineKV
 from hostkv.vllm.metadata import HostKVConnectorMetadata, HostKVWorkerMetadata
 from hostkv.vllm.metrics import TIER_COUNTERS, Counters, Failures
 from hostkv.vllm.settings import HostKVSettings
+from hostkv.vllm.state import offered_state_blocks, pages_with_state, state_blocks_to_load
 from hostkv.worker_view import SequenceRequest, WorkerView
 
 if TYPE_CHECKING:
@@ -147,11 +154,17 @@ class SchedulerSide:
     def __init__(self, cache: HostKVCache, settings: HostKVSettings, block_size: int,
                  namespace_base: bytes, failures: Failures, counters: Counters,
                  tier: Optional["RemoteTier"] = None, tp_world: int = 1,
-                 sliding_groups: Tuple[int, ...] = (), async_loads: bool = False) -> None:
+                 sliding_groups: Tuple[int, ...] = (), async_loads: bool = False,
+                 kv: Optional[EngineKV] = None) -> None:
         self.cache = cache
         # The KV-cache groups whose tables hold null blocks (sliding windows), and whether
         # hits load asynchronously (several groups: see the module docstring).
         self.sliding_groups = sliding_groups
+        # The engine's pages (for their recurrent state: hostkv.vllm.state), its state
+        # groups, and the groups whose block lists may name the null block.
+        self.kv = kv
+        self.state_groups = kv.state_groups if kv is not None else ()
+        self.null_groups = kv.null_groups if kv is not None else sliding_groups
         self.async_loads = async_loads
         # Requests whose asynchronous load failed: offered no hit again, so that a load
         # that keeps failing cannot hold them back.
@@ -285,6 +298,11 @@ class SchedulerSide:
         # A lookup stops one token short of the whole request: vLLM computes at least one.
         limit = (len(tokens) - 1) // self.block_size * self.block_size
         match = self.cache.match_prefix(tokens[:limit], namespace)
+        if self.state_groups and match.num_tokens:
+            # A hit ends at a page that holds the state (the pages are not held yet: the
+            # borrow reads it again).
+            match = PrefixMatch(self._pages_with_state(match.pages) * self.block_size,
+                                match.pages)
         if pending is not None:
             if match.num_tokens > pending[5]:
                 self.counters.add("remote_hit_tokens", match.num_tokens - pending[5])
@@ -311,6 +329,16 @@ class SchedulerSide:
             return 0, False
         self.counters.add("hit_tokens", match.num_tokens - num_computed_tokens)
         return match.num_tokens - num_computed_tokens, self.async_loads
+
+    def _pages_with_state(self, pages: Any) -> int:
+        """How many of a prefix's pages make the longest one ending at a page with the
+        model's state (see :func:`hostkv.vllm.state.pages_with_state`)."""
+        assert self.kv is not None
+        pool = self.cache.pages_array()
+        try:
+            return pages_with_state(self.kv, pool, pages)
+        finally:
+            del pool                      # a view left alive would make close() raise
 
     def _remote_lookup(self, req_id: str, tokens: np.ndarray, namespace: int,
                        local: int) -> bool:
@@ -412,6 +440,14 @@ class SchedulerSide:
         self.reqs[req_id] = st
         load_end = min(reused, promised)
         bad_start = max(load_end, local_blocks)
+        if self.state_groups and load_end > local_blocks and (
+                self._pages_with_state(alloc.page_table[load_end - 1:load_end]) != 1
+                or any(len(st.blocks[g]) < load_end or st.blocks[g][load_end - 1] == NULL_BLOCK
+                       for g in self.state_groups)):
+            # Held now, the hit's last page holds no state (evicted and saved anew, without
+            # one, between lookup and borrow), or vLLM gave no block to load it into. Never
+            # a hit without its state.
+            bad_start = local_blocks
         if self.async_loads and promised > local_blocks:
             if promised > bad_start:
                 # Evicted between lookup and borrow: vLLM takes only whole-request
@@ -420,9 +456,11 @@ class SchedulerSide:
                 return
         with self.handoff:
             if load_end > local_blocks:
+                blocks = st.block_slice(local_blocks, load_end)
+                for g in self.state_groups:
+                    blocks[g] = state_blocks_to_load(st.blocks[g], local_blocks, load_end)
                 self.pending_loads.append(_Load(
-                    st, alloc.page_table[local_blocks:load_end].tolist(),
-                    st.block_slice(local_blocks, load_end)))
+                    st, alloc.page_table[local_blocks:load_end].tolist(), blocks))
         if promised > bad_start:
             # Evicted between lookup and borrow: never load what is not held. vLLM
             # recomputes these blocks; until it does, the request's KV rests on them.
@@ -434,7 +472,7 @@ class SchedulerSide:
         """Promised blocks that will not be loaded: vLLM computes them. With one group they
         go to vLLM as bad blocks (and leave its prefix cache); with several the request's
         whole asynchronous load is reported failed. Needs only ``handoff``."""
-        real = real_blocks(blocks, self.sliding_groups)
+        real = real_blocks(blocks, self.null_groups)
         if self.async_loads:
             self.recv_failed_reqs[request.request_id] = None
             if st is not None:
@@ -506,7 +544,7 @@ class SchedulerSide:
             if self.async_loads:
                 recv_failed.append(load.st.req_id)
             else:
-                dropped = real_blocks(load.blocks, self.sliding_groups)
+                dropped = real_blocks(load.blocks, self.null_groups)
                 bad.extend(dropped)
                 self._invalid_in_vllm(dropped)
         return [load for load in loads if not load.st.finished]
@@ -537,7 +575,7 @@ class SchedulerSide:
             load.st.inflight[step] = None
             involved[load.st.req_id] = load.st
         if loads:
-            self.step_loads[step] = [(load.st, real_blocks(load.blocks, self.sliding_groups))
+            self.step_loads[step] = [(load.st, real_blocks(load.blocks, self.null_groups))
                                      for load in loads]
             if not self.async_loads:
                 # The loads feed this very step's forward: vLLM must start them before
@@ -545,8 +583,13 @@ class SchedulerSide:
                 # which is where every load comes from; said here so that no other path
                 # can differ.
                 out.has_sync_kv_loads = True
+        offers = self._state_offers(out)
         for st, end, pages in saves:
-            meta.saves.append((st.req_id, st.block_slice(st.scheduled_upto, end), pages))
+            blocks = st.block_slice(st.scheduled_upto, end)
+            for g in self.state_groups:
+                blocks[g] = offered_state_blocks(offers.get(st.req_id, ()), g,
+                                                 self.block_size, st.scheduled_upto, end)
+            meta.saves.append((st.req_id, blocks, pages))
             st.inflight[step] = (st.scheduled_upto, end)
             st.scheduled_upto = end
             involved[st.req_id] = st
@@ -560,6 +603,14 @@ class SchedulerSide:
         if involved:
             self.steps[step] = list(involved.values())
         return meta
+
+    def _state_offers(self, out: "SchedulerOutput") -> Dict[str, List[Tuple[int, int, int]]]:
+        """vLLM's offers of this step's boundary states, {request: [(group, block,
+        boundary)]} (a model without state groups: none)."""
+        if not self.state_groups:
+            return {}
+        state = getattr(out, "kv_connector_block_state", None)
+        return dict(getattr(state, "boundary_state_offloads", None) or {})
 
     def _plan_saves(self, out: "SchedulerOutput") -> List[Tuple[_Req, int, List[int]]]:
         """This step's saves: (request, end, pages) for blocks [scheduled_upto, end).
@@ -624,7 +675,7 @@ class SchedulerSide:
                                        preempted=list(getattr(out, "preempted_req_ids", None)
                                                       or ()),
                                        recv_failed=list(recv_failed))
-        unloaded = ({b for load in loads for b in real_blocks(load.blocks, self.sliding_groups)}
+        unloaded = ({b for load in loads for b in real_blocks(load.blocks, self.null_groups)}
                     if not self.async_loads else set())
         with self.handoff:
             for load in loads:
@@ -632,7 +683,7 @@ class SchedulerSide:
                     meta.recv_failed.append(load.st.req_id)
                     self.recv_failed_reqs[load.st.req_id] = None
                 else:
-                    meta.bad_blocks.extend(real_blocks(load.blocks, self.sliding_groups))
+                    meta.bad_blocks.extend(real_blocks(load.blocks, self.null_groups))
                 self.freeze_late.append(load.st)
             # Every request scheduled in this step freezes: the blocks vLLM gave it are
             # not recorded (a later save would copy the wrong blocks into its pages), and
@@ -684,7 +735,7 @@ class SchedulerSide:
         if self.suspect_blocks:
             computed = -(-computed_start // self.block_size)
             if any(b in self.suspect_blocks
-                   for b in real_blocks(st.block_slice(0, computed), self.sliding_groups)):
+                   for b in real_blocks(st.block_slice(0, computed), self.null_groups)):
                 # It reads, as computed, a block with no valid KV (a prefix-cache hit on
                 # a block another request was promised and never got).
                 st.freeze()
@@ -804,7 +855,7 @@ class SchedulerSide:
         (the loading request, and any request that took them as vLLM prefix-cache hits
         since) saves and commits nothing more, and vLLM's prefix cache drops them."""
         for st in list(self.reqs.values()) + self.retiring:
-            if not blocks.isdisjoint(real_blocks(st.blocks, self.sliding_groups)):
+            if not blocks.isdisjoint(real_blocks(st.blocks, self.null_groups)):
                 st.freeze()
                 changed[st.seq_id] = st
         for block in blocks:

@@ -105,13 +105,17 @@ class WorkerSide:
             raise ValueError(f"hostkv: vLLM registered KV caches for layers {sorted(kv_caches)}"
                              f"; its KV-cache spec names {list(kv.layer_names)}")
         first, stop, writes = self.heads
-        tensors = [kv_caches[name] for name in kv.layer_names]
+        # The first K/V tensor, for messages (a state layer's cache is a list of tensors).
+        named = next((name for name in kv.layer_names
+                      if isinstance(kv_caches[name], torch.Tensor)), kv.layer_names[0])
+        tensors = [kv_caches[named] if isinstance(kv_caches[named], torch.Tensor)
+                   else torch.empty(0)]
         try:
             engine = GroupCopies(self.cache.pages_tensor(), kv, kv_caches, heads=(first, stop),
-                                 writes=writes, asynchronous=self.async_saves)
+                                 writes=writes, asynchronous=self.async_saves, rank=self.rank)
         except ValueError as exc:
             raise ValueError(
-                f"hostkv: {kv.backend}'s KV cache (layer {kv.layer_names[0]!r}: shape "
+                f"hostkv: {kv.backend}'s KV cache (layer {named!r}: shape "
                 f"{tuple(tensors[0].shape)}, stride {tuple(tensors[0].stride())}, "
                 f"{tensors[0].dtype}) cannot be mapped onto pages of "
                 f"{describe_layout(kv.layout, kv.page_size)} (KV heads [{first}, {stop}) of "
@@ -195,7 +199,7 @@ class WorkerSide:
 
     def _real_blocks(self, groups: List[List[int]]) -> List[int]:
         """Every block of every group but a sliding-window group's null blocks."""
-        return real_blocks(groups, self.kv.sliding_groups)
+        return real_blocks(groups, self.kv.null_groups)
 
     def _loads_failed(self, req_ids: Set[str], blocks: List[int]) -> None:
         """Loads that failed or could not run: their blocks go to vLLM as load errors
