@@ -174,9 +174,12 @@ def _state_hits(prompts: List[List[int]], looked_up: List[List[int]],
     return hits
 
 
-def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_path):
-    """Qwen3-Next: Gated DeltaNet layers (a recurrent state, vLLM's MambaSpec) beside full
-    attention, with vLLM's hybrid manager on. A page holds every attention layer's K/V and
+@pytest.mark.parametrize("kind,dtype", [("qwen3_next", "bfloat16"), ("lfm2", "float32")])
+def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_path, kind,
+                                                                         dtype):
+    """Qwen3-Next (Gated DeltaNet layers; vLLM-CPU's kernel takes bfloat16) and LFM2 (gated
+    short convolutions): a recurrent state (vLLM's MambaSpec) beside full attention, with
+    vLLM's hybrid manager on. A page holds every attention layer's K/V and
     every state layer's state after its last token, where vLLM kept one. At TP=1 and at
     TP=2, B loads what A computed (the attention pages and the state at the hit's end) and
     generates exactly what an engine of its TP degree computes without any cache. A state is each rank's shard, so
@@ -204,7 +207,8 @@ def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_pat
             engine.ready()
         expected_first, _, _ = plain.generate(prompts, MAX_TOKENS)
         expected_turns, _, _ = plain.generate(turns, MAX_TOKENS)
-        block_size = 128
+        with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+            block_size = cache.config.page_size
         for tp, (a, b) in zip((1, 2), pairs):
             outs, cached, _ = a.generate(prompts, MAX_TOKENS)
             # TP=2 finds none of TP=1's pages: their states are other shards.
@@ -219,7 +223,8 @@ def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_pat
                 expected, cached, _ = a.generate(turns, MAX_TOKENS, salts=["cold"] * 3)
                 assert cached == [0] * 3
             outs, cached, _ = b.generate(turns, MAX_TOKENS)
-            assert cached == _state_hits(prompts, turns, block_size) == [256] * 3, tp
+            assert cached == _state_hits(prompts, turns, block_size), tp
+            assert min(cached) > 0, (tp, cached)
             assert outs == expected, tp
             assert b.metrics()["hit_tokens"] == sum(cached), tp
         with hostkv.HostKVCache.attach(segment, lease=False) as cache:

@@ -96,6 +96,22 @@ def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_di
             shared_expert_intermediate_size=64, full_attention_interval=2,
             **{**common, "torch_dtype": "bfloat16"})
         model = Qwen3NextForCausalLM(config)
+    elif kind == "lfm2":
+        # LFM2: gated short convolutions (a recurrent conv state, vLLM's MambaSpec
+        # SHORT_CONV) beside full attention. vLLM reads the config names of LFM2's own
+        # checkpoints (block_dim, conv_dim), which transformers' config no longer has.
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        config = Lfm2Config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                            num_key_value_heads=num_kv_heads,
+                            layer_types=["conv" if i % 2 == 0 else "full_attention"
+                                         for i in range(num_layers)],
+                            # Larger weights, embeddings untied: with the defaults a random
+                            # LFM2 repeats its last input token whatever the KV.
+                            initializer_range=0.3, tie_word_embeddings=False, **common)
+        config.block_dim = config.conv_dim = 128
+        config.block_auto_adjust_ff_dim = False
+        model = Lfm2ForCausalLM(config)
     else:
         raise ValueError(f"no such model kind {kind!r}")
     model.save_pretrained(path)
