@@ -100,7 +100,9 @@ class GroupCopies:
         # On a GPU the engines share one budget of staging (each rounds up to a page), and
         # the first registers the pool for all.
         staging = None
-        if any(tensor.device.type == "cuda" for tensor in kv_caches.values()):
+        # (Only the engines' K/V tensors: a state layer's cache may be a list of tensors.)
+        if any(kv_caches[kv.layer_names[i]].device.type == "cuda"
+               for _, run in runs for i in range(*run)):
             from hostkv.cuda_copy import DEFAULT_STAGING_BYTES
 
             staging = DEFAULT_STAGING_BYTES // len(runs)

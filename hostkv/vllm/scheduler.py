@@ -298,6 +298,8 @@ class SchedulerSide:
         # A lookup stops one token short of the whole request: vLLM computes at least one.
         limit = (len(tokens) - 1) // self.block_size * self.block_size
         match = self.cache.match_prefix(tokens[:limit], namespace)
+        # Pages the cache holds, with or without a state (those past the hit did not leave).
+        found = match.num_tokens
         if self.state_groups and match.num_tokens:
             # A hit ends at a page that holds the state (the pages are not held yet: the
             # borrow reads it again).
@@ -317,7 +319,7 @@ class SchedulerSide:
         hashes = getattr(request, "block_hashes", None)
         if self.stored_hashes and hashes:
             # Blocks this engine stored that the lookup no longer finds left the cache.
-            gone = [h for h in hashes[match.num_tokens // self.block_size:
+            gone = [h for h in hashes[found // self.block_size:
                                       limit // self.block_size]
                     if h in self.stored_hashes]
             if gone:

@@ -1,0 +1,868 @@
+"""Recurrent state (Mamba, Gated DeltaNet: vLLM's ``MambaSpec`` in "align" mode) in pages.
+
+hostkv.vllm.state's protocol, piece by piece, without an engine: engine_kv reads a
+Qwen3-Next-like model (linear-attention layers between full-attention ones) as one page of
+every layer, a state layer's slot holding each rank's state then a marker per rank, and
+refuses the state it cannot keep at page ends, saying why; GroupCopies moves K/V and state
+between vLLM's blocks and pages with exact bytes, in both forms vLLM hands a state layer's
+cache (its list of state tensors, and the one int8 view it registers with a connector), a
+save without a state zeroing the marker a page had, a load of a page without one failing;
+the pure functions that walk a match back to a page with the state and pick the blocks of
+saves and loads; and the scheduler side with vLLM's own KVCacheManager: hits cut back to a
+page with the state, a hit whose state went between lookup and borrow failed whole, loads
+naming only the hit's last state block, saves taking the blocks vLLM offered, and a full
+round trip from one request's saves to another's load.
+
+The byte format (parts rank after rank, then an 8-byte marker per rank) is spelled out here
+from the layout's docstring rather than read back from hostkv, so a change to it fails here.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import hostkv  # noqa: E402
+from lib.kv_layouts import BLOCKS, TOKENS, as_vllm, make_cache, reference_kv  # noqa: E402, F401
+from lib.vllm_engine import BLOCK_SIZE  # noqa: E402
+from lib.vllm_helpers import vllm_module, vllm_request  # noqa: E402
+
+BLOCK = TOKENS                      # the copy tests' pages (make_cache) are vLLM blocks
+MARKER = b"hkvstat1"                # the format's marker, spelled out
+# A rank's state per block, as vLLM declares it for a GDN layer: a conv state and an SSM
+# state, of two element types: 3 * 20 * 4 + 2 * 4 * 8 * 2 = 368 bytes.
+SHAPES = ((3, 20), (2, 4, 8))
+DTYPES = (torch.float32, torch.bfloat16)
+RANK_BYTES = 368
+STATE_LAYERS, FULL_LAYERS = (0, 2), (1, 3)
+
+
+def _state_name(i):
+    return f"model.layers.{i}.linear_attn"
+
+
+def _full_name(i):
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def _state_spec(block=BLOCK, shapes=SHAPES, dtypes=DTYPES, mode="align", **more):
+    vllm_module()
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(block_size=block, shapes=shapes, dtypes=dtypes, mamba_cache_mode=mode,
+                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN, **more)
+
+
+def _full_spec(block=BLOCK, heads=4, dim=8):
+    vllm_module()
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=dim,
+                             dtype=torch.float32)
+
+
+def _kv_cache_config(groups, num_blocks=BLOCKS):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec)
+                                          for spec, names in groups])
+
+
+def _engine_kv(groups, total_heads=4, tp=1):
+    """engine_kv over a KV-cache config of ``groups``: [(spec, layer names)]."""
+    hv = vllm_module()
+    from vllm.config import ParallelConfig
+
+    vllm_config = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                                  model_config=SimpleNamespace(
+                                      get_total_num_kv_heads=lambda: total_heads))
+    return hv.layout.engine_kv(vllm_config, _kv_cache_config(groups))
+
+
+def _qwen3_next_groups(state=None, full=None, block=BLOCK, heads=4, dim=8):
+    """Layers 0 and 2 linear attention (one state group), 1 and 3 full attention, in the
+    order vLLM lists Qwen3-Next's groups."""
+    return [(state or _state_spec(block=block), [_state_name(i) for i in STATE_LAYERS]),
+            (full or _full_spec(block=block, heads=heads, dim=dim),
+             [_full_name(i) for i in FULL_LAYERS])]
+
+
+def _qwen3_next_kv(tp=1, total_heads=4):
+    return _engine_kv(_qwen3_next_groups(heads=total_heads // tp), total_heads=total_heads,
+                      tp=tp)
+
+
+# -- engine_kv -----------------------------------------------------------------------------
+
+
+def test_a_qwen3_next_like_model_is_a_page_of_every_layer_with_state_slots():
+    """Linear-attention and full-attention layers make one page in model order; the state
+    group's layout is the spec's shapes and types, one part and one marker per rank."""
+    kv = _qwen3_next_kv()
+    assert kv.layout == hostkv.KVLayout(4, 4, 8, "float32") and kv.page_size == BLOCK
+    assert kv.layer_names == (_state_name(0), _full_name(1), _state_name(2), _full_name(3))
+    assert [(g.kind, g.layers, g.sliding_window) for g in kv.groups] == [
+        ("state", (0, 2), None), ("full", (1, 3), None)]
+    assert kv.groups[1].state is None
+    assert (kv.state_groups, kv.null_groups, kv.sliding_groups) == ((0,), (0,), ())
+    # Two groups: vLLM takes only whole-request load failures.
+    assert kv.loads_asynchronously
+    state = kv.groups[0].state
+    assert (state.shapes, state.dtypes, state.itemsizes, state.tp_world, state.kind) == (
+        SHAPES, ("float32", "bfloat16"), (4, 2), 1, "MambaSpec (GDN_ATTN)")
+    assert (state.rank_bytes, state.slot_bytes) == (RANK_BYTES, RANK_BYTES + 8)
+    assert (state.part(0), state.marker(0)) == ((0, RANK_BYTES), RANK_BYTES)
+    # Two ranks: both parts, then both markers.
+    state = _qwen3_next_kv(tp=2).groups[0].state
+    assert (state.tp_world, state.rank_bytes, state.slot_bytes) == (2, RANK_BYTES,
+                                                                    2 * RANK_BYTES + 16)
+    assert [state.part(r) for r in (0, 1)] == [(0, RANK_BYTES), (RANK_BYTES, RANK_BYTES)]
+    assert [state.marker(r) for r in (0, 1)] == [2 * RANK_BYTES, 2 * RANK_BYTES + 8]
+
+
+def test_pages_with_state_name_the_tensor_parallel_degree_in_the_namespace():
+    """A state is each rank's shard, so pages of a model with state mean the same only to
+    engines of one TP degree: the parts description (part of engine_identity) names it.
+    A model without state keeps the namespace it always had (no parts field at all)."""
+    hv = vllm_module()
+    one, two = _qwen3_next_kv(tp=1), _qwen3_next_kv(tp=2)
+    assert one.parts_description() == ("layers [0, 2]: MambaSpec (GDN_ATTN) state of [3, 20] "
+                                       "float32, [2, 4, 8] bfloat16 per rank, 1 rank(s)")
+    assert two.parts_description() == one.parts_description().replace("1 rank(s)",
+                                                                       "2 rank(s)")
+    attention_only = _engine_kv([(_full_spec(), [_full_name(i) for i in range(4)])])
+    assert attention_only.parts_description() == ""
+    model = SimpleNamespace(model="no-such-org/no-such-model", revision=None, dtype="float32",
+                            quantization=None, quantization_config=None, hf_overrides={},
+                            max_model_len=2048, model_impl="auto", hf_config=None)
+    config = SimpleNamespace(model_config=model)
+    identity = hv.identity.engine_identity
+    plain = identity(config, one.layout, "")
+    assert identity(config, one.layout, "", attention_only.parts_description()) == plain
+    by_tp = {identity(config, one.layout, "", kv.parts_description()) for kv in (one, two)}
+    assert len(by_tp) == 2 and plain not in by_tp
+
+
+def test_state_hostkv_cannot_keep_at_page_ends_is_refused_saying_why():
+    """Each state hostkv cannot serve fails start-up with a message naming what it saw."""
+    # Prefix caching off ("none") keeps no state at block ends; "all" keeps it elsewhere.
+    for mode in ("none", "all"):
+        with pytest.raises(ValueError, match=rf"mamba_cache_mode 'align' \(prefix caching "
+                                             rf"on\); KV-cache group MambaSpec \(GDN_ATTN\) "
+                                             rf"\(layers .*linear_attn.*\) has '{mode}'"):
+            _engine_kv(_qwen3_next_groups(state=_state_spec(mode=mode)))
+    # A pure state-space model: no attention layer to lay a page out by.
+    with pytest.raises(ValueError, match=r"has none, only MambaSpec \(GDN_ATTN\) \(a pure "
+                                         r"state-space model\)"):
+        _engine_kv([(_state_spec(), [_state_name(i) for i in range(4)])])
+    # Speculative decoding's extra state blocks hold states that are not at page ends.
+    with pytest.raises(ValueError, match="has 1 speculative state blocks"):
+        _engine_kv(_qwen3_next_groups(state=_state_spec(num_speculative_blocks=1)))
+    # The state kept every 32 tokens, the pages 16.
+    with pytest.raises(ValueError, match="keeps it every 32 tokens, the attention layers' "
+                                         "pages hold 16"):
+        _engine_kv(_qwen3_next_groups(state=_state_spec(block=32)))
+    # A slot is one layer's K/V of a page: 2 * 16 tokens * 4 heads * 8 * 4 bytes = 4096;
+    # 1022 float32 are 4088 bytes and the marker 8 fill it exactly, 1023 do not fit.
+    _engine_kv(_qwen3_next_groups(state=_state_spec(shapes=((1022,),),
+                                                    dtypes=(torch.float32,))))
+    with pytest.raises(ValueError, match=r"state \(4092 bytes on each of 1 rank\(s\), and a "
+                                         r"marker each\) does not fit a page's slot of 4096"):
+        _engine_kv(_qwen3_next_groups(state=_state_spec(shapes=((1023,),),
+                                                        dtypes=(torch.float32,))))
+    # With two ranks each slot holds two parts and two markers: 2 * (2040 + 8) fits...
+    _engine_kv(_qwen3_next_groups(state=_state_spec(shapes=((510,),), dtypes=(torch.float32,)),
+                                  heads=2), tp=2)
+    # ... 2 * (2044 + 8) does not.
+    with pytest.raises(ValueError, match=r"2044 bytes on each of 2 rank\(s\)"):
+        _engine_kv(_qwen3_next_groups(state=_state_spec(shapes=((511,),),
+                                                        dtypes=(torch.float32,)),
+                                      heads=2), tp=2)
+
+
+# -- the copies ----------------------------------------------------------------------------
+
+
+def _states(seed):
+    """One state layer's tensors in vLLM's form: per declared shape, [BLOCKS, *shape]."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, *shape, generator=g).to(dtype)
+            for shape, dtype in zip(SHAPES, DTYPES)]
+
+
+def _state_bytes(tensors, block):
+    """A block's state as the page holds it: each tensor's bytes, in vLLM's order."""
+    return b"".join(t[block].contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def _connector_view(tensors, stride=512):
+    """The form vLLM 0.32 registers with a connector: one int8 tensor [blocks, 1, 1, state
+    bytes] over its pool, each block ``stride`` bytes after the last (padding between)."""
+    base = torch.full((BLOCKS, stride), 0x5A, dtype=torch.uint8)
+    for block in range(BLOCKS):
+        base[block, :RANK_BYTES] = torch.frombuffer(bytearray(_state_bytes(tensors, block)),
+                                                    dtype=torch.uint8)
+    return torch.as_strided(base.view(torch.int8), (BLOCKS, 1, 1, RANK_BYTES),
+                            (stride, RANK_BYTES, RANK_BYTES, 1)), base
+
+
+def _caches(kv, kv_tensors, states):
+    """vLLM's per-layer caches: K/V tensors of the attention layers, states of the others."""
+    caches = {}
+    for layer, name in enumerate(kv.layer_names):
+        caches[name] = states[layer] if layer in STATE_LAYERS else kv_tensors[layer]
+    return caches
+
+
+def _copies(cache, kv, caches, rank=0):
+    from hostkv.vllm.groups import GroupCopies
+
+    return GroupCopies(cache.pages_tensor(), kv, caches, heads=kv.heads_of_rank(rank)[:2],
+                       writes=True, asynchronous=False, rank=rank)
+
+
+def _slot(cache, layer, page):
+    """A layer's slot of a page, as bytes."""
+    pool = cache.pages_array()
+    slot = pool.shape[1] // 4
+    data = pool[page, layer * slot:(layer + 1) * slot].tobytes()
+    del pool
+    return data
+
+
+def _fill(cache, value):
+    pool = cache.pages_array()
+    pool[:] = value
+    del pool
+
+
+@pytest.mark.parametrize("form", ["tensors", "connector-view"])
+def test_state_and_kv_round_trip_through_a_page_with_exact_bytes(make_cache, form):
+    """A save writes each attention layer's K/V and each state layer's state and marker
+    into the page, and nothing else of the slot; a load puts the state back into the one
+    non-null block of the state group, and every block it does not name stays as it was.
+    Both forms vLLM hands a state layer's cache: its list of state tensors, and the int8
+    view it registers with a connector (blocks padded apart)."""
+    kv = _qwen3_next_kv()
+    ref = reference_kv(layers=4, heads=4, dim=8)
+    kv_tensors = [as_vllm(r) for r in ref]
+    states = {layer: _states(seed=layer) for layer in STATE_LAYERS}
+    if form == "connector-view":
+        held = {layer: _connector_view(states[layer]) for layer in STATE_LAYERS}
+        caches = _caches(kv, kv_tensors, {layer: held[layer][0] for layer in STATE_LAYERS})
+    else:
+        caches = _caches(kv, kv_tensors, states)
+    cache = make_cache(kv.layout)
+    _fill(cache, 0xAB)
+    copies = _copies(cache, kv, caches)
+    pages, state_blocks, full_blocks = [3, 5], [7, 2], [4, 9]
+    transfer = copies.submit_save([state_blocks, full_blocks], pages)
+    assert transfer.wait() and transfer.error is None
+    pool = cache.pages_tensor().view(torch.float32).view(-1, 4, 2, BLOCK, 4, 8)
+    for page, state_block, full_block in zip(pages, state_blocks, full_blocks):
+        for layer in FULL_LAYERS:
+            assert torch.equal(pool[page, layer], ref[layer][full_block])
+        for layer in STATE_LAYERS:
+            slot = _slot(cache, layer, page)
+            assert slot[:RANK_BYTES] == _state_bytes(states[layer], state_block)
+            assert slot[RANK_BYTES:RANK_BYTES + 8] == MARKER
+            assert slot[RANK_BYTES + 8:] == b"\xab" * (4096 - RANK_BYTES - 8)
+    # Pages the save did not name are untouched.
+    assert _slot(cache, 0, 4) == b"\xab" * 4096
+    # A load of both pages, the state only into the hit's last block (10); vLLM's null
+    # block 0 names no state to copy.
+    back_kv = [torch.zeros_like(t) for t in kv_tensors]
+    back_states = {layer: [torch.zeros_like(t) for t in states[layer]]
+                   for layer in STATE_LAYERS}
+    if form == "connector-view":
+        back_held = {layer: _connector_view(back_states[layer]) for layer in STATE_LAYERS}
+        back = _caches(kv, back_kv, {layer: back_held[layer][0] for layer in STATE_LAYERS})
+    else:
+        back = _caches(kv, back_kv, back_states)
+    loader = _copies(cache, kv, back)
+    transfer = loader.submit_load(pages, [[0, 10], [1, 11]])
+    assert transfer.wait() and transfer.error is None
+    for layer in FULL_LAYERS:
+        assert torch.equal(back_kv[layer][1], kv_tensors[layer][4])
+        assert torch.equal(back_kv[layer][11], kv_tensors[layer][9])
+        assert not back_kv[layer][[b for b in range(BLOCKS) if b not in (1, 11)]].any()
+    for layer in STATE_LAYERS:
+        for block in range(BLOCKS):
+            if form == "connector-view":
+                row = back_held[layer][1][block]
+                got = row[:RANK_BYTES].numpy().tobytes()
+                # The padding between blocks is vLLM's: never written.
+                assert row[RANK_BYTES:].numpy().tobytes() == b"\x5a" * (512 - RANK_BYTES)
+            else:
+                got = _state_bytes(back_states[layer], block)
+            want = _state_bytes(states[layer], 2) if block == 10 else bytes(RANK_BYTES)
+            assert got == want, (layer, block)
+    # Out of range: refused before anything moves.
+    before = cache.pages_tensor().clone()
+    with pytest.raises(ValueError, match=rf"state block {BLOCKS} or page 3 out of range "
+                                         rf"\({BLOCKS} blocks, 10 pages\)"):
+        copies.submit_save([[BLOCKS, 1], [4, 9]], [3, 5])
+    assert torch.equal(cache.pages_tensor(), before)
+    copies.close()
+    loader.close()
+    del copies, loader, pool, before
+
+
+def test_a_save_without_state_clears_the_marker_a_page_had(make_cache):
+    """A page saved again without a state (vLLM offered none for its end: null block)
+    gets a zero marker, whatever the slot held: a stale marker would pass the old state for
+    this page's. A load of it then fails the transfer and copies no state; a load that
+    names no state block of it still succeeds."""
+    hv = vllm_module()
+    kv = _qwen3_next_kv()
+    kv_tensors = [as_vllm(r) for r in reference_kv(layers=4, heads=4, dim=8)]
+    states = {layer: _states(seed=layer) for layer in STATE_LAYERS}
+    cache = make_cache(kv.layout)
+    copies = _copies(cache, kv, _caches(kv, kv_tensors, states))
+    assert copies.submit_save([[7], [4]], [3]).error is None
+    assert all(_slot(cache, layer, 3)[RANK_BYTES:RANK_BYTES + 8] == MARKER
+               for layer in STATE_LAYERS)
+    # Saved anew (another prefix, after an eviction), without a state.
+    assert copies.submit_save([[0], [5]], [3]).error is None
+    for layer in STATE_LAYERS:
+        slot = _slot(cache, layer, 3)
+        assert slot[RANK_BYTES:RANK_BYTES + 8] == bytes(8)
+        # The stale state stays in the slot; only the marker says it is not this page's.
+        assert slot[:RANK_BYTES] == _state_bytes(states[layer], 7)
+    pool = cache.pages_array()
+    assert hv.state.pages_with_state(kv, pool, [3]) == 0
+    del pool
+    back_states = {layer: [torch.zeros_like(t) for t in states[layer]]
+                   for layer in STATE_LAYERS}
+    back_kv = [torch.zeros_like(t) for t in kv_tensors]
+    loader = _copies(cache, kv, _caches(kv, back_kv, back_states))
+    transfer = loader.submit_load([3], [[6], [8]])
+    assert transfer.wait()
+    assert isinstance(transfer.error, ValueError)
+    assert str(transfer.error) == "hostkv: page 3 holds no state of rank 0"
+    assert all(not t.any() for layer in STATE_LAYERS for t in back_states[layer])
+    # Without a state block (a page before the hit's last) it loads its K/V.
+    transfer = loader.submit_load([3], [[0], [8]])
+    assert transfer.wait() and transfer.error is None
+    assert torch.equal(back_kv[1][8], kv_tensors[1][5])
+    copies.close()
+    loader.close()
+    del copies, loader
+
+
+def test_two_ranks_write_disjoint_parts_and_a_page_has_state_once_both_did(make_cache):
+    """Tensor parallelism 2: each rank's StateCopies writes its own part and marker of the
+    same slot, never the other's; the scheduler sees the state only once every rank's
+    marker is set, and each rank loads back its own part."""
+    hv = vllm_module()
+    kv = _qwen3_next_kv(tp=2)
+    cache = make_cache(kv.layout)
+    ref = reference_kv(layers=4, heads=4, dim=8)
+    ranks = []
+    for rank in (0, 1):
+        first, stop, _ = kv.heads_of_rank(rank)
+        kv_tensors = [as_vllm(r[:, :, :, first:stop]) for r in ref]
+        states = {layer: _states(seed=10 * rank + layer) for layer in STATE_LAYERS}
+        ranks.append((states, _copies(cache, kv, _caches(kv, kv_tensors, states), rank)))
+    (states0, copies0), (states1, copies1) = ranks
+
+    def with_state():
+        pool = cache.pages_array()
+        try:
+            return hv.state.pages_with_state(kv, pool, [5])
+        finally:
+            del pool
+
+    assert copies0.submit_save([[2], [4]], [5]).error is None
+    assert with_state() == 0                              # rank 1's marker is missing
+    for layer in STATE_LAYERS:
+        slot = _slot(cache, layer, 5)
+        assert slot[:RANK_BYTES] == _state_bytes(states0[layer], 2)
+        assert slot[RANK_BYTES:2 * RANK_BYTES] == bytes(RANK_BYTES)
+        assert slot[2 * RANK_BYTES:2 * RANK_BYTES + 16] == MARKER + bytes(8)
+    assert copies1.submit_save([[7], [4]], [5]).error is None
+    assert with_state() == 1
+    for layer in STATE_LAYERS:
+        slot = _slot(cache, layer, 5)
+        assert slot[:RANK_BYTES] == _state_bytes(states0[layer], 2)   # rank 0's, kept
+        assert slot[RANK_BYTES:2 * RANK_BYTES] == _state_bytes(states1[layer], 7)
+        assert slot[2 * RANK_BYTES:2 * RANK_BYTES + 16] == MARKER + MARKER
+        assert slot[2 * RANK_BYTES + 16:] == bytes(4096 - 2 * RANK_BYTES - 16)
+    # The full-attention layers: rank 0 wrote heads 0-1, rank 1 heads 2-3.
+    pool = cache.pages_tensor().view(torch.float32).view(-1, 4, 2, BLOCK, 4, 8)
+    for layer in FULL_LAYERS:
+        assert torch.equal(pool[5, layer], ref[layer][4])
+    for rank, (states, copies) in enumerate(ranks):
+        back = {layer: [torch.zeros_like(t) for t in states[layer]] for layer in STATE_LAYERS}
+        first, stop, _ = kv.heads_of_rank(rank)
+        back_kv = [torch.zeros_like(as_vllm(r[:, :, :, first:stop])) for r in ref]
+        loader = _copies(cache, kv, _caches(kv, back_kv, back), rank)
+        assert loader.submit_load([5], [[3], [3]]).error is None
+        for layer in STATE_LAYERS:
+            assert _state_bytes(back[layer], 3) == _state_bytes(states[layer],
+                                                                2 if rank == 0 else 7)
+        loader.close()
+    # Rank 1 saves the page anew without a state: the page has none, for either rank.
+    assert copies1.submit_save([[0], [4]], [5]).error is None
+    assert with_state() == 0
+    copies0.close()
+    copies1.close()
+    del ranks, copies0, copies1, loader, pool
+
+
+def test_state_tensors_other_than_the_spec_declared_are_refused(make_cache):
+    """A state layer's tensors that are not what the spec declared (shape, type, a block's
+    bytes not contiguous, another byte count in the connector's view) fail start-up."""
+    kv = _qwen3_next_kv()
+    kv_tensors = [as_vllm(r) for r in reference_kv(layers=4, heads=4, dim=8)]
+    cache = make_cache(kv.layout)
+    good = _states(seed=0)
+    bad = {
+        "shape": [torch.zeros(BLOCKS, 3, 21), good[1]],
+        "dtype": [good[0], good[1].float()],
+        "strided": [torch.zeros(BLOCKS, 20, 3).transpose(1, 2), good[1]],
+        "view bytes": [torch.zeros(BLOCKS, 1, 1, RANK_BYTES + 8, dtype=torch.int8)],
+    }
+    for what, tensors in bad.items():
+        caches = _caches(kv, kv_tensors, {0: tensors, 2: good})
+        with pytest.raises(ValueError, match=rf"state layer {_state_name(0)}'s tensors are"):
+            _copies(cache, kv, caches)
+        del caches
+
+
+# -- the protocol's pure functions ---------------------------------------------------------
+
+
+def _marker_at(kv, page_bytes, layer, rank):
+    """A rank's marker's offset in a page (the format: slot of the layer, every rank's
+    part, then the markers in rank order; the part's size is pinned by the first test)."""
+    state = kv.groups[kv.state_groups[0]].state
+    return (layer * (page_bytes // kv.layout.num_layers) + state.tp_world * state.rank_bytes
+            + 8 * rank)
+
+
+def _set_marker(pool, kv, page, layers=STATE_LAYERS, ranks=None, value=MARKER):
+    for layer in layers:
+        for rank in ranks if ranks is not None else range(kv.tp_world):
+            at = _marker_at(kv, pool.shape[1], layer, rank)
+            pool[page, at:at + 8] = np.frombuffer(value, dtype=np.uint8)
+
+
+def test_pages_with_state_walks_back_to_the_last_page_with_every_marker():
+    """The longest prefix ending at a page whose every state layer has every rank's
+    marker: a page with one layer's (or one rank's) marker only does not count."""
+    hv = vllm_module()
+    pages_with_state = hv.state.pages_with_state
+    for tp in (1, 2):
+        kv = _qwen3_next_kv(tp=tp)
+        pool = np.zeros((10, kv.layout.page_bytes(BLOCK)), dtype=np.uint8)
+        prefix = [4, 1, 7, 2, 9]
+        assert pages_with_state(kv, pool, prefix) == 0
+        _set_marker(pool, kv, 1)
+        assert pages_with_state(kv, pool, prefix) == 2
+        _set_marker(pool, kv, 2)
+        assert pages_with_state(kv, pool, prefix) == 4
+        _set_marker(pool, kv, 9, layers=(2,))                  # layer 0's missing
+        assert pages_with_state(kv, pool, prefix) == 4
+        if tp == 2:
+            _set_marker(pool, kv, 9, layers=(0,), ranks=(1,))  # rank 0's of layer 0 missing
+            assert pages_with_state(kv, pool, prefix) == 4
+        _set_marker(pool, kv, 9, layers=(0,))
+        assert pages_with_state(kv, pool, prefix) == 5
+        # One wrong byte of one marker.
+        _set_marker(pool, kv, 9, layers=(2,), ranks=(tp - 1,), value=b"hkvstat2")
+        assert pages_with_state(kv, pool, prefix) == 4
+        assert pages_with_state(kv, pool, prefix[:1]) == 0
+        assert pages_with_state(kv, pool, []) == 0
+    # A model without state: every page is a place to end a hit.
+    attention_only = _engine_kv([(_full_spec(), [_full_name(i) for i in range(4)])])
+    assert pages_with_state(attention_only, np.zeros((10, 4 * 4096), np.uint8), [3, 4]) == 2
+
+
+def test_saves_take_offered_boundary_blocks_and_loads_only_the_last_block():
+    """A save's state blocks: for each page, the block vLLM offered for its end (the
+    boundary (page + 1) * page_size, in that group), else the null block. A load's: the null
+    block but for the hit's last page, whose block vLLM reads a hit's state from."""
+    hv = vllm_module()
+    offered = hv.state.offered_state_blocks
+    offers = [(0, 11, 32), (0, 12, 64), (1, 99, 48), (0, 13, 40), (0, 14, 16)]
+    assert offered(offers, 0, 16, 1, 4) == [11, 0, 12]     # pages 1-3 end at 32, 48, 64
+    assert offered(offers, 1, 16, 1, 4) == [0, 99, 0]
+    assert offered(offers, 0, 16, 0, 1) == [14]
+    assert offered(offers, 0, 8, 3, 6) == [11, 13, 0]      # ends 32, 40, 48
+    assert offered([], 0, 16, 0, 3) == [0, 0, 0]
+    assert offered(offers, 0, 16, 2, 2) == []
+    to_load = hv.state.state_blocks_to_load
+    table = [0, 0, 0, 8, 5]
+    assert to_load(table, 1, 4) == [0, 0, 8]
+    assert to_load(table, 0, 5) == [0, 0, 0, 0, 5]
+    assert to_load(table, 3, 4) == [8]
+    assert to_load(table, 2, 2) == []
+
+
+# -- the scheduler side --------------------------------------------------------------------
+
+SCHED_BLOCK = BLOCK_SIZE                          # vllm_request hashes blocks of this size
+SCHED_SHAPES = ((3, 64), (2, 16, 16))
+
+
+def _sched_groups():
+    return _qwen3_next_groups(
+        state=_state_spec(block=SCHED_BLOCK, shapes=SCHED_SHAPES,
+                          dtypes=(torch.float32, torch.float32)),
+        block=SCHED_BLOCK, heads=2, dim=64)
+
+
+def _state_scheduler(hv, segment):
+    """The scheduler side of a Qwen3-Next-like engine, as the connector builds it."""
+    kv = _engine_kv(_sched_groups(), total_heads=2)
+    settings = hv.HostKVSettings(segment=segment, num_pages=64, async_saves=False)
+    cache = hv.open_segment(settings, kv.layout, SCHED_BLOCK)
+    return kv, hv.scheduler.SchedulerSide(
+        cache, settings, SCHED_BLOCK, b"model", hv.metrics.Failures(), hv.metrics.Counters(),
+        tp_world=kv.tp_world, sliding_groups=kv.sliding_groups,
+        async_loads=kv.loads_asynchronously, kv=kv)
+
+
+def _state_manager(num_blocks=64):
+    """vLLM's own KVCacheManager over the state group and the full-attention group."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    return KVCacheManager(_kv_cache_config(_sched_groups(), num_blocks=num_blocks),
+                          max_model_len=4096, scheduler_block_size=SCHED_BLOCK,
+                          hash_block_size=SCHED_BLOCK)
+
+
+def _cache_prefix(hv, sched, tokens):
+    """Commits pages of tokens in the scheduler's namespace (their slots all zeros: no
+    state), returning the pages."""
+    namespace = hv.scheduler._namespace(b"model", None, None)
+    with hostkv.WorkerView(sched.cache) as view:
+        view.allocate_pages_for_sequences_with_prefix(
+            [hostkv.SequenceRequest(1, tokens, namespace)])
+        view.release([1])
+    return sched.cache.match_prefix(tokens, namespace).pages.tolist()
+
+
+def _mark(kv, cache, page, **where):
+    pool = cache.pages_array()
+    try:
+        _set_marker(pool, kv, page, **where)
+    finally:
+        del pool
+
+
+def _hit(hv, sched, manager, request, offered):
+    """vLLM's admission of a request with an asynchronous hostkv hit: blocks for the
+    external tokens only, then update_state_after_alloc."""
+    assert manager.allocate_slots(request, 0, num_external_computed_tokens=offered,
+                                  delay_cache_blocks=True) is not None
+    sched.update_state_after_alloc(request, manager.get_blocks(request.request_id), offered)
+    return [list(group) for group in manager.get_block_ids(request.request_id)]
+
+
+def test_a_hit_ends_at_the_last_page_with_state_and_loads_it_into_the_last_block(
+        segment_name):
+    """Six pages match, with the state only after pages 1 and 3 (page 5 has one layer's
+    marker only): the hit is cut back to four pages. vLLM allocates a state block for the
+    hit's last block only; the load names it there and the null block before, and the
+    full-attention group's blocks as usual."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    kv, sched = _state_scheduler(hv, segment_name)
+    manager = _state_manager()
+    sched.kv_cache_manager = manager
+    try:
+        rng = np.random.default_rng(5)
+        history = rng.integers(1, 1000, 6 * SCHED_BLOCK + 8).tolist()
+        pages = _cache_prefix(hv, sched, history)
+        assert len(pages) == 6
+        request = vllm_request("r1", history + rng.integers(1, 1000, 60).tolist())
+        # No page with the state: a miss, whatever matched.
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        _mark(kv, sched.cache, pages[1])
+        _mark(kv, sched.cache, pages[3])
+        _mark(kv, sched.cache, pages[5], layers=(0,))
+        assert sched.get_num_new_matched_tokens(request, 0) == (4 * SCHED_BLOCK, True)
+        tables = _hit(hv, sched, manager, request, 4 * SCHED_BLOCK)
+        assert tables[0][:3] == [0, 0, 0] and tables[0][3] != 0
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert meta.recv_failed == [] and meta.bad_blocks == []
+        assert meta.loads == [("r1", pages[:4], [[0, 0, 0, tables[0][3]], tables[1][:4]])]
+        sched.request_finished(request)
+        sched.cache.check()
+    finally:
+        sched.shutdown()
+
+
+def test_a_hit_whose_last_page_lost_its_state_before_borrow_fails_whole(segment_name):
+    """Between lookup and borrow the hit's last page was evicted and saved anew without a
+    state (its marker zeroed). Held now, it is read again: the request's asynchronous load
+    is reported failed, nothing is loaded, and the request is offered no hit again (vLLM
+    computes it from its first token)."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    kv, sched = _state_scheduler(hv, segment_name)
+    manager = _state_manager()
+    sched.kv_cache_manager = manager
+    try:
+        rng = np.random.default_rng(6)
+        history = rng.integers(1, 1000, 6 * SCHED_BLOCK + 8).tolist()
+        pages = _cache_prefix(hv, sched, history)
+        for page in pages:
+            _mark(kv, sched.cache, page)
+        request = vllm_request("r1", history + rng.integers(1, 1000, 60).tolist())
+        assert sched.get_num_new_matched_tokens(request, 0) == (6 * SCHED_BLOCK, True)
+        _mark(kv, sched.cache, pages[5], layers=(2,), value=bytes(8))
+        _hit(hv, sched, manager, request, 6 * SCHED_BLOCK)
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert meta.recv_failed == ["r1"] and meta.loads == [] and meta.bad_blocks == []
+        manager.free(request)
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        sched.request_finished(request)
+        # Another request, same prefix: the hit ends at page 4, the last with its state.
+        other = vllm_request("r2", history + rng.integers(1, 1000, 9).tolist())
+        assert sched.get_num_new_matched_tokens(other, 0) == (5 * SCHED_BLOCK, True)
+        sched.request_finished(other)
+        sched.cache.check()
+    finally:
+        sched.shutdown()
+
+
+def _tables(state, full):
+    """vLLM's KVCacheBlocks of the state group's and the full-attention group's blocks."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks((tuple(KVCacheBlock(b) for b in state),
+                          tuple(KVCacheBlock(b) for b in full)))
+
+
+@pytest.mark.parametrize("state_table", [[0] * 7 + [9], [4, 5, 6, 7, 8, 9, 10, 11]],
+                         ids=["null-at-the-hit-end", "no-null-blocks"])
+def test_state_tables_other_than_vllm_032s_load_only_the_hit_end(segment_name, state_table):
+    """Tables vLLM 0.32's manager does not hand today, which hostkv must not trip on. A
+    state table with the null block at the hit's last position: nowhere to load the state
+    into, so the load is reported failed rather than loading K/V without it. A table with a
+    block at every position: only the hit's last is loaded (the pages before it hold no
+    state: a load of them would fail)."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    kv, sched = _state_scheduler(hv, segment_name)
+    try:
+        rng = np.random.default_rng(7)
+        history = rng.integers(1, 1000, 4 * SCHED_BLOCK).tolist()
+        pages = _cache_prefix(hv, sched, history)
+        _mark(kv, sched.cache, pages[3])
+        request = vllm_request("r1", history + rng.integers(1, 1000, 100).tolist())
+        assert sched.get_num_new_matched_tokens(request, 0) == (4 * SCHED_BLOCK, True)
+        full = list(range(20, 28))
+        sched.update_state_after_alloc(request, _tables(state_table, full), 4 * SCHED_BLOCK)
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert meta.bad_blocks == []
+        if state_table[3] == 0:
+            assert meta.recv_failed == ["r1"] and meta.loads == []
+        else:
+            assert meta.recv_failed == []
+            assert meta.loads == [("r1", pages, [[0, 0, 0, 7], full[:4]])]
+        sched.request_finished(request)
+        sched.cache.check()
+    finally:
+        sched.shutdown()
+
+
+def test_saves_take_only_the_blocks_vllm_offered_never_the_table(segment_name):
+    """The state block of a page end is the one vLLM offered for that boundary, which need
+    not be in the table (vLLM offers the copy-on-write copy of a partial-tail state); a
+    table's block at a page's position without an offer holds some other token's state:
+    the page is saved without one."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import (KVConnectorBlockState, NewRequestData,
+                                           SchedulerOutput)
+
+    kv, sched = _state_scheduler(hv, segment_name)
+    try:
+        rng = np.random.default_rng(9)
+        request = vllm_request("r1", rng.integers(1, 1000, 3 * SCHED_BLOCK + 5).tolist())
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        state, full = [30, 31, 32, 33], [40, 41, 42, 43]
+        sched.update_state_after_alloc(request, _tables(state, full), 0)
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = [NewRequestData.from_request(request, (state, full))]
+        out.num_scheduled_tokens = {"r1": request.num_tokens}
+        out.kv_connector_block_state = KVConnectorBlockState(
+            req_ids={"r1"}, resolve_block_ids=lambda req_id: (state, full),
+            boundary_state_offloads={"r1": [(0, 44, 96), (1, 45, 64)]})
+        meta = sched.build_connector_meta(out)
+        [(req_id, blocks, pages)] = meta.saves
+        assert req_id == "r1" and len(pages) == 3
+        assert blocks == [[0, 0, 44], full[:3]]
+        sched.request_finished(request)
+        sched.cache.check()
+    finally:
+        sched.shutdown()
+
+
+def _block_state(manager, offers):
+    from vllm.v1.core.sched.output import KVConnectorBlockState
+
+    return KVConnectorBlockState(req_ids=set(offers), resolve_block_ids=manager.get_block_ids,
+                                 boundary_state_offloads=offers)
+
+
+def test_saves_take_the_blocks_vllm_offered_and_a_later_request_loads_them(segment_name):
+    """A prompt of three pages and a bit, prefilled in two chunks (64, then 32 tokens) as
+    vLLM's aligned split does. Each step's saves take, per page, the state block vLLM's
+    own manager offered for the page's end in that step (page 0: none, the null block);
+    a worker copies them; once confirmed, another request's lookup ends at page 2, the last
+    with the state, and its load puts exactly that state into its own last block."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    kv, sched = _state_scheduler(hv, segment_name)
+    manager = _state_manager()
+    sched.kv_cache_manager = manager
+    # The worker: vLLM's tensors of 64 blocks, in the scheduler's segment.
+    g = torch.Generator().manual_seed(3)
+    kv_tensors = [torch.randn(64, 2, SCHED_BLOCK, 128, generator=g) for _ in range(4)]
+    states = {layer: [torch.randn(64, *shape, generator=g) for shape in SCHED_SHAPES]
+              for layer in STATE_LAYERS}
+    worker = _copies(sched.cache, kv, _caches(kv, kv_tensors, states))
+    loader = None
+    try:
+        rng = np.random.default_rng(8)
+        request = vllm_request("r1", rng.integers(1, 1000, 3 * SCHED_BLOCK + 5).tolist())
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        # Step 1: the first 64 tokens.
+        assert manager.allocate_slots(request, 64) is not None
+        sched.update_state_after_alloc(request, manager.get_blocks("r1"), 0)
+        tables = [list(group) for group in manager.get_block_ids("r1")]
+        offers = manager.take_boundary_state_offloads()
+        assert offers == {"r1": [(0, tables[0][1], 64)]}
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = [NewRequestData.from_request(request, tuple(tables))]
+        out.num_scheduled_tokens = {"r1": 64}
+        # An offer for another request changes nothing of this one's saves.
+        out.kv_connector_block_state = _block_state(manager, {**offers, "r9": [(0, 5, 32)]})
+        meta1 = sched.build_connector_meta(out)
+        [(req_id, blocks1, pages1)] = meta1.saves
+        assert req_id == "r1" and len(pages1) == 2
+        assert blocks1 == [[0, tables[0][1]], tables[1][:2]]
+        # Step 2: 32 more tokens, to the prompt's last whole block.
+        request.num_computed_tokens = 64
+        added = manager.allocate_slots(request, 32).get_block_ids()
+        offers = manager.take_boundary_state_offloads()
+        assert offers == {"r1": [(0, added[0][0], 96)]}
+        cached = CachedRequestData.make_empty()
+        cached.req_ids = ["r1"]
+        cached.new_block_ids = [tuple(list(group) for group in added)]
+        cached.num_computed_tokens = [64]
+        out = SchedulerOutput.make_empty()
+        out.scheduled_cached_reqs = cached
+        out.num_scheduled_tokens = {"r1": 32}
+        out.kv_connector_block_state = _block_state(manager, offers)
+        meta2 = sched.build_connector_meta(out)
+        [(req_id, blocks2, pages2)] = meta2.saves
+        assert req_id == "r1" and blocks2 == [[added[0][0]], [added[1][0]]]
+        # The worker runs both steps' saves and confirms them.
+        for meta in (meta1, meta2):
+            for _, blocks, pages in meta.saves:
+                assert worker.submit_save(blocks, pages).error is None
+        sched.update_connector_output(KVConnectorOutput(
+            kv_connector_worker_meta=hv.HostKVWorkerMetadata(
+                done=[(meta1.step, 0, []), (meta2.step, 0, [])])))
+        assert sched.counters.values["committed_pages"] == 3
+        pages = pages1 + pages2
+        for layer in STATE_LAYERS:
+            slots = [_slot(sched.cache, layer, page) for page in pages]
+            assert [slot[2816:2824] for slot in slots] == [bytes(8), MARKER, MARKER]
+            assert slots[1][:2816] == _state_bytes(states[layer], tables[0][1])
+            assert slots[2][:2816] == _state_bytes(states[layer], added[0][0])
+        # Another request with the same three pages: its hit ends at page 2.
+        other = vllm_request("r2", request.all_token_ids[:96] + rng.integers(1, 1000,
+                                                                             40).tolist())
+        assert sched.get_num_new_matched_tokens(other, 0) == (96, True)
+        other_tables = _hit(hv, sched, manager, other, 96)
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        last = other_tables[0][2]
+        assert meta.loads == [("r2", pages, [[0, 0, last], other_tables[1][:3]])]
+        # Another engine's worker loads it into blocks of its own.
+        back_kv = [torch.zeros_like(t) for t in kv_tensors]
+        back = {layer: [torch.zeros_like(t) for t in states[layer]] for layer in STATE_LAYERS}
+        loader = _copies(sched.cache, kv, _caches(kv, back_kv, back))
+        [(_, load_pages, load_blocks)] = meta.loads
+        assert loader.submit_load(load_pages, load_blocks).error is None
+        for layer in STATE_LAYERS:
+            for block in range(64):
+                want = (_state_bytes(states[layer], added[0][0]) if block == last
+                        else bytes(2816))
+                assert _state_bytes(back[layer], block) == want, (layer, block)
+        for layer in FULL_LAYERS:
+            for i, block in enumerate(other_tables[1][:3]):
+                source = (tables[1][:2] + [added[1][0]])[i]
+                assert torch.equal(back_kv[layer][block], kv_tensors[layer][source])
+        sched.request_finished(request)
+        sched.request_finished(other)
+        sched.cache.check()
+    finally:
+        worker.close()
+        if loader is not None:
+            loader.close()
+        del worker, loader
+        sched.shutdown()
+
+
+def test_pages_a_hit_is_cut_back_from_are_not_reported_removed(segment_name):
+    """This engine saved three pages (vLLM offered no state for page 2's end); a later
+    lookup ends its hit at page 1, the last with the state. Page 2 is still cached, and a
+    longer prompt may still take it inside a hit: no BlockRemoved event may say it left
+    (a KV-aware router would stop sending its prefix here). Once it is evicted, it is."""
+    hv = vllm_module()
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    kv, sched = _state_scheduler(hv, segment_name)
+    try:
+        rng = np.random.default_rng(10)
+        request = vllm_request("r1", rng.integers(1, 1000, 3 * SCHED_BLOCK + 5).tolist())
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        state, full = [0, 0, 0, 33], [40, 41, 42, 43]
+        sched.update_state_after_alloc(request, _tables(state, full), 0)
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = [NewRequestData.from_request(request, (state, full))]
+        out.num_scheduled_tokens = {"r1": request.num_tokens}
+        meta = sched.build_connector_meta(out)
+        [(_, _, pages)] = meta.saves
+        sched.update_connector_output(KVConnectorOutput(
+            kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=[(meta.step, 0, [])])))
+        stored = [h for e in sched.take_events() if type(e).__name__ == "BlockStored"
+                  for h in e.block_hashes]
+        assert stored == [maybe_convert_block_hash(h) for h in request.block_hashes[:3]]
+        _mark(kv, sched.cache, pages[1])
+        other = vllm_request("r2", request.all_token_ids[:96] + rng.integers(1, 1000,
+                                                                             40).tolist())
+        assert sched.get_num_new_matched_tokens(other, 0) == (64, True)
+        assert [e for e in sched.take_events() if type(e).__name__ == "BlockRemoved"] == []
+        sched.request_finished(other)
+        sched.request_finished(request)
+        sched.cache.evict(64)
+        again = vllm_request("r3", request.all_token_ids)
+        assert sched.get_num_new_matched_tokens(again, 0) == (0, False)
+        removed = [h for e in sched.take_events() if type(e).__name__ == "BlockRemoved"
+                   for h in e.block_hashes]
+        assert removed == stored
+        sched.request_finished(again)
+        sched.cache.check()
+    finally:
+        sched.shutdown()
