@@ -191,20 +191,32 @@ def _print_mapping(title: str, mapping: dict) -> None:
         print(f"  {key:<28} {value}")
 
 
+def _layer_list(text: Optional[str]) -> Tuple[int, ...]:
+    """--state-layers "0,2" as (0, 2); "" or None as ()."""
+    if not text:
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--state-layers takes layer indices separated by commas, got "
+                         f"{text!r}") from None
+
+
 def _create(args: argparse.Namespace) -> int:
     kind = args.kind or "mha"
     # An MLA page holds one latent vector a token and layer: there are no KV heads to give.
     kv_heads = 1 if kind == "mla" and args.kv_heads is None else args.kv_heads
     layout_args = (args.layers, kv_heads, args.head_dim)
     layout = None
-    if args.kind is not None or any(
+    if args.kind is not None or args.state_layers or any(
             value is not None for value in (args.layers, args.kv_heads, args.head_dim)):
         if any(value is None for value in layout_args):
             raise ValueError("a KV layout needs --layers, --kv-heads and --head-dim"
                              if kind == "mha" else
                              "an MLA KV layout needs --layers and --head-dim (the latent's size)")
         layout = KVLayout(num_layers=args.layers, num_kv_heads=kv_heads,
-                          head_dim=args.head_dim, dtype=args.dtype, kind=kind)
+                          head_dim=args.head_dim, dtype=args.dtype, kind=kind,
+                          state_layers=_layer_list(args.state_layers))
         page_bytes = layout.page_bytes(args.page_size)
     elif args.page_bytes > 0:
         page_bytes = args.page_bytes
@@ -257,6 +269,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "multi-query attention; the default) or mla (one latent vector a "
                              "token: multi-head latent attention, --head-dim its size, "
                              "--kv-heads 1)")
+    create.add_argument("--state-layers", default="",
+                        help="KV layout: layers whose slot of a page holds a recurrent state "
+                             "(Mamba, linear attention) instead of K/V, e.g. 0,2 (vLLM: "
+                             "what the engine's log names)")
     create.add_argument("--page-bytes", type=int, default=0,
                         help="bytes a page, instead of a KV layout")
     create.add_argument("--max-processes", type=int, default=0,

@@ -135,19 +135,28 @@ cdef HkvConfig config_to_c(object config) except *:
     c.cfg_kv_head_dim = values.get("cfg_kv_head_dim", 0)
     c.cfg_kv_dtype_code = values.get("cfg_kv_dtype_code", 0)
     c.cfg_kv_kind = values.get("cfg_kv_kind", 0)
+    if layout is not None:
+        for layer in layout.state_layers:
+            # KVLayout bounds the layers below 64 * HKV_STATE_LAYER_WORDS.
+            c.cfg_kv_state_layers[layer // 64] |= (<uint64_t>1) << (layer % 64)
     return c
 
 
 cdef tuple config_values(const HkvConfig* cfg):
     """The header's config as (dict of HostKVConfig field values, kv layout or None): the
-    layout as (num_layers, num_kv_heads, head_dim, dtype code, kind code)."""
+    layout as (num_layers, num_kv_heads, head_dim, dtype code, kind code, state layers)."""
     cdef dict c = cfg[0]
+    cdef int word, bit
     values = {pyname: c[cname] for pyname, cname in _CONFIG_FIELDS}
     values["enable_prefix_reuse"] = bool(values["enable_prefix_reuse"])
     layout = None
     if c["cfg_kv_num_layers"]:
+        # Every bit as stored: KVLayout refuses one past num_layers (a damaged header).
+        state_layers = tuple(word * 64 + bit for word in range(HKV_STATE_LAYER_WORDS)
+                             for bit in range(64)
+                             if (cfg.cfg_kv_state_layers[word] >> bit) & 1)
         layout = (c["cfg_kv_num_layers"], c["cfg_kv_num_kv_heads"], c["cfg_kv_head_dim"],
-                  c["cfg_kv_dtype_code"], c["cfg_kv_kind"])
+                  c["cfg_kv_dtype_code"], c["cfg_kv_kind"], state_layers)
     return values, layout
 
 

@@ -142,6 +142,7 @@ def layout_info():
         ("cfg_undo_log_capacity", <size_t>&h.hdr_config.cfg_undo_log_capacity),
         ("cfg_kv_dtype_code", <size_t>&h.hdr_config.cfg_kv_dtype_code),
         ("cfg_kv_kind", <size_t>&h.hdr_config.cfg_kv_kind),
+        ("cfg_kv_state_layers", <size_t>&h.hdr_config.cfg_kv_state_layers),
         ("hdr_regions", <size_t>&h.hdr_regions),
         ("reg_leases", <size_t>&h.hdr_regions.reg_leases),
         ("reg_metrics", <size_t>&h.hdr_regions.reg_metrics),

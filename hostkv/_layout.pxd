@@ -43,7 +43,8 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 9u
+    #define HKV_LAYOUT_VERSION 10u
+    #define HKV_STATE_LAYER_WORDS 16             /* a bitmap of 1024 page layers */
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
 
@@ -82,6 +83,9 @@ cdef extern from *:
         int32_t cfg_kv_head_dim;
         int32_t cfg_kv_dtype_code;               /* hostkv.config.DTYPE_CODES */
         int32_t cfg_kv_kind;                     /* hostkv.config.KV_KINDS (0: mha, 1: mla) */
+        uint64_t cfg_kv_state_layers[HKV_STATE_LAYER_WORDS];  /* KVLayout.state_layers: bit i
+                                                    of word i // 64, layer i's slot holds a
+                                                    recurrent state, not K/V */
     } HkvConfig;
 
     /* Byte offsets of the regions from the start of the segment. */
@@ -307,6 +311,7 @@ cdef extern from *:
     """
     uint64_t HKV_MAGIC
     uint32_t HKV_LAYOUT_VERSION
+    int HKV_STATE_LAYER_WORDS
     uint32_t HKV_BYTE_ORDER_MARK
     int HKV_CACHE_LINE
     int HKV_UNDO_WIDTH_SHIFT
@@ -350,6 +355,7 @@ cdef extern from *:
         int32_t cfg_kv_head_dim
         int32_t cfg_kv_dtype_code
         int32_t cfg_kv_kind
+        uint64_t cfg_kv_state_layers[16]
 
     ctypedef struct HkvRegions:
         int64_t reg_leases

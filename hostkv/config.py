@@ -12,6 +12,7 @@ recognised by their ``str()``, numpy dtypes only when numpy is already imported.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import sys
 import types
@@ -20,7 +21,8 @@ from typing import Any, Mapping, Optional, Tuple
 from hostkv._validate import as_index, describe, is_bool, positive_index
 from hostkv.errors import ConfigError
 
-__all__ = ["DTYPE_CODES", "KV_KINDS", "HostKVConfig", "KVLayout", "dtype_from_code"]
+__all__ = ["DTYPE_CODES", "KV_KINDS", "MAX_STATE_LAYER", "HostKVConfig", "KVLayout",
+           "dtype_from_code"]
 
 # Records address each other by int32 index, so every count of records (and the number of
 # token slots, num_pages * page_size) must stay below this.
@@ -64,6 +66,9 @@ _ITEMSIZES: Mapping[str, int] = types.MappingProxyType(
         "uint8": 1,
     }
 )
+
+# The segment header records KVLayout.state_layers as a bitmap of this many layers.
+MAX_STATE_LAYER = 1024
 
 # What a page's bytes hold (KVLayout.kind), by the code stored in the segment header.
 KV_KINDS: Mapping[str, int] = types.MappingProxyType({"mha": 0, "mla": 1})
@@ -133,6 +138,12 @@ class KVLayout:
       ``head_dim`` elements per token and layer, no K/V split: the page is
       ``(num_layers, page_size, head_dim)``; ``num_kv_heads`` is 1.
 
+    A model with recurrent-state layers (Mamba, Gated DeltaNet and other linear attention)
+    names them in ``state_layers``: such a layer's slot of the page (its bytes of the shape
+    above) holds the layer's state after the page's last token instead of K/V, in bytes
+    whose layout the engine integration defines (``hostkv.vllm.state``) and keys apart in
+    its namespace.
+
     Attributes:
         num_layers: Transformer layers, > 0.
         num_kv_heads: KV heads per layer (after GQA/MQA grouping, before tensor
@@ -142,10 +153,15 @@ class KVLayout:
             torch dtype is accepted and stored as its name (``torch.bfloat16`` becomes
             ``"bfloat16"``).
         kind: ``"mha"`` or ``"mla"`` (see above; the codes are :data:`KV_KINDS`).
+        state_layers: The layers whose slot holds a recurrent state, increasing, each below
+            ``num_layers`` and :data:`MAX_STATE_LAYER`; at least one layer holds K/V. A
+            list is accepted and stored as a tuple.
 
     Raises:
         ConfigError: A field is not a positive integer, the dtype or kind is not supported,
-            or an ``"mla"`` layout has more than one KV head.
+            an ``"mla"`` layout has more than one KV head, or ``state_layers`` is not
+            increasing layers of the layout below :data:`MAX_STATE_LAYER` that leave one
+            K/V layer.
     """
 
     num_layers: int
@@ -153,6 +169,7 @@ class KVLayout:
     head_dim: int
     dtype: str = "float16"
     kind: str = "mha"
+    state_layers: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # object.__setattr__: the dataclass is frozen, and normalising here keeps equality
@@ -167,6 +184,19 @@ class KVLayout:
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise ConfigError(f"KVLayout of kind 'mla' holds one latent vector per token: "
                               f"num_kv_heads must be 1, got {self.num_kv_heads}")
+        try:
+            state = tuple(operator.index(layer) for layer in self.state_layers)
+        except TypeError:
+            raise ConfigError(f"KVLayout.state_layers must be layer indices, got "
+                              f"{self.state_layers!r}") from None
+        if (list(state) != sorted(set(state)) or any(layer < 0 for layer in state)
+                or (state and state[-1] >= min(self.num_layers, MAX_STATE_LAYER))
+                or len(state) >= self.num_layers):
+            raise ConfigError(
+                f"KVLayout.state_layers must be increasing layers below num_layers "
+                f"{self.num_layers} and {MAX_STATE_LAYER}, leaving one K/V layer; got "
+                f"{list(state)}")
+        object.__setattr__(self, "state_layers", state)
 
     @property
     def itemsize(self) -> int:

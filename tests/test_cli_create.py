@@ -73,6 +73,37 @@ def test_create_an_mla_segment(new_name):
             hostkv.HostKVCache.attach(refused)
 
 
+def test_create_a_segment_with_recurrent_state_layers(new_name):
+    """--state-layers: the slots of those layers hold a recurrent state (a Qwen3-Next-like
+    model's Gated DeltaNet layers). The header records them, an attach reads them back,
+    inspect shows them, and an engine's layout without them is another layout. Bad lists
+    are refused and create nothing."""
+    import json
+
+    name = new_name()
+    done = run_cli("create", name, "--num-pages", "4", "--page-size", "128", "--layers", "4",
+                   "--kv-heads", "2", "--head-dim", "64", "--state-layers", "0,2")
+    assert done.returncode == 0, done.stderr
+    assert "4 pages of 262144 bytes" in done.stdout             # state slots: K/V's size
+    with hostkv.HostKVCache.attach(name) as cache:
+        layout = cache.config.kv_layout
+        assert layout == hostkv.KVLayout(4, 2, 64, "bfloat16", state_layers=(0, 2))
+        assert layout != hostkv.KVLayout(4, 2, 64, "bfloat16")
+    shown = run_cli("inspect", name, "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["config"]["kv_layout"]["state_layers"] == [0, 2]
+    for args, said in ((["--state-layers", "0,x"], "layer indices separated by commas"),
+                       (["--state-layers", "2,0"], "state_layers must be increasing"),
+                       (["--state-layers", "0,1,2,3"], "leaving one K/V layer"),
+                       (["--state-layers", "4"], "below num_layers 4")):
+        refused = new_name()
+        bad = run_cli("create", refused, "--num-pages", "4", "--layers", "4", "--kv-heads",
+                      "2", "--head-dim", "64", *args)
+        assert bad.returncode == 2 and said in bad.stderr, (args, bad.stderr)
+        with pytest.raises(hostkv.SegmentNotFoundError):
+            hostkv.HostKVCache.attach(refused)
+
+
 def test_parse_size():
     assert parse_size(4096) == 4096
     assert parse_size("4GiB") == 4 << 30

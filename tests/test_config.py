@@ -318,7 +318,27 @@ def test_field_order():
         "sequence_page_node_capacity", "max_sequences", "max_processes", "undo_log_capacity",
     ]
     assert [f.name for f in dataclasses.fields(KVLayout)] == [
-        "num_layers", "num_kv_heads", "head_dim", "dtype", "kind"]
+        "num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "state_layers"]
+
+
+def test_state_layers_are_increasing_layers_that_leave_one_kv_layer():
+    """A recurrent-state model's layout names the layers whose slot holds a state: stored
+    as a tuple of plain ints (equal layouts compare equal), refused unless increasing,
+    inside the layout and below the header's bitmap, with one K/V layer left."""
+    import numpy as np
+
+    layout = KVLayout(4, 2, 64, "bfloat16", state_layers=[np.int64(0), 2])
+    assert layout.state_layers == (0, 2) and type(layout.state_layers[0]) is int
+    assert layout == KVLayout(4, 2, 64, "bfloat16", state_layers=(0, 2))
+    assert layout != KVLayout(4, 2, 64, "bfloat16")
+    # The slot of a state layer is a K/V layer's: pages are the same size.
+    assert layout.page_bytes(16) == KVLayout(4, 2, 64, "bfloat16").page_bytes(16)
+    for bad in ([2, 0], [0, 0], [-1], [4], [0, 1, 2, 3], ["0"], [0.5]):
+        with pytest.raises(ConfigError, match="state_layers"):
+            KVLayout(4, 2, 64, "bfloat16", state_layers=bad)
+    with pytest.raises(ConfigError, match="below num_layers 2000 and 1024"):
+        KVLayout(2000, 2, 64, "bfloat16", state_layers=[1024])
+    assert KVLayout(2000, 2, 64, "bfloat16", state_layers=[1023]).state_layers == (1023,)
 
 
 def test_limits_accepted_at_the_edge():

@@ -177,6 +177,18 @@ def test_namespaces_and_layouts_never_share_pages(redis_server, make_host):
     assert b.tier.stats().miss_pages == 4
 
 
+def test_state_layers_are_part_of_the_layout_fingerprint():
+    """Pages whose state layers' slots hold states never share remote values with pages of
+    the same shape that hold K/V there (or states in other layers)."""
+    def fingerprint(state_layers):
+        layout = hostkv.KVLayout(4, 2, 64, "bfloat16", state_layers=state_layers)
+        return layout_fingerprint(hostkv.HostKVConfig(num_pages=8, page_size=16,
+                                                      kv_layout=layout))
+
+    assert len({fingerprint(()), fingerprint((0, 2)), fingerprint((1, 3))}) == 3
+    assert fingerprint((0, 2)) == fingerprint([0, 2])
+
+
 # -- values that must not be loaded ----------------------------------------------------------
 
 def _corrupt(kind: str, value: bytes, other_layout_value: bytes) -> bytes:

@@ -105,7 +105,9 @@ def test_a_qwen3_next_like_model_is_a_page_of_every_layer_with_state_slots():
     """Linear-attention and full-attention layers make one page in model order; the state
     group's layout is the spec's shapes and types, one part and one marker per rank."""
     kv = _qwen3_next_kv()
-    assert kv.layout == hostkv.KVLayout(4, 4, 8, "float32") and kv.page_size == BLOCK
+    # The header records which layers' slots hold a state.
+    assert kv.layout == hostkv.KVLayout(4, 4, 8, "float32", state_layers=(0, 2))
+    assert kv.page_size == BLOCK
     assert kv.layer_names == (_state_name(0), _full_name(1), _state_name(2), _full_name(3))
     assert [(g.kind, g.layers, g.sliding_window) for g in kv.groups] == [
         ("state", (0, 2), None), ("full", (1, 3), None)]

@@ -64,6 +64,9 @@ def layout_fingerprint(config: Any) -> bytes:
         described += (f"|canonical|kind={layout.kind}|layers={layout.num_layers}"
                       f"|kv_heads={layout.num_kv_heads}|head_dim={layout.head_dim}"
                       f"|dtype={layout.dtype}")
+        if layout.state_layers:
+            # Slots of state layers hold states, not K/V (their layout is in the namespace).
+            described += f"|state_layers={','.join(map(str, layout.state_layers))}"
     return hashlib.blake2b(described.encode(), digest_size=_DIGEST).digest()
 
 

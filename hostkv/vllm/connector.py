@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from hostkv.vllm.identity import engine_identity
-from hostkv.vllm.layout import engine_kv, open_segment
+from hostkv.vllm.layout import describe_layout, engine_kv, open_segment
 from hostkv.vllm.metadata import HostKVConnectorMetadata, HostKVWorkerMetadata
 from hostkv.vllm.metrics import COUNTERS, Counters, Failures, HostKVConnectorStats, HostKVPromMetrics
 from hostkv.vllm.scheduler import SchedulerSide
@@ -106,6 +106,10 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._counters = Counters()
         self._clock = PhaseClock(self._counters)
         self._cache = open_segment(self._settings, layout, kv.page_size)
+        if role == KVConnectorRole.SCHEDULER:
+            logger.info("hostkv: segment %r, pages of %s%s", self._settings.segment,
+                        describe_layout(layout, kv.page_size),
+                        f"; {kv.parts_description()}" if kv.parts_description() else "")
         self._sched: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
         # vLLM's KV tensors as last registered: vLLM 0.33's restore_kv_caches() names none.

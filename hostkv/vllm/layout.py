@@ -353,8 +353,11 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
                              f"each of {tp} ranks {local_heads}; hostkv expected "
                              f"{stop - first}")
     dtype = str(spec.dtype).replace("torch.", "")
+    state_layers = sorted(position[name] for kind, group in zip(kinds, groups)
+                          if kind == "state" for name in group.layer_names)
     layout = KVLayout(num_layers=len(layers), num_kv_heads=total_heads,
-                      head_dim=spec.head_size, dtype=dtype, kind=kind)
+                      head_dim=spec.head_size, dtype=dtype, kind=kind,
+                      state_layers=tuple(state_layers))
     block_size = int(spec.block_size)
     if block_size & (block_size - 1):
         raise ValueError(f"hostkv pages hold a power-of-two number of tokens; vLLM's block "
@@ -424,11 +427,13 @@ def describe_layout(layout: Optional[KVLayout], page_size: int) -> str:
     """A layout in words, for messages: "2 layers x 4 KV heads x head_dim 64 float32 ..."."""
     if layout is None:
         return f"no KV layout, {page_size} tokens a page"
+    state = (f" (layers {list(layout.state_layers)} hold recurrent state)"
+             if layout.state_layers else "")
     if layout.kind == "mla":
         return (f"{layout.num_layers} layers x MLA latent {layout.head_dim} {layout.dtype}, "
-                f"{page_size} tokens a page")
+                f"{page_size} tokens a page{state}")
     return (f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x head_dim "
-            f"{layout.head_dim} {layout.dtype}, {page_size} tokens a page")
+            f"{layout.head_dim} {layout.dtype}, {page_size} tokens a page{state}")
 
 
 def _processes_mapping(name: str) -> Set[int]:
