@@ -14,9 +14,14 @@ random: failed saves and loads on one rank, lost reports, evictions between look
 borrow, the connector's lock not had, segment calls raising, build_connector_meta failing,
 held asynchronous copies, aborts and preemptions. Hybrid models run too: a
 sliding-window and a full-attention group interleaved (vLLM's HybridKVCacheCoordinator,
-a block table per group, asynchronous loads), and a model of one sliding-window group.
-Each run is seeded (the seed is in every
-failure); ``HOSTKV_LONG=1`` runs more seeds and steps.
+a block table per group, asynchronous loads), a model of one sliding-window group, and
+Qwen3-Next's shape: recurrent-state layers (Gated DeltaNet, vLLM's MambaManager in "align"
+mode, its scheduler ending prefill chunks at block ends) beside full attention, where the
+forward moves each request's state between blocks as vLLM's model runner does and starts
+from it, a committed page's state (where its markers say it has one) must be exactly the
+state after its last token on every rank, and a forward must never start from a wrong
+state. Each run is seeded (the seed is in every failure); ``HOSTKV_LONG=1`` runs more
+seeds and steps.
 """
 
 from __future__ import annotations
@@ -39,12 +44,16 @@ LONG = os.environ.get("HOSTKV_LONG") == "1"
 STEPS = 4000 if LONG else 700
 SEEDS = range(40) if LONG else range(3)
 # (tensor-parallel ranks, asynchronous scheduling, asynchronous saves, KV-cache groups:
-# a key of lib.connector_model.GROUPS). Sliding-window models save synchronously.
+# a key of lib.connector_model.GROUPS). Sliding-window and state models save
+# synchronously (the connector turns asynchronous saves off for them). vLLM allows
+# asynchronous scheduling with align mode (only its spec-decode paths check the pair:
+# gpu_model_runner's num_accepted_tokens sync), so the state model runs it at TP=2, and
+# vLLM's synchronous Scheduler at TP=1.
 SHAPES = [(1, False, False, "full"), (2, True, False, "full"), (4, True, True, "full"),
           (2, False, True, "full"), (1, True, True, "full"), (2, True, False, "hybrid"),
-          (1, False, False, "sliding")]
+          (1, False, False, "sliding"), (2, True, False, "state"), (1, False, False, "state")]
 # vLLM's blocks: a hybrid model takes a block of each group per page of tokens.
-NUM_BLOCKS = {"full": 28, "hybrid": 44, "sliding": 28}
+NUM_BLOCKS = {"full": 28, "hybrid": 44, "sliding": 28, "state": 44}
 
 
 def _run(segment: str, seed: int, tp: int, async_scheduling: bool, async_saves: bool,
