@@ -11,7 +11,8 @@ KV that is a function of each position's token prefix, or poison when the forwar
 wrong KV, and checks after every step that every committed page holds its tokens' KV and
 that every block vLLM computes on holds its tokens' KV or was reported bad. Faults come at
 random: failed saves and loads on one rank, lost reports, evictions between lookup and
-borrow, the connector's lock not had, segment calls raising, build_connector_meta failing,
+borrow (and, for a state model, the hit saved anew there without its state), the
+connector's lock not had, segment calls raising, build_connector_meta failing,
 held asynchronous copies, aborts and preemptions. Hybrid models run too: a
 sliding-window and a full-attention group interleaved (vLLM's HybridKVCacheCoordinator,
 a block table per group, asynchronous loads), a model of one sliding-window group, and

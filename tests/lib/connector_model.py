@@ -26,8 +26,9 @@ the state after its last token), and every block vLLM computes on holds its toke
 was reported bad to vLLM (every state a forward starts from is right: a state model's loads
 fail whole, so vLLM never computes on one). Failures are injected at random: a rank's save
 or load failing, a rank's step report lost, pages evicted by another handle between lookup
-and borrow, the connector's lock not had, the segment's calls raising, build_connector_meta
-failing, held asynchronous copies, aborts and preemptions.
+and borrow (for a state model, also the hit's tokens saved anew without a state there), the
+connector's lock not had, the segment's calls raising, build_connector_meta failing, held
+asynchronous copies, aborts and preemptions.
 """
 
 from __future__ import annotations
@@ -469,6 +470,8 @@ class Harness:
                 n = harness.rng.randrange(1, 6)
                 harness.note(f"evict {harness.other.evict(n)} of {n} pages after the lookup "
                              f"of {request.request_id} ({answer[0]} tokens offered)")
+            elif answer[0] and harness.state_groups and harness._maybe("resave"):
+                harness._resave_without_state(request, num_computed_tokens + answer[0])
             return answer
 
         conn.get_num_new_matched_tokens = lookup
@@ -493,6 +496,40 @@ class Harness:
             "update_connector_output", lambda o: cls.update_connector_output(conn, o))
         conn.request_finished = without_lock(
             "request_finished", lambda r, b: cls.request_finished(conn, r, b))
+
+    def _resave_without_state(self, request: Any, hit: int) -> None:
+        """Between the lookup and the borrow, another engine evicts every page it can and
+        saves the hit's tokens anew without a state (vLLM offered it none): the pages the
+        borrow holds then have the tokens' KV, and the last one no state."""
+        from hostkv.worker_view import SequenceRequest, WorkerView
+
+        _, tokens, namespace = self.sched.lookups[request.request_id]
+        evicted = self.other.evict(self.opts.num_pages)
+        tokens = np.asarray(tokens[:hit], dtype=np.int32)
+        tp = self.opts.tp
+        markers = STATE_ELEMENTS // tp * 4 * tp
+        with WorkerView(self.other) as view:
+            try:
+                seq = view.allocate_pages_for_sequences_with_prefix(
+                    [SequenceRequest(1, tokens, namespace)])[0]
+            except hostkv.errors.OutOfPagesError:
+                self.note(f"resave of {request.request_id}'s {hit} tokens: no pages")
+                return
+            pages = view.page_table(1)
+            pool = self.other.pages_tensor().numpy()
+            try:
+                hashes = prefix_hashes(tokens.tolist())
+                for k in range(seq.reused_tokens // BS, hit // BS):
+                    page = pool[pages[k]]
+                    page[...] = expected_kv(hashes[k * BS:(k + 1) * BS],
+                                            self.layers).reshape(page.shape)
+                    slots = page.view(np.uint8).reshape(self.layers, -1)
+                    slots[self.state_layers, markers:markers + 8 * tp] = 0
+            finally:
+                del pool         # no view of the pool may outlive the handle
+            view.release([1])
+        self.note(f"resave {request.request_id}'s {hit} tokens without a state after its "
+                  f"lookup ({evicted} pages evicted, {seq.reused_tokens} tokens still held)")
 
     def _segment_faults(self) -> None:
         """This step, one of the scheduler's segment calls raises (a lock timeout)."""
