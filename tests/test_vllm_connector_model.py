@@ -112,3 +112,38 @@ def test_a_planted_bug_is_caught(new_name, monkeypatch):
         with pytest.raises(Violation, match="committed page"):
             for seed in range(10):
                 _run(new_name(), seed, 2, True, False, 400)
+
+
+def _load_into_first_block(table, start, end):
+    """A hit's state loaded into the hit's first block of the state group's table, not its
+    last (where vLLM starts the next step from)."""
+    blocks = [0] * (end - start)
+    if blocks:
+        blocks[0] = int(table[start])
+    return blocks
+
+
+def _any_offered_block(offers, group, page_size, start, end):
+    """Every page saved with the last boundary state vLLM offered in the step, whatever
+    boundary it is the state of."""
+    offered = [block for g, block, _ in offers if g == group]
+    return [offered[-1] if offered else 0 for _ in range(start, end)]
+
+
+@pytest.mark.parametrize("name, bug, caught", [
+    ("state_blocks_to_load", _load_into_first_block, "started from a wrong state"),
+    ("offered_state_blocks", _any_offered_block, r"committed page .* another state")],
+    ids=["state-loaded-into-the-wrong-block", "page-saved-with-the-state-of-another-boundary"])
+def test_a_planted_state_bug_is_caught(new_name, monkeypatch, name, bug, caught):
+    """The state model sees a state loaded where vLLM does not start from it (a forward
+    starts from a wrong state), and a page saved with another boundary's state (a
+    committed page's state is not its tokens')."""
+    from lib.connector_model import Violation
+
+    hv = vllm_module()
+    monkeypatch.setattr(hv.scheduler, name, bug)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Violation, match=caught):
+            for seed in range(10):
+                _run(new_name(), seed, 2, True, False, 400, "state")
