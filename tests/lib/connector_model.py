@@ -507,7 +507,7 @@ class Harness:
         evicted = self.other.evict(self.opts.num_pages)
         tokens = np.asarray(tokens[:hit], dtype=np.int32)
         tp = self.opts.tp
-        markers = STATE_ELEMENTS // tp * 4 * tp
+        first_marker = STATE_ELEMENTS // tp * 4 * tp       # after every rank's part
         with WorkerView(self.other) as view:
             try:
                 seq = view.allocate_pages_for_sequences_with_prefix(
@@ -524,9 +524,9 @@ class Harness:
                     page[...] = expected_kv(hashes[k * BS:(k + 1) * BS],
                                             self.layers).reshape(page.shape)
                     slots = page.view(np.uint8).reshape(self.layers, -1)
-                    slots[self.state_layers, markers:markers + 8 * tp] = 0
+                    slots[self.state_layers, first_marker:first_marker + 8 * tp] = 0
             finally:
-                del pool         # no view of the pool may outlive the handle
+                pool = page = slots = None   # no view of the pool may outlive the handle
             view.release([1])
         self.note(f"resave {request.request_id}'s {hit} tokens without a state after its "
                   f"lookup ({evicted} pages evicted, {seq.reused_tokens} tokens still held)")
@@ -755,9 +755,10 @@ class Harness:
             heads = values[:, :, :, rank * local:(rank + 1) * local]   # [l, 2, n, h, d]
             for li in self.attention_layers:
                 v = heads[li].transpose(1, 2, 0, 3).reshape(n, local, 2 * DIM)  # [n, h, 2d]
-                self.tensors[rank][self.layer_names[li]][blk[self.layer_group[li]], :, slot] = v
+                tensor = self.tensors[rank][self.layer_names[li]]
+                tensor[blk[self.layer_group[li]], :, slot] = v
 
-    # -- recurrent state (vLLM's align mode) ----------------------------------------------------
+    # -- recurrent state (vLLM's align mode) ------------------------------------------------
 
     def _state_block(self, req_id: str, g: int, index: int) -> int:
         table = self.block_tables[req_id][g]
