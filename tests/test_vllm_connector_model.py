@@ -11,12 +11,18 @@ KV that is a function of each position's token prefix, or poison when the forwar
 wrong KV, and checks after every step that every committed page holds its tokens' KV and
 that every block vLLM computes on holds its tokens' KV or was reported bad. Faults come at
 random: failed saves and loads on one rank, lost reports, evictions between lookup and
-borrow, the connector's lock not had, segment calls raising, build_connector_meta failing,
+borrow (and, for a state model, the hit saved anew there without its state), the
+connector's lock not had, segment calls raising, build_connector_meta failing,
 held asynchronous copies, aborts and preemptions. Hybrid models run too: a
 sliding-window and a full-attention group interleaved (vLLM's HybridKVCacheCoordinator,
-a block table per group, asynchronous loads), and a model of one sliding-window group.
-Each run is seeded (the seed is in every
-failure); ``HOSTKV_LONG=1`` runs more seeds and steps.
+a block table per group, asynchronous loads), a model of one sliding-window group, and
+Qwen3-Next's shape: recurrent-state layers (Gated DeltaNet, vLLM's MambaManager in "align"
+mode, its scheduler ending prefill chunks at block ends) beside full attention, where the
+forward moves each request's state between blocks as vLLM's model runner does and starts
+from it, a committed page's state (where its markers say it has one) must be exactly the
+state after its last token on every rank, and a forward must never start from a wrong
+state. Each run is seeded (the seed is in every failure); ``HOSTKV_LONG=1`` runs more
+seeds and steps.
 """
 
 from __future__ import annotations
@@ -39,12 +45,16 @@ LONG = os.environ.get("HOSTKV_LONG") == "1"
 STEPS = 4000 if LONG else 700
 SEEDS = range(40) if LONG else range(3)
 # (tensor-parallel ranks, asynchronous scheduling, asynchronous saves, KV-cache groups:
-# a key of lib.connector_model.GROUPS). Sliding-window models save synchronously.
+# a key of lib.connector_model.GROUPS). Sliding-window and state models save
+# synchronously (the connector turns asynchronous saves off for them). vLLM allows
+# asynchronous scheduling with align mode (only its spec-decode paths check the pair:
+# gpu_model_runner's num_accepted_tokens sync), so the state model runs it at TP=2, and
+# vLLM's synchronous Scheduler at TP=1.
 SHAPES = [(1, False, False, "full"), (2, True, False, "full"), (4, True, True, "full"),
           (2, False, True, "full"), (1, True, True, "full"), (2, True, False, "hybrid"),
-          (1, False, False, "sliding")]
+          (1, False, False, "sliding"), (2, True, False, "state"), (1, False, False, "state")]
 # vLLM's blocks: a hybrid model takes a block of each group per page of tokens.
-NUM_BLOCKS = {"full": 28, "hybrid": 44, "sliding": 28}
+NUM_BLOCKS = {"full": 28, "hybrid": 44, "sliding": 28, "state": 44}
 
 
 def _run(segment: str, seed: int, tp: int, async_scheduling: bool, async_saves: bool,
@@ -102,3 +112,38 @@ def test_a_planted_bug_is_caught(new_name, monkeypatch):
         with pytest.raises(Violation, match="committed page"):
             for seed in range(10):
                 _run(new_name(), seed, 2, True, False, 400)
+
+
+def _load_into_first_block(table, start, end):
+    """A hit's state loaded into the hit's first block of the state group's table, not its
+    last (where vLLM starts the next step from)."""
+    blocks = [0] * (end - start)
+    if blocks:
+        blocks[0] = int(table[start])
+    return blocks
+
+
+def _any_offered_block(offers, group, page_size, start, end):
+    """Every page saved with the last boundary state vLLM offered in the step, whatever
+    boundary it is the state of."""
+    offered = [block for g, block, _ in offers if g == group]
+    return [offered[-1] if offered else 0 for _ in range(start, end)]
+
+
+@pytest.mark.parametrize("name, bug, caught", [
+    ("state_blocks_to_load", _load_into_first_block, "started from a wrong state"),
+    ("offered_state_blocks", _any_offered_block, r"committed page .* another state")],
+    ids=["state-loaded-into-the-wrong-block", "page-saved-with-the-state-of-another-boundary"])
+def test_a_planted_state_bug_is_caught(new_name, monkeypatch, name, bug, caught):
+    """The state model sees a state loaded where vLLM does not start from it (a forward
+    starts from a wrong state), and a page saved with another boundary's state (a
+    committed page's state is not its tokens')."""
+    from lib.connector_model import Violation
+
+    hv = vllm_module()
+    monkeypatch.setattr(hv.scheduler, name, bug)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Violation, match=caught):
+            for seed in range(10):
+                _run(new_name(), seed, 2, True, False, 400, "state")

@@ -10,10 +10,23 @@ position of the request, on every rank, holds its correct KV when the forward ru
 poison value. KV computed on top of blocks that were never loaded is therefore visible in
 every byte it reaches.
 
+A model with recurrent-state layers (the "state" groups: Gated DeltaNet beside full
+attention, as Qwen3-Next) runs vLLM's MambaManager in "align" mode. Such a layer keeps no KV
+per position but one state per request, in the block of its table that vLLM names for the
+tokens computed so far; the forward does what vLLM's model runner does with it
+(``mamba_utils.preprocess_mamba``: the state moves from the block the previous step wrote
+into this step's block, then the kernel reads it and writes the state after the step's
+tokens there). A state is a function of the request's token prefix and of the rank (each
+rank holds its shard); a forward that starts from a state that is not exactly that of the
+tokens computed before it (a state loaded wrong, or not at all) writes poison.
+
 After every step the harness checks the promise: every page committed in the segment holds
-exactly its tokens' KV, and every block vLLM computes on holds its tokens' KV or was
-reported bad to vLLM. Failures are injected at random: a rank's save or load failing, a
-rank's step report lost, pages evicted by another handle between lookup and borrow, the
+exactly its tokens' KV (and, where its markers say it holds a state, every rank's part of
+the state after its last token), and every block vLLM computes on holds its tokens' KV or
+was reported bad to vLLM (every state a forward starts from is right: a state model's loads
+fail whole, so vLLM never computes on one). Failures are injected at random: a rank's save
+or load failing, a rank's step report lost, pages evicted by another handle between lookup
+and borrow (for a state model, also the hit's tokens saved anew without a state there), the
 connector's lock not had, the segment's calls raising, build_connector_meta failing, held
 asynchronous copies, aborts and preemptions.
 """
@@ -43,17 +56,42 @@ _HASH_MOD = (1 << 61) - 1
 # One offset per (layer, K/V, head, dim): the page layout's order [layers, 2, heads, dim].
 _OFFSETS = np.arange(1, MAX_LAYERS * 2 * HEADS * DIM + 1, dtype=np.int64).reshape(
     MAX_LAYERS, 2, 1, HEADS, DIM)
-NULL_BLOCK = 0          # vLLM's null block: a sliding-window group's blocks out of the window
+NULL_BLOCK = 0          # vLLM's null block: a sliding-window or state group's unheld blocks
 
 # KV-cache groups of each kind of model, as vLLM's hybrid manager makes them:
 # (kind, layers, sliding window in tokens). "hybrid" interleaves the kinds the way
 # Gemma-style models do, so each group's layers are a strided run of the page's layers
-# and a page's layers come from two block tables.
+# and a page's layers come from two block tables. "state" interleaves recurrent-state
+# layers (vLLM's MambaSpec, align mode) with full attention, as Qwen3-Next does.
 GROUPS = {
     "full": (("full", (0, 1), None),),
     "hybrid": (("sliding_window", (0, 2), 2 * BS), ("full", (1, 3), None)),
     "sliding": (("sliding_window", (0, 1), BS + 8),),
+    "state": (("state", (0, 2), None), ("full", (1, 3), None)),
 }
+# A state layer's state on one rank, per block, as Gated DeltaNet's: a convolution window
+# (its heads' channels x conv width - 1) and a recurrent state (heads x key dim x value
+# dim), float32; each rank holds its heads' shard.
+CONV_WIDTH = 3
+STATE_ELEMENTS = HEADS * DIM * (CONV_WIDTH + DIM)       # of every rank together
+# One offset per (layer, element of every rank's state), past the KV's.
+_STATE_OFFSETS = np.arange(_OFFSETS.size + 1, _OFFSETS.size + 1 + MAX_LAYERS * STATE_ELEMENTS,
+                           dtype=np.int64).reshape(MAX_LAYERS, STATE_ELEMENTS)
+
+
+def state_shapes(tp: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """One rank's state tensors' shapes per block (vLLM's ``MambaSpec.shapes``)."""
+    local = HEADS // tp
+    return (local * DIM, CONV_WIDTH), (local, DIM, DIM)
+
+
+def expected_state(prefix_hash: int, layer: int, rank: int, tp: int) -> np.ndarray:
+    """A rank's correct state of a state layer after the tokens whose prefix hash is
+    ``prefix_hash``: its tensors' elements in vLLM's order, flat, float32 (exact, as
+    :func:`expected_kv`); another rank's shard, layer or prefix differs in every element."""
+    count = STATE_ELEMENTS // tp
+    offsets = _STATE_OFFSETS[layer, rank * count:(rank + 1) * count]
+    return (((int(prefix_hash) * offsets) >> 9) % (1 << 23)).astype(np.float32)
 
 
 class Violation(AssertionError):
@@ -94,9 +132,13 @@ def expected_kv(hashes: np.ndarray, layers: int = LAYERS) -> np.ndarray:
 
 
 def vllm_config(tp: int, async_scheduling: bool, token_budget: int, segment: str,
-                extra: Dict[str, Any], layers: int = LAYERS) -> Any:
+                extra: Dict[str, Any], layers: int = LAYERS, state: bool = False) -> Any:
     """A VllmConfig for a config-only Llama (no weights: nothing is loaded), the way
-    vLLM's own connector unit tests build one."""
+    vLLM's own connector unit tests build one. ``state``: the KV cache has recurrent-state
+    groups, whose states vLLM keeps at block ends: ``mamba_cache_mode="align"``, what
+    vLLM picks for a Mamba model with prefix caching on (``MambaModelConfig``), with
+    chunked prefill; the scheduler then ends prefill chunks where a state must be kept
+    (``Scheduler._mamba_block_aligned_split``)."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                              ParallelConfig, SchedulerConfig, VllmConfig)
 
@@ -108,7 +150,8 @@ def vllm_config(tp: int, async_scheduling: bool, token_budget: int, segment: str
         enable_chunked_prefill=True, is_encoder_decoder=False,
         async_scheduling=async_scheduling)
     cache_config = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, cache_dtype="auto",
-                               enable_prefix_caching=True)
+                               enable_prefix_caching=True,
+                               mamba_cache_mode="align" if state else "none")
     transfer = KVTransferConfig(
         kv_connector="HostKVConnector", kv_connector_module_path="hostkv.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -164,8 +207,10 @@ class Harness:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.core.kv_cache_coordinator import (HybridKVCacheCoordinator,
                                                         UnitaryKVCacheCoordinator)
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
         from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
-                                                KVCacheGroupSpec, SlidingWindowSpec)
+                                                KVCacheGroupSpec, MambaSpec,
+                                                SlidingWindowSpec)
         from vllm.v1.structured_output import StructuredOutputManager
 
         import hostkv.vllm.connector as connector_module
@@ -179,14 +224,21 @@ class Harness:
         extra = {"num_pages": opts.num_pages, "async_saves": opts.async_saves}
         groups = GROUPS[opts.kv_groups]
         self.layers = 1 + max(layer for _, layers, _ in groups for layer in layers)
-        self.layer_names = tuple(f"model.layers.{i}.self_attn.attn"
-                                 for i in range(self.layers))
-        # layer -> its group; group -> its sliding window (None: full attention).
+        # layer -> its group; group -> its sliding window (None: full attention or state).
         self.layer_group = [next(g for g, (_, layers, _) in enumerate(groups) if i in layers)
                             for i in range(self.layers)]
         self.windows = [window for _, _, window in groups]
+        self.state_groups = [g for g, (kind, _, _) in enumerate(groups) if kind == "state"]
+        # The layers with KV per position, and those with a recurrent state.
+        self.attention_layers = [i for i in range(self.layers)
+                                 if self.layer_group[i] not in self.state_groups]
+        self.state_layers = [i for i in range(self.layers)
+                             if self.layer_group[i] in self.state_groups]
+        self.layer_names = tuple(f"model.layers.{i}.linear_attn" if i in self.state_layers
+                                 else f"model.layers.{i}.self_attn.attn"
+                                 for i in range(self.layers))
         config = vllm_config(tp, opts.async_scheduling, opts.token_budget, segment, extra,
-                             self.layers)
+                             self.layers, state=bool(self.state_groups))
         if len(groups) > 1:
             # A GPU engine's default with a connector that supports the hybrid manager
             # (vLLM turns it off on a CPU platform, which has none).
@@ -195,8 +247,18 @@ class Harness:
         for kind, layers, window in groups:
             shape = dict(block_size=BS, num_kv_heads=HEADS // tp, head_size=DIM,
                          dtype=torch.float32)
-            spec = (SlidingWindowSpec(sliding_window=window, **shape) if kind != "full"
-                    else FullAttentionSpec(**shape))
+            if kind == "state":
+                # Padded to an attention page, as vLLM pads a hybrid model's state so
+                # that every group's blocks come from one pool.
+                spec = MambaSpec(block_size=BS, shapes=state_shapes(tp),
+                                 dtypes=(torch.float32, torch.float32),
+                                 page_size_padded=FullAttentionSpec(**shape).page_size_bytes,
+                                 mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                                 mamba_cache_mode="align")
+            elif kind == "sliding_window":
+                spec = SlidingWindowSpec(sliding_window=window, **shape)
+            else:
+                spec = FullAttentionSpec(**shape)
             group_specs.append(KVCacheGroupSpec([self.layer_names[i] for i in layers], spec))
         kv_config = KVCacheConfig(num_blocks=opts.num_blocks, kv_cache_tensors=[],
                                   kv_cache_groups=group_specs)
@@ -210,23 +272,37 @@ class Harness:
         coordinator = self.scheduler.kv_cache_manager.coordinator
         want = HybridKVCacheCoordinator if len(groups) > 1 else UnitaryKVCacheCoordinator
         assert type(coordinator) is want, type(coordinator)
+        if self.state_groups:
+            # vLLM's align mode: states kept at block ends, chunks split to end there.
+            from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+            assert self.scheduler.need_mamba_block_aligned_split
+            assert all(type(coordinator.single_type_managers[g]) is MambaManager
+                       for g in self.state_groups)
         self.conn = self.scheduler.connector
         self.sched = self.conn._sched
         assert self.sched is not None and self.sched.tp_world == tp
         self.workers = []
+        # Per rank, numpy views of the same memory: the forward's reads and writes (torch's
+        # indexing by lists is ~100x slower here): an attention layer's KV tensor, a state
+        # layer's state [num_blocks, elements] (its tensors' elements, flat), and every
+        # tensor the layers share.
         self.tensors: List[Dict[str, Any]] = []
+        self.states: List[Dict[str, Any]] = []
+        self.pools: List[List[Any]] = []
         original_rank = connector_module._tensor_parallel_rank
         try:
             for rank in range(tp):
                 connector_module._tensor_parallel_rank = lambda rank=rank: rank
                 worker = connector_module.HostKVConnector(config, KVConnectorRole.WORKER,
                                                           kv_config)
-                tensors = self._kv_tensors(torch)
+                tensors, states, shared = self._kv_tensors(torch)
                 worker.register_kv_caches(tensors)
                 self.workers.append(worker)
-                # numpy views of the same memory: the forward's reads and writes (torch's
-                # indexing by lists is ~100x slower here).
-                self.tensors.append({name: t.numpy() for name, t in tensors.items()})
+                self.tensors.append({name: t.numpy() for name, t in tensors.items()
+                                     if name not in states})
+                self.states.append({name: t.numpy() for name, t in states.items()})
+                self.pools.append([t.numpy() for t in shared])
         finally:
             connector_module._tensor_parallel_rank = original_rank
         self.other = hostkv.HostKVCache.attach(segment)
@@ -247,21 +323,50 @@ class Harness:
         self.holds: List[Tuple[int, threading.Event]] = []
         self.counts: Dict[str, int] = {}
         self.aborted: Set[str] = set()
+        # The model runner's index, per request, of the state-table block its last step
+        # wrote the state into (vLLM's mamba_state_idx); this step's state reads, request
+        # -> {state group: (the block the forward reads its state from, the block that
+        # state came from)}; and blocks of state groups a load named, until a forward reads
+        # them.
+        self.state_idx: Dict[str, int] = {}
+        self.state_reads: Dict[str, Dict[int, Tuple[int, int]]] = {}
+        self.loaded_states: Set[int] = set()
+        self.expected_states: Dict[Tuple[int, Tuple[int, ...]], List[List[np.ndarray]]] = {}
 
-    def _kv_tensors(self, torch: Any) -> Dict[str, Any]:
+    def _kv_tensors(self, torch: Any) -> Tuple[Dict[str, Any], Dict[str, Any], List[Any]]:
         """One rank's KV tensors, shared by groups as vLLM's hybrid allocation shares them:
         the i-th layer of every group in one tensor (block ids come from one pool, so a
         block is one group's at a time), which a copy into another group's block would
-        show in the KV of the request that owns it."""
-        shape = (self.opts.num_blocks, HEADS // self.opts.tp, BS, 2 * DIM)
+        show in the KV of the request that owns it. A state layer's state (its tensors,
+        ``state_shapes``, one after the other) is at the start of each block's bytes, as
+        vLLM lays a padded state page out. Returns (what vLLM registers with a connector:
+        a KV tensor per attention layer, a state layer's bytes [num_blocks, 1, 1, state
+        bytes] as ``allocate_kv_cache`` views them; each state layer's elements
+        [num_blocks, elements], float32; the shared tensors)."""
+        tp = self.opts.tp
+        num_blocks = self.opts.num_blocks
+        shape = (num_blocks, HEADS // tp, BS, 2 * DIM)
         tensors: Dict[str, Any] = {}
+        states: Dict[str, Any] = {}
+        pools = []
         members = [layers for _, layers, _ in GROUPS[self.opts.kv_groups]]
         for i in range(max(len(layers) for layers in members)):
             shared = torch.full(shape, UNWRITTEN)
+            pools.append(shared)
+            flat = shared.view(num_blocks, -1)
             for layers in members:
-                if i < len(layers):
-                    tensors[self.layer_names[layers[i]]] = shared
-        return dict(sorted(tensors.items(), key=lambda item: self.layer_names.index(item[0])))
+                if i >= len(layers):
+                    continue
+                name = self.layer_names[layers[i]]
+                if layers[i] not in self.state_layers:
+                    tensors[name] = shared
+                    continue
+                count = STATE_ELEMENTS // tp
+                tensors[name] = (shared.view(torch.int8).view(num_blocks, -1)[:, :count * 4]
+                                 .view(num_blocks, 1, 1, count * 4))
+                states[name] = flat[:, :count]
+        order = sorted(tensors, key=self.layer_names.index)
+        return {name: tensors[name] for name in order}, states, pools
 
     # -- the model's truth ------------------------------------------------------------------
 
@@ -365,6 +470,8 @@ class Harness:
                 n = harness.rng.randrange(1, 6)
                 harness.note(f"evict {harness.other.evict(n)} of {n} pages after the lookup "
                              f"of {request.request_id} ({answer[0]} tokens offered)")
+            elif answer[0] and harness.state_groups and harness._maybe("resave"):
+                harness._resave_without_state(request, num_computed_tokens + answer[0])
             return answer
 
         conn.get_num_new_matched_tokens = lookup
@@ -389,6 +496,40 @@ class Harness:
             "update_connector_output", lambda o: cls.update_connector_output(conn, o))
         conn.request_finished = without_lock(
             "request_finished", lambda r, b: cls.request_finished(conn, r, b))
+
+    def _resave_without_state(self, request: Any, hit: int) -> None:
+        """Between the lookup and the borrow, another engine evicts every page it can and
+        saves the hit's tokens anew without a state (vLLM offered it none): the pages the
+        borrow holds then have the tokens' KV, and the last one no state."""
+        from hostkv.worker_view import SequenceRequest, WorkerView
+
+        _, tokens, namespace = self.sched.lookups[request.request_id]
+        evicted = self.other.evict(self.opts.num_pages)
+        tokens = np.asarray(tokens[:hit], dtype=np.int32)
+        tp = self.opts.tp
+        first_marker = STATE_ELEMENTS // tp * 4 * tp       # after every rank's part
+        with WorkerView(self.other) as view:
+            try:
+                seq = view.allocate_pages_for_sequences_with_prefix(
+                    [SequenceRequest(1, tokens, namespace)])[0]
+            except hostkv.errors.OutOfPagesError:
+                self.note(f"resave of {request.request_id}'s {hit} tokens: no pages")
+                return
+            pages = view.page_table(1)
+            pool = self.other.pages_tensor().numpy()
+            try:
+                hashes = prefix_hashes(tokens.tolist())
+                for k in range(seq.reused_tokens // BS, hit // BS):
+                    page = pool[pages[k]]
+                    page[...] = expected_kv(hashes[k * BS:(k + 1) * BS],
+                                            self.layers).reshape(page.shape)
+                    slots = page.view(np.uint8).reshape(self.layers, -1)
+                    slots[self.state_layers, first_marker:first_marker + 8 * tp] = 0
+            finally:
+                pool = page = slots = None   # no view of the pool may outlive the handle
+            view.release([1])
+        self.note(f"resave {request.request_id}'s {hit} tokens without a state after its "
+                  f"lookup ({evicted} pages evicted, {seq.reused_tokens} tokens still held)")
 
     def _segment_faults(self) -> None:
         """This step, one of the scheduler's segment calls raises (a lock timeout)."""
@@ -445,10 +586,19 @@ class Harness:
         rng = self.rng
         meta = out.kv_connector_metadata
         self._update_block_tables(out)
+        if out.new_block_ids_to_zero:
+            # The model runner zeroes new blocks first (_update_states: vLLM does for a
+            # model with state; it never names blocks a load is about to write).
+            for pool in self.pools:
+                for shared in pool:
+                    shared[out.new_block_ids_to_zero] = 0.0
+            self.loaded_states -= set(out.new_block_ids_to_zero)
         if meta.bad_blocks:
             self.note(f"meta {meta.step} bad blocks {sorted(meta.bad_blocks)}")
         for req_id, pages, blocks in meta.loads:
             self.note(f"meta {meta.step} load {req_id} blocks {blocks}")
+            for g in self.state_groups:
+                self.loaded_states.update(b for b in blocks[g] if b != NULL_BLOCK)
         for req_id, blocks, pages in meta.saves:
             self.note(f"meta {meta.step} save {req_id} blocks {blocks}")
         if meta.preempted:
@@ -504,10 +654,9 @@ class Harness:
                 invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta)))
         if step_bad - set(meta.bad_blocks):
             self.note(f"load errors {sorted(step_bad - set(meta.bad_blocks))}")
-        for req_id, block, written in poisoned:
+        for req_id, block, written, what in poisoned:
             if block not in self.bad_known and block not in step_bad:
-                self.fail(f"{req_id}'s forward read wrong KV in block {block}, which was "
-                          "never reported bad")
+                self.fail(f"{req_id}'s forward {what}, which was never reported bad")
             # Computed on top of a block vLLM was told is bad: vLLM recomputes the request
             # from that block, these included. Until then a step planned before it knew
             # (asynchronous scheduling) reads them, and a sliding window may read only
@@ -555,6 +704,11 @@ class Harness:
             self.computed[req_id] = cached.num_computed_tokens[i]
         for req_id in out.finished_req_ids:
             self.block_tables.pop(req_id, None)
+        # vLLM's cleanup_mamba_state_idx: such a request's next step starts from the state
+        # of its computed tokens' last block.
+        for req_id in (set(out.finished_req_ids) | set(out.preempted_req_ids or ())
+                       | set(cached.resumed_req_ids)):
+            self.state_idx.pop(req_id, None)
         for req_id, n in self.scheduled.items():
             self.log.append(f"step {self.step_no}: run {req_id} [{self.computed[req_id]}, "
                             f"{self.computed[req_id] + n}) blocks {self.block_tables[req_id]}")
@@ -573,13 +727,15 @@ class Harness:
         t = t.reshape(last - first, local, BS, 2, DIM).transpose(3, 0, 2, 1, 4)
         return t.reshape(2, (last - first) * BS, local, DIM)[:, lo - first * BS:hi - first * BS]
 
-    def _reads(self, c: int) -> List[int]:
-        """The first position each layer's attention reads of a request's earlier KV when
-        it computes from position c: every one for full attention; for a sliding window
-        of w tokens the last w - 1 (vLLM frees the blocks before them:
-        SlidingWindowManager.get_num_skipped_tokens)."""
-        return [0 if self.windows[g] is None else max(0, c - self.windows[g] + 1)
-                for g in self.layer_group]
+    def _reads(self, c: int) -> Dict[int, int]:
+        """The first position each attention layer reads of a request's earlier KV when it
+        computes from position c: every one for full attention; for a sliding window of w
+        tokens the last w - 1 (vLLM frees the blocks before them:
+        SlidingWindowManager.get_num_skipped_tokens). A state layer reads no KV (its
+        state: :meth:`_state_wrong`)."""
+        return {layer: 0 if self.windows[self.layer_group[layer]] is None
+                else max(0, c - self.windows[self.layer_group[layer]] + 1)
+                for layer in self.attention_layers}
 
     def _write(self, req_id: str, start: int, values: np.ndarray) -> None:
         """Writes [layers, 2, n, heads, dim] at positions [start, start + n) on every rank
@@ -597,19 +753,100 @@ class Harness:
                                      f"(group {g}, positions from {start}): {tables[g]}")
         for rank in range(tp):
             heads = values[:, :, :, rank * local:(rank + 1) * local]   # [l, 2, n, h, d]
-            for li, name in enumerate(self.layer_names):
+            for li in self.attention_layers:
                 v = heads[li].transpose(1, 2, 0, 3).reshape(n, local, 2 * DIM)  # [n, h, 2d]
-                self.tensors[rank][name][blk[self.layer_group[li]], :, slot] = v
+                tensor = self.tensors[rank][self.layer_names[li]]
+                tensor[blk[self.layer_group[li]], :, slot] = v
 
-    def _forward(self, out: Any) -> List[Tuple[str, int, Set[int]]]:
+    # -- recurrent state (vLLM's align mode) ------------------------------------------------
+
+    def _state_block(self, req_id: str, g: int, index: int) -> int:
+        table = self.block_tables[req_id][g]
+        if index >= len(table) or table[index] == NULL_BLOCK:
+            raise AssertionError(f"harness: {req_id}'s state (group {g}) lives in block "
+                                 f"index {index}, which vLLM left null or never gave: "
+                                 f"{table}")
+        return table[index]
+
+    def _move_states(self) -> None:
+        """vLLM's preprocess_mamba in align mode, before the forward: a request's state is
+        in the block of the last step's last token (a new or resumed request's: its
+        computed tokens' last block, where a hit's state is); when this step ends in
+        another block, the state is copied there, and the step reads and writes it there.
+        Copies run for every request before any forward."""
+        self.state_reads = {}
+        if not self.state_groups:
+            return
+        for req_id, n in self.scheduled.items():
+            c = self.computed[req_id]
+            prev = self.state_idx.get(req_id, (c - 1) // BS)
+            curr = -(-(c + n) // BS) - 1
+            self.state_idx[req_id] = curr
+            for g in self.state_groups:
+                target = self._state_block(req_id, g, curr)
+                source = target
+                if prev != -1 and prev != curr:
+                    # vLLM copies whatever the table names, the null block included (a
+                    # state the forward then finds wrong).
+                    table = self.block_tables[req_id][g]
+                    source = table[prev] if prev < len(table) else NULL_BLOCK
+                    for rank in range(self.opts.tp):
+                        for layer in self.state_layers:
+                            if self.layer_group[layer] == g:
+                                states = self.states[rank][self.layer_names[layer]]
+                                states[target] = states[source]
+                if c:
+                    self.state_reads.setdefault(req_id, {})[g] = (target, source)
+
+    def _state_wrong(self, req_id: str) -> Optional[int]:
+        """The block the request's state came from if the state its forward starts from,
+        on any state layer and rank, is not exactly that of its computed tokens; else
+        None (also when it starts from no state: a first step)."""
+        reads = self.state_reads.get(req_id)
+        if reads is None:
+            return None
+        c = self.computed[req_id]
+        h = self.hashes_upto(req_id, c)[c - 1]
+        for layer in self.state_layers:
+            target, source = reads[self.layer_group[layer]]
+            for rank in range(self.opts.tp):
+                if not np.array_equal(self.states[rank][self.layer_names[layer]][target],
+                                      expected_state(h, layer, rank, self.opts.tp)):
+                    return source
+        return None
+
+    def _write_states(self, req_id: str, poison: bool) -> Set[int]:
+        """Writes the state after the step's tokens (or poison) into the block the step
+        computes in; returns it."""
+        if not self.state_groups:
+            return set()
+        c, n = self.computed[req_id], self.scheduled[req_id]
+        curr = self.state_idx[req_id]
+        h = self.hashes_upto(req_id, c + n)[c + n - 1]
+        written = set()
+        for layer in self.state_layers:
+            block = self._state_block(req_id, self.layer_group[layer], curr)
+            written.add(block)
+            for rank in range(self.opts.tp):
+                self.states[rank][self.layer_names[layer]][block] = (
+                    POISON if poison else expected_state(h, layer, rank, self.opts.tp))
+        loaded = [source for _, source in self.state_reads.get(req_id, {}).values()
+                  if source in self.loaded_states]
+        if loaded and not poison:
+            self.note(f"state-loaded {req_id} started from the state loaded into {loaded}")
+        self.loaded_states -= written
+        return written
+
+    def _forward(self, out: Any) -> List[Tuple[str, int, Set[int], str]]:
         """Computes every scheduled request's tokens; returns (request, block, blocks
-        written) for each request that read wrong KV (the first wrong block), which wrote
-        poison."""
+        written, what it read) for each request that read wrong KV (the first wrong block)
+        or started from a wrong state (the block it came from), which wrote poison."""
         pending = [r for r in out.num_scheduled_tokens]
         for worker in self.workers:
             for name in self.layer_names:
                 worker.wait_for_layer_load(name)
         poisoned = []
+        self._move_states()
         # KV written in a step is read by the same step's later layers: a request that
         # reads blocks another one writes in this step waits for it (a few passes).
         while pending:
@@ -624,25 +861,31 @@ class Harness:
                     wrong = self._first_wrong(req_id)
                     assert wrong is not None
                     first, block = wrong
-                    self.note(f"forward {req_id} reads wrong KV at {first} (block {block})")
-                    poisoned.append((req_id, block, self._compute(req_id, poison=True)))
+                    what = (f"read wrong KV in block {block}" if first >= 0 else
+                            f"started from a wrong state (from block {block})")
+                    self.note(f"forward {req_id} {what} (position {first})")
+                    poisoned.append((req_id, block, self._compute(req_id, poison=True), what))
                 break
         return poisoned
 
     def _first_wrong(self, req_id: str) -> Optional[Tuple[int, int]]:
         """(position, block) of the first wrong KV the request's forward reads, over every
-        layer and rank; None if all it reads is right."""
+        layer and rank; (-1, the block it came from) for a wrong state; None if all it
+        reads is right."""
         c = self.computed[req_id]
         if c == 0:
             return None
+        state = self._state_wrong(req_id)
+        if state is not None:
+            return -1, state
         reads = self._reads(c)
-        lo = min(reads)
+        lo = min(reads.values())
         want = expected_kv(self.hashes_upto(req_id, c)[lo:], self.layers)
         tables = self.block_tables[req_id]
         tp = self.opts.tp
         local = HEADS // tp
         first: Optional[Tuple[int, int]] = None
-        for layer, start in enumerate(reads):
+        for layer, start in reads.items():
             table = tables[self.layer_group[layer]]
             for rank in range(tp):
                 have = self._read(rank, layer, table, start, c)
@@ -666,28 +909,37 @@ class Harness:
             values = expected_kv(self.hashes_upto(req_id, c + n)[c:], self.layers)
             for p in range(c, c + n):
                 if p % BS == 0:
-                    for table in self.block_tables[req_id]:
-                        self.bad_known.discard(table[p // BS])
+                    for g, table in enumerate(self.block_tables[req_id]):
+                        if g not in self.state_groups:
+                            self.bad_known.discard(table[p // BS])
         self._write(req_id, c, values)
-        return {table[b] for table in self.block_tables[req_id]
-                for b in range(c // BS, (c + n - 1) // BS + 1)}
+        states = self._write_states(req_id, poison)
+        if not poison:
+            self.bad_known -= states
+        return states | {table[b] for g, table in enumerate(self.block_tables[req_id])
+                         if g not in self.state_groups
+                         for b in range(c // BS, (c + n - 1) // BS + 1)}
 
     def check_null_block(self) -> None:
         """vLLM's null block stands for KV nobody holds: no copy or forward writes it."""
-        for rank, tensors in enumerate(self.tensors):
-            for name, t in tensors.items():
+        for rank, pool in enumerate(self.pools):
+            for i, t in enumerate(pool):
                 if not (t[NULL_BLOCK] == UNWRITTEN).all():
-                    self.fail(f"rank {rank}'s {name} has its null block written")
+                    self.fail(f"rank {rank}'s KV tensor {i} (the layers at index {i} of "
+                              "their groups) has its null block written")
 
     # -- checks ---------------------------------------------------------------------------------
 
     def check_committed(self) -> None:
-        """Every committed page holds exactly its tokens' KV."""
+        """Every committed page holds exactly its tokens' KV; a state layer's slot, where
+        its markers say it holds a state, every rank's part of the state after the page's
+        last token (:meth:`_check_state_slots`)."""
         from hostkv import _introspect
 
         seg = self.other._segment
         contents = seg.run_locked(_introspect.tree_contents, seg)
         pool = self.other.pages_tensor().numpy()
+        layers = self.attention_layers if self.state_layers else slice(None)
         wrong = None
         try:
             for namespace, tokens, pages, _ in contents:
@@ -695,18 +947,23 @@ class Harness:
                     key = (namespace, tuple(tokens[:(k + 1) * BS]))
                     want = self.expected_pages.get(key)
                     if want is None:
-                        want = expected_kv(prefix_hashes(list(key[1]))[k * BS:], self.layers)
+                        want = expected_kv(prefix_hashes(list(key[1]))[k * BS:],
+                                           self.layers)[layers]
                         self.expected_pages[key] = want
-                    if not np.array_equal(pool[page].reshape(want.shape), want):
-                        have = pool[page].reshape(want.shape)
+                    have = pool[page].reshape(self.layers, *want.shape[1:])[layers]
+                    if not np.array_equal(have, want):
                         what = ("poison: KV computed on wrong KV" if (have == POISON).any()
                                 else "never written" if (have == UNWRITTEN).any()
                                 else "other KV")
+                        wrong = f"holds {what}"
+                    elif self.state_layers:
+                        wrong = self._check_state_slots(key, pool[page])
+                    del have
+                    if wrong:
                         owners = [r for r, request in self.requests.items()
                                   if list(request.all_token_ids[:len(key[1])]) == list(key[1])]
                         wrong = (f"committed page {page} (page {k} of a path of {len(pages)},"
-                                 f" tokens of {owners}) holds {what}")
-                        del have
+                                 f" tokens of {owners}) {wrong}")
                         break
                 if wrong:
                     break
@@ -714,6 +971,40 @@ class Harness:
             del pool             # no view of the pool may outlive the handle
         if wrong:
             self.fail(wrong)
+        if self.state_layers:
+            self.counts["state_pages"] = len(self.expected_states)
+
+    def _check_state_slots(self, key: Tuple[int, Tuple[int, ...]],
+                           page: np.ndarray) -> Optional[str]:
+        """What is wrong with a committed page's state slots, or None. The slot of a state
+        layer holds every rank's part (its state tensors' bytes), rank after rank, then one
+        8-byte marker per rank (hostkv.vllm.state): every marker of every state layer set,
+        and every part the state after the page's tokens; or no marker set (no state)."""
+        from hostkv.vllm.layout import STATE_MARKER
+
+        tp = self.opts.tp
+        part = STATE_ELEMENTS // tp * 4
+        slots = page.view(np.uint8).reshape(self.layers, -1)
+        markers = {slots[layer, tp * part + rank * 8:tp * part + (rank + 1) * 8].tobytes()
+                   for layer in self.state_layers for rank in range(tp)}
+        if markers == {bytes(8)}:
+            return None
+        if markers != {STATE_MARKER}:
+            return f"holds a partial state: markers {sorted(markers)}"
+        want = self.expected_states.get(key)
+        if want is None:
+            h = prefix_hashes(list(key[1]))[-1]
+            want = [[expected_state(h, layer, rank, tp) for rank in range(tp)]
+                    for layer in self.state_layers]
+            self.expected_states[key] = want
+        for layer, wants in zip(self.state_layers, want):
+            for rank, state in enumerate(wants):
+                have = slots[layer, rank * part:(rank + 1) * part].view(np.float32)
+                if not np.array_equal(have, state):
+                    what = ("poison: a state computed on a wrong one"
+                            if (have == POISON).any() else "another state")
+                    return f"holds, for layer {layer} rank {rank}, {what}"
+        return None
 
     def _release_holds(self, all_: bool = False) -> None:
         keep = []
