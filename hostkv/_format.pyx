@@ -150,11 +150,12 @@ cdef tuple config_values(const HkvConfig* cfg):
     values = {pyname: c[cname] for pyname, cname in _CONFIG_FIELDS}
     values["enable_prefix_reuse"] = bool(values["enable_prefix_reuse"])
     layout = None
-    if c["cfg_kv_num_layers"]:
-        # Every bit as stored: KVLayout refuses one past num_layers (a damaged header).
-        state_layers = tuple(word * 64 + bit for word in range(HKV_STATE_LAYER_WORDS)
-                             for bit in range(64)
-                             if (cfg.cfg_kv_state_layers[word] >> bit) & 1)
+    # Every bit as stored: KVLayout refuses one past num_layers, or any without a layout
+    # (a damaged header).
+    state_layers = tuple(word * 64 + bit for word in range(HKV_STATE_LAYER_WORDS)
+                         for bit in range(64)
+                         if (cfg.cfg_kv_state_layers[word] >> bit) & 1)
+    if c["cfg_kv_num_layers"] or state_layers:
         layout = (c["cfg_kv_num_layers"], c["cfg_kv_num_kv_heads"], c["cfg_kv_head_dim"],
                   c["cfg_kv_dtype_code"], c["cfg_kv_kind"], state_layers)
     return values, layout

@@ -279,8 +279,8 @@ def test_another_layout_version_is_incompatible(segment_name):
 def test_state_layers_round_trip_through_the_header_and_a_damaged_bitmap_is_refused(
         segment_name):
     """KVLayout.state_layers is a bitmap in the header's config: an attach reads back
-    exactly the layers written; a bit past the layout's layers (a damaged header) is
-    refused, naming it, and changes nothing."""
+    exactly the layers written; a bit past the layout's layers, or any in a segment without
+    a layout (a damaged header), is refused, naming it, and changes nothing."""
     layout = hostkv.KVLayout(70, 1, 8, "float32", state_layers=(0, 2, 63, 64, 69))
     created_and_closed(segment_name, small_config(page_bytes=0, kv_layout=layout))
     with HostKVCache.attach(segment_name) as c:
@@ -294,6 +294,12 @@ def test_state_layers_round_trip_through_the_header_and_a_damaged_bitmap_is_refu
     poke(segment_name, HEADER["cfg_kv_state_layers"] + 8, "<Q", words[1])
     with HostKVCache.attach(segment_name) as c:
         assert c.config.kv_layout == layout
+    # A segment without a layout has no state layers either.
+    HostKVCache.unlink_segment(segment_name)
+    created_and_closed(segment_name)
+    poke(segment_name, HEADER["cfg_kv_state_layers"], "<Q", 1)
+    with pytest.raises(IncompatibleSegmentError, match=segment_name):
+        HostKVCache.attach(segment_name)
 
 
 def test_another_mutex_size_is_incompatible(segment_name):

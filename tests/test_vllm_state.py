@@ -74,14 +74,17 @@ def _kv_cache_config(groups, num_blocks=BLOCKS):
                                           for spec, names in groups])
 
 
-def _engine_kv(groups, total_heads=4, tp=1):
-    """engine_kv over a KV-cache config of ``groups``: [(spec, layer names)]."""
+def _engine_kv(groups, total_heads=4, tp=1, **config):
+    """engine_kv over a KV-cache config of ``groups``: [(spec, layer names)]; config: more
+    of the vLLM config's parts (speculative_config, cache_config)."""
     hv = vllm_module()
     from vllm.config import ParallelConfig
+    from vllm.config.mamba import MambaConfig
 
     vllm_config = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=tp),
                                   model_config=SimpleNamespace(
-                                      get_total_num_kv_heads=lambda: total_heads))
+                                      get_total_num_kv_heads=lambda: total_heads),
+                                  mamba_config=MambaConfig(), **config)
     return hv.layout.engine_kv(vllm_config, _kv_cache_config(groups))
 
 
@@ -133,9 +136,14 @@ def test_pages_with_state_name_the_tensor_parallel_degree_in_the_namespace():
     engines of one TP degree: the parts description (part of engine_identity) names it.
     A model without state keeps the namespace it always had (no parts field at all)."""
     hv = vllm_module()
+    import vllm
+
     one, two = _qwen3_next_kv(tp=1), _qwen3_next_kv(tp=2)
+    # The bytes are vLLM's own: its version and Mamba backend are named too.
     assert one.parts_description() == ("layers [0, 2]: MambaSpec (GDN_ATTN) state of [3, 20] "
-                                       "float32, [2, 4, 8] bfloat16 per rank, 1 rank(s)")
+                                       "float32, [2, 4, 8] bfloat16 per rank, 1 rank(s), as "
+                                       f"vLLM {vllm.__version__}, Mamba backend TRITON lays "
+                                       "it out")
     assert two.parts_description() == one.parts_description().replace("1 rank(s)",
                                                                        "2 rank(s)")
     attention_only = _engine_kv([(_full_spec(), [_full_name(i) for i in range(4)])])
@@ -163,9 +171,15 @@ def test_state_hostkv_cannot_keep_at_page_ends_is_refused_saying_why():
     with pytest.raises(ValueError, match=r"has none, only MambaSpec \(GDN_ATTN\) \(a pure "
                                          r"state-space model\)"):
         _engine_kv([(_state_spec(), [_state_name(i) for i in range(4)])])
-    # Speculative decoding's extra state blocks hold states that are not at page ends.
-    with pytest.raises(ValueError, match="has 1 speculative state blocks"):
+    # Speculative decoding's extra state blocks hold states that are not at page ends; and
+    # ReplaySSM writes states back late.
+    with pytest.raises(ValueError, match=r"with speculative decoding \(1 speculative state "
+                                         r"blocks\)"):
         _engine_kv(_qwen3_next_groups(state=_state_spec(num_speculative_blocks=1)))
+    with pytest.raises(ValueError, match=r"with speculative decoding \(0 speculative"):
+        _engine_kv(_qwen3_next_groups(), speculative_config=SimpleNamespace())
+    with pytest.raises(ValueError, match="with use_replayssm: vLLM writes its states back"):
+        _engine_kv(_qwen3_next_groups(), cache_config=SimpleNamespace(use_replayssm=True))
     # The state kept every 32 tokens, the pages 16.
     with pytest.raises(ValueError, match="keeps it every 32 tokens, the attention layers' "
                                          "pages hold 16"):
@@ -314,6 +328,47 @@ def test_state_and_kv_round_trip_through_a_page_with_exact_bytes(make_cache, for
     copies.close()
     loader.close()
     del copies, loader, pool, before
+
+
+def test_several_state_groups_each_copy_their_layers_through_their_own_blocks(make_cache):
+    """Three state layers of every four (Qwen3-Next's default, LFM2's kind): vLLM makes
+    groups of equal size, so three state groups of one layer and one attention group, each
+    with its own block table, and the layers at one position of every group share one
+    buffer (block b of layer 0 is block b of layer 1). Each group's layer is saved from,
+    and loaded into, the block its own table names, never another group's."""
+    state = _state_spec()
+    kv = _engine_kv([(state, [_state_name(0)]), (state, [_state_name(1)]),
+                     (state, [_state_name(2)]), (_full_spec(), [_full_name(3)])])
+    assert kv.state_groups == (0, 1, 2) and kv.layout.state_layers == (0, 1, 2)
+    shared = _connector_view(_states(seed=7))          # one buffer, every state layer's
+    ref = reference_kv(layers=4, heads=4, dim=8)
+    caches = {_state_name(i): shared[0] for i in range(3)}
+    caches[_full_name(3)] = as_vllm(ref[3])
+    cache = make_cache(kv.layout)
+    copies = _copies(cache, kv, caches)
+    # One page; each group names another block of the shared buffer.
+    transfer = copies.submit_save([[5], [9], [3], [4]], [2])
+    assert transfer.wait() and transfer.error is None
+    want = {0: 5, 1: 9, 2: 3}
+    for layer, block in want.items():
+        slot = _slot(cache, layer, 2)
+        assert slot[:RANK_BYTES] == shared[1][block, :RANK_BYTES].numpy().tobytes(), layer
+        assert slot[RANK_BYTES:RANK_BYTES + 8] == MARKER
+    # Loaded into three other blocks of a fresh shared buffer, one per group.
+    back = _connector_view([torch.zeros_like(t) for t in _states(seed=7)])
+    back_caches = {_state_name(i): back[0] for i in range(3)}
+    back_caches[_full_name(3)] = torch.zeros_like(caches[_full_name(3)])
+    loader = _copies(cache, kv, back_caches)
+    transfer = loader.submit_load([2], [[1], [6], [8], [0]])
+    assert transfer.wait() and transfer.error is None
+    for layer, (saved, loaded) in enumerate([(5, 1), (9, 6), (3, 8)]):
+        assert (back[1][loaded, :RANK_BYTES].numpy().tobytes()
+                == shared[1][saved, :RANK_BYTES].numpy().tobytes()), layer
+    untouched = [b for b in range(BLOCKS) if b not in (1, 6, 8)]
+    assert not back[1][untouched, :RANK_BYTES].any()
+    copies.close()
+    loader.close()
+    del copies, loader
 
 
 def test_a_save_without_state_clears_the_marker_a_page_had(make_cache):

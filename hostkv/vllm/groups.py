@@ -96,7 +96,8 @@ class GroupCopies:
         whole = (0, kv.layout.num_layers, 1)
         runs = [(index, run) for index, group in enumerate(kv.groups) if group.kind != "state"
                 for run in layer_runs(group.layers)]
-        self.state: Optional[StateCopies] = None
+        # One per state group, each through its own group's blocks.
+        self.states: List[StateCopies] = []
         # On a GPU the engines share one budget of staging (each rounds up to a page), and
         # the first registers the pool for all.
         staging = None
@@ -114,9 +115,9 @@ class GroupCopies:
                                     layers=None if run == whole else run,
                                     staging_bytes=staging, register=not self.engines)
                 self.engines.append((index, engine))
-            if kv.state_groups:
-                self.state = StateCopies(pool.view(pool.shape[0], -1).view(torch.uint8), kv,
-                                         kv_caches, rank)
+            pool_bytes = pool.view(pool.shape[0], -1).view(torch.uint8)
+            self.states = [StateCopies(pool_bytes, kv, kv_caches, rank, g)
+                           for g in kv.state_groups]
         except BaseException:
             self.close()
             raise
@@ -145,18 +146,14 @@ class GroupCopies:
                  for g, engine in self.engines]
         for engine, b, p in plans:
             engine._indices(b, p)
-        if self.state is not None:
-            for g in self.kv.state_groups:
-                self.state.check(blocks[g], pages)
+        for state in self.states:
+            state.check(blocks[state.group], pages)
         return plans
 
     def _state_parts(self, blocks: Sequence[Sequence[int]], pages: Sequence[int],
                      saving: bool) -> List[Transfer]:
-        if self.state is None:
-            return []
-        copy = self.state.save if saving else self.state.load
-        return [copy(blocks[g], pages) if saving else copy(pages, blocks[g])
-                for g in self.kv.state_groups]
+        return [state.save(blocks[state.group], pages) if saving
+                else state.load(pages, blocks[state.group]) for state in self.states]
 
     def submit_save(self, blocks: Sequence[Sequence[int]], pages: Sequence[int]) -> GroupTransfer:
         """Starts copying, for every group, its block ``blocks[group][i]`` of the group's

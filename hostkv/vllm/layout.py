@@ -72,6 +72,9 @@ class StateLayout:
         itemsizes: Their element sizes in bytes.
         tp_world: Tensor-parallel ranks (parts in a slot).
         kind: vLLM's name of the layer kind (``GDN_ATTN``, ``MAMBA2``, ...), for messages.
+        writer: What lays the bytes out: vLLM's version and its Mamba backend. The bytes
+            are vLLM's own, so a vLLM that keeps a state of the same shapes in another
+            order must never read them (this goes into the namespace).
     """
 
     shapes: Tuple[Tuple[int, ...], ...]
@@ -79,6 +82,7 @@ class StateLayout:
     itemsizes: Tuple[int, ...]
     tp_world: int
     kind: str
+    writer: str = ""
 
     @property
     def rank_bytes(self) -> int:
@@ -108,7 +112,8 @@ class StateLayout:
         """The layout in words; it goes into the engine's namespace."""
         tensors = ", ".join(f"{list(shape)} {dtype}"
                             for shape, dtype in zip(self.shapes, self.dtypes))
-        return f"{self.kind} state of {tensors} per rank, {self.tp_world} rank(s)"
+        return (f"{self.kind} state of {tensors} per rank, {self.tp_world} rank(s)"
+                + (f", as {self.writer} lays it out" if self.writer else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,6 +391,16 @@ def _layers_text(group: object) -> str:
     return f"layers {names[:4]}{' ...' if len(names) > 4 else ''}"
 
 
+def _state_writer(vllm_config: "VllmConfig") -> str:
+    """vLLM's version and Mamba backend: what lays a state's bytes out."""
+    try:
+        from vllm import __version__ as version
+    except ImportError:
+        version = "unknown"
+    backend = getattr(getattr(vllm_config, "mamba_config", None), "backend", None)
+    return f"vLLM {version}, Mamba backend {getattr(backend, 'name', backend)}"
+
+
 def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
                   slot_bytes: int, tp: int) -> StateLayout:
     """How a page slot holds a recurrent-state group's state; raises ValueError where vLLM
@@ -406,16 +421,21 @@ def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
                          f"{spec.block_size} tokens, the attention layers' pages hold "
                          f"{block_size}")
     speculative = int(getattr(spec, "num_speculative_blocks", 0) or 0)
-    if speculative:
-        raise ValueError(f"hostkv: {what} has {speculative} speculative state blocks "
-                         "(speculative decoding), whose states are not at page ends")
+    if speculative or getattr(vllm_config, "speculative_config", None) is not None:
+        raise ValueError(f"hostkv: {what} with speculative decoding ({speculative} "
+                         "speculative state blocks): its states are not kept at page ends")
+    if getattr(getattr(vllm_config, "cache_config", None), "use_replayssm", False):
+        # ReplaySSM writes a state back only when it flushes, not at each step's end: a
+        # block vLLM offers may not hold its boundary's state when the step's save reads it.
+        raise ValueError(f"hostkv: {what} with use_replayssm: vLLM writes its states back "
+                         "late, so no save can know one is there")
     dtypes = tuple(dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
                    for dtype in spec.dtypes)
     state = StateLayout(
         shapes=tuple(tuple(int(d) for d in shape) for shape in spec.shapes),
         dtypes=tuple(str(dtype).replace("torch.", "") for dtype in dtypes),
         itemsizes=tuple(torch.empty((), dtype=dtype).element_size() for dtype in dtypes),
-        tp_world=tp, kind=_group_kind(spec))
+        tp_world=tp, kind=_group_kind(spec), writer=_state_writer(vllm_config))
     if state.slot_bytes > slot_bytes:
         raise ValueError(f"hostkv: {what}'s state ({state.rank_bytes} bytes on each of {tp} "
                          f"rank(s), and a marker each) does not fit a page's slot of "

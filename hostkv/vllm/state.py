@@ -48,9 +48,12 @@ _MARKER = np.frombuffer(STATE_MARKER, dtype=np.uint8)
 _NULL_BLOCK = 0
 
 
-def _state_slots(kv: EngineKV) -> List[Tuple[int, StateLayout]]:
-    """(page layer, state layout) of every state layer."""
-    return [(layer, kv.groups[g].state) for g in kv.state_groups  # type: ignore[misc]
+def _state_slots(kv: EngineKV, groups: Optional[Sequence[int]] = None
+                 ) -> List[Tuple[int, StateLayout]]:
+    """(page layer, state layout) of every state layer of ``groups`` (default: all state
+    groups)."""
+    return [(layer, kv.groups[g].state)  # type: ignore[misc]
+            for g in (kv.state_groups if groups is None else groups)
             for layer in kv.groups[g].layers]
 
 
@@ -97,7 +100,12 @@ def state_blocks_to_load(table: Sequence[int], start: int, end: int) -> List[int
 
 
 class StateCopies:
-    """Copies of one rank's recurrent state between vLLM's state blocks and page slots.
+    """Copies of one rank's recurrent state of one state group between that group's blocks
+    and page slots. A model has several state groups when it has more state layers than
+    attention layers (vLLM makes groups of equal size: Qwen3-Next's three Gated DeltaNet
+    layers of every four make three); each group has its own block table, and a block id
+    of one group is another layer's memory in the next, so each group's layers are copied
+    through its own blocks only.
 
     The copies run inline (a state is tens of kilobytes a layer); the transfer they answer
     is over.
@@ -109,19 +117,21 @@ class StateCopies:
             tensors, each [num_blocks, *shape], or (what vLLM registers with a connector)
             one tensor of bytes, [num_blocks, ..., state bytes].
         rank: This worker's tensor-parallel rank.
+        group: The state group (an index of ``kv.groups``).
 
     Raises:
         ValueError: a state layer's tensors are not what vLLM's spec declared.
     """
 
     def __init__(self, pool: torch.Tensor, kv: EngineKV,
-                 kv_caches: Dict[str, object], rank: int) -> None:
+                 kv_caches: Dict[str, object], rank: int, group: int) -> None:
         self.rank = rank
+        self.group = group
         slot_bytes = pool.shape[1] // kv.layout.num_layers
         self.slots = pool.view(pool.shape[0], kv.layout.num_layers, slot_bytes)
         # (page layer, state layout, the layer's state tensors as [num_blocks, bytes])
         self.layers: List[Tuple[int, StateLayout, List[torch.Tensor]]] = []
-        for layer, state in _state_slots(kv):
+        for layer, state in _state_slots(kv, [group]):
             name = kv.layer_names[layer]
             tensors = kv_caches[name]
             tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # type: ignore[call-overload]

@@ -114,6 +114,9 @@ class WorkerSide:
             engine = GroupCopies(self.cache.pages_tensor(), kv, kv_caches, heads=(first, stop),
                                  writes=writes, asynchronous=self.async_saves, rank=self.rank)
         except ValueError as exc:
+            if str(exc).startswith("hostkv: state layer"):
+                # StateCopies names the state layer it refused, and what it saw.
+                raise
             raise ValueError(
                 f"hostkv: {kv.backend}'s KV cache (layer {named!r}: shape "
                 f"{tuple(tensors[0].shape)}, stride {tuple(tensors[0].stride())}, "

@@ -93,7 +93,9 @@ def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_di
             num_key_value_heads=num_kv_heads, head_dim=head_dim, linear_num_value_heads=2,
             linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
             num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
-            shared_expert_intermediate_size=64, full_attention_interval=2,
+            # Three Gated DeltaNet layers of every four, as Qwen3-Next's checkpoints: vLLM
+            # makes groups of equal size, so three state groups beside the attention one.
+            shared_expert_intermediate_size=64, full_attention_interval=4,
             **{**common, "torch_dtype": "bfloat16"})
         model = Qwen3NextForCausalLM(config)
     elif kind == "lfm2":
