@@ -18,6 +18,9 @@ from hostkv.errors import os_error
 
 
 cdef int LOCK_SPINS = 400        # ~10 us of pause instructions before blocking
+# How long a locker gives way to a waiter its own process's last unlock woke (await_handoff):
+# a woken thread runs within tens of microseconds, even on a loaded two-core machine.
+cdef int64_t HANDOFF_BOUND_NS = 1_000_000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +120,21 @@ cdef int lock_contended(pthread_mutex_t* m, int64_t timeout_ns) noexcept nogil:
     while rc == EINTR:
         rc = hkv_mutex_lock_until(m, &deadline)
     return rc
+
+
+cdef void await_handoff(pthread_mutex_t* m) noexcept nogil:
+    """Gives way, at most HANDOFF_BOUND_NS, until someone holds m: called before locking m
+    by a process whose last unlock of m woke a sleeping waiter.
+
+    glibc's mutexes let a newcomer take a just-freed lock before the waiter the unlock woke
+    runs (barging). A thread that calls the core back to back then takes the lock every
+    time, and a waiter in another thread or process can starve until its timeout: a thread
+    polling check() made three others of its process time out after 10 s. Yielding the
+    core until the woken waiter has the lock ends that; the bound keeps a waiter that
+    timed out or died meanwhile from stalling anyone."""
+    cdef int64_t deadline_ns = now_ns(CLOCK_MONOTONIC) + HANDOFF_BOUND_NS
+    while not hkv_mutex_is_held(m) and now_ns(CLOCK_MONOTONIC) < deadline_ns:
+        sched_yield()
 
 
 cdef int probe_mutex(pthread_mutex_t* m) noexcept nogil:

@@ -17,7 +17,7 @@ from libc.string cimport memcmp, memcpy
 from hostkv._crash cimport CRASH_EXIT, armed_for_new_segments, crash_mode, crash_now
 from hostkv._format cimport shape_problem, tables_problem
 from hostkv._layout cimport *
-from hostkv._leases cimport fork_epoch, lock_contended, mutex_kind_problem
+from hostkv._leases cimport await_handoff, fork_epoch, lock_contended, mutex_kind_problem
 from hostkv.includes.system cimport *
 
 from hostkv.errors import CapacityError, CorruptionError, LockTimeoutError, os_error
@@ -143,11 +143,16 @@ cdef class SegmentLock:
         """begin()'s work: lock, recover, sweep when due. Raises with the lock not held."""
         cdef int rc
         cdef int64_t wait_start, timeout_ns
-        cdef bint waited
+        cdef bint waited, gave_way
         check_mutex(self, &self.hdr.hdr_mutex, "the segment lock")
         wait_start = now_ns(CLOCK_MONOTONIC)
+        gave_way = self.handoff_due
+        if gave_way:
+            self.handoff_due = False
+            with nogil:
+                await_handoff(&self.hdr.hdr_mutex)
         rc = pthread_mutex_trylock(&self.hdr.hdr_mutex)
-        waited = rc == EBUSY
+        waited = rc == EBUSY or gave_way
         timeout_ns = self.lock_timeout_ns
         if _exiting and timeout_ns > EXIT_LOCK_TIMEOUT_NS:
             # The interpreter is exiting (closing what is left open): a process that
@@ -257,6 +262,7 @@ cdef class SegmentLock:
         record_duration(self.metrics.mt_lock_hold_histogram, &self.metrics.mt_lock_hold_ns,
                         now_ns(CLOCK_MONOTONIC) - self.locked_at_ns)
         self.locked = False
+        self.handoff_due = hkv_mutex_has_sleepers(&self.hdr.hdr_mutex)
         pthread_mutex_unlock(&self.hdr.hdr_mutex)
 
     cdef int rollback_to(self, int64_t mark) except -1:

@@ -83,6 +83,17 @@ def _hold_lock(name: str, event) -> None:
     os._exit(1)
 
 
+def _check_until_stopped(name: str, started, stop) -> None:
+    """Calls check() back to back, each holding the lock ~1 ms, until stop is set (raw page
+    references of the parent's are allowed)."""
+    cache = HostKVCache.attach(name)
+    cache.check(exact_references=False)
+    started.set()
+    while not stop.is_set():
+        cache.check(exact_references=False)
+    cache.close()
+
+
 # -- tests -------------------------------------------------------------------------------------
 
 
@@ -176,6 +187,25 @@ def test_sigkill_while_holding_the_lock(cache, segment_name, procs):
     pages = _pages.alloc_pages(cache._segment, 3)
     _pages.free_pages(cache._segment, pages)
     cache.check(exact_references=False)
+
+
+def test_a_process_locking_back_to_back_does_not_starve_another(segment_name, procs):
+    # A just-freed mutex goes to whoever asks first, and a process re-locking at once asks
+    # before the waiter its unlock woke can run. It now gives way to that waiter, so the
+    # calls here get the lock within a short timeout while another process polls check().
+    cfg = small_config(num_pages=4096, max_sequences=64)
+    with HostKVCache.create(segment_name, cfg, lock_timeout=1) as cache:
+        started, stop = ctx.Event(), ctx.Event()
+        p = procs(_check_until_stopped, segment_name, started, stop)
+        try:
+            assert started.wait(CHILD_TIMEOUT), "child did not attach"
+            deadline = time.monotonic() + 4          # several lock timeouts
+            while time.monotonic() < deadline:
+                _pages.free_pages(cache._segment, _pages.alloc_pages(cache._segment, 2))
+        finally:
+            stop.set()
+        finished(p, 0)
+        cache.check()
 
 
 def test_stopped_holder_times_out_then_is_recovered_when_killed(cache, segment_name, procs):

@@ -22,6 +22,7 @@ from conftest import small_config
 PAGE = 4
 ENGINE_THREADS = 4
 ROUNDS = 150
+STARVE_SECONDS = 4            # several lock timeouts of back-to-back locking
 
 
 def _engine(cache, index, rounds, errors, counts):
@@ -161,6 +162,36 @@ def test_a_thread_waiting_for_the_lock_gets_it_when_the_holder_lets_go(segment_n
         holder.join(60)
         waiter.join(60)
         assert got == [cache.config.num_pages]
+
+
+def test_a_thread_locking_back_to_back_does_not_starve_another(segment_name):
+    # glibc's mutex lets a newcomer take a just-freed lock before the waiter it woke runs, so
+    # a thread that re-locks at once (a check() poller) kept the lock for the full timeout
+    # while three engine threads of its process waited. Its process now gives way to the
+    # woken waiter, so every call here gets the lock well within a short timeout.
+    cfg = small_config(num_pages=256, max_sequences=64, page_size=PAGE)
+    with HostKVCache.create(segment_name, cfg, lock_timeout=1) as cache:
+        stop = threading.Event()
+        errors: list = []
+        calls: dict = {}
+        poller = threading.Thread(target=_observer,
+                                  args=(lambda: cache.check(), stop, errors, "check", calls))
+        poller.start()
+        try:
+            while not calls and poller.is_alive():
+                time.sleep(0.001)
+            with WorkerView(cache) as view:
+                deadline, r = time.monotonic() + STARVE_SECONDS, 0
+                while time.monotonic() < deadline:
+                    view.allocate_pages_for_sequences_with_prefix(
+                        [SequenceRequest(r, list(range(1, 3 * PAGE + 1)) + [100 + r % 900])])
+                    view.release([r], commit=True)
+                    r += 1
+        finally:
+            stop.set()
+            poller.join(60)
+        assert errors == [] and calls["check"] > 0
+        cache.check()
 
 
 def test_views_in_threads_allocate_distinct_pages(segment_name):

@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -136,9 +137,22 @@ static inline int hkv_mutex_kind(pthread_mutex_t* m) {
     return __atomic_load_n(&m->__data.__kind, __ATOMIC_RELAXED);
 }
 #define HKV_MUTEX_KIND_OFFSET ((int)offsetof(pthread_mutex_t, __data.__kind))
+
+/* glibc's lock word of a robust mutex is the owner's TID (FUTEX_TID_MASK), with
+   FUTEX_WAITERS set once a waiter sleeps in the kernel: the futex protocol the kernel's
+   robust-list handling shares with it (futex(2)), so these bits are fixed by the ABI. */
+static inline int hkv_mutex_has_sleepers(pthread_mutex_t* m) {
+    return (__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & 0x80000000u) != 0;
+}
+static inline int hkv_mutex_is_held(pthread_mutex_t* m) {
+    return (__atomic_load_n(&m->__data.__lock, __ATOMIC_ACQUIRE) & 0x3fffffffu) != 0;
+}
 #else
 static inline int hkv_mutex_kind(pthread_mutex_t* m) { (void)m; return -1; }
 #define HKV_MUTEX_KIND_OFFSET (-1)
+/* Unknown lock word: no waiter is ever seen, so no hand-off is waited for. */
+static inline int hkv_mutex_has_sleepers(pthread_mutex_t* m) { (void)m; return 0; }
+static inline int hkv_mutex_is_held(pthread_mutex_t* m) { (void)m; return 1; }
 #endif
 
 /* -- CPython ---------------------------------------------------------------------------------- */

@@ -91,6 +91,10 @@ cdef extern from "<unistd.h>" nogil:
     unsigned int getuid()
 
 
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+
 cdef extern from "<errno.h>" nogil:
     enum:
         EOWNERDEAD
@@ -122,3 +126,5 @@ cdef extern from "includes/compat.h" nogil:
     void cpu_relax() noexcept
     int hkv_mutex_lock_until(pthread_mutex_t* m, const timespec* deadline) noexcept
     int hkv_mutex_kind(pthread_mutex_t* m) noexcept
+    int hkv_mutex_has_sleepers(pthread_mutex_t* m) noexcept
+    int hkv_mutex_is_held(pthread_mutex_t* m) noexcept
