@@ -174,9 +174,10 @@ def _state_hits(prompts: List[List[int]], looked_up: List[List[int]],
     return hits
 
 
-@pytest.mark.parametrize("kind,dtype", [("qwen3_next", "bfloat16"), ("lfm2", "float32")])
+@pytest.mark.parametrize("kind,dtype,num_kv_heads",
+                         [("qwen3_next", "bfloat16", 2), ("lfm2", "float32", 1)])
 def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_path, kind,
-                                                                         dtype):
+                                                                         dtype, num_kv_heads):
     """Qwen3-Next (Gated DeltaNet layers; vLLM-CPU's kernel takes bfloat16) and LFM2 (gated
     short convolutions): a recurrent state (vLLM's MambaSpec) beside full attention, with
     vLLM's hybrid manager on. A page holds every attention layer's K/V and
@@ -185,13 +186,13 @@ def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_pat
     generates exactly what an engine of its TP degree computes without any cache. A state is each rank's shard, so
     the TP=2 engines find none of the TP=1 engines' pages. Then B (TP=2) loses rank 1
     mid-save: A reads nothing half-written."""
-    model = write_model(str(tmp_path / "model"), num_layers=4, num_kv_heads=2,
-                        kind="qwen3_next")
-    segment = f"hostkv-test-gdn-{os.getpid()}-{random.randrange(1 << 30):x}"
+    model = write_model(str(tmp_path / "model"), num_layers=4, num_kv_heads=num_kv_heads,
+                        kind=kind)
+    segment = f"hostkv-test-{kind}-{os.getpid()}-{random.randrange(1 << 30):x}"
     extra = {"segment": segment, "size": "256MiB"}
-    # vLLM-CPU's kernel takes bfloat16; the hybrid manager picks the block size (128 here:
-    # an attention page as large as a layer's state).
-    kwargs = {"dtype": "bfloat16", "block_size": None}
+    # The hybrid manager picks the block size: an attention page as large as a layer's
+    # state (128 for this Qwen3-Next).
+    kwargs = {"dtype": dtype, "block_size": None}
     rng = random.Random(17)
     prompts = [[rng.randrange(1, 1000) for _ in range(300 + 41 * i)] for i in range(3)]
     turns = [p + [rng.randrange(1, 1000) for _ in range(60)] for p in prompts]
