@@ -180,6 +180,11 @@ def test_state_hostkv_cannot_keep_at_page_ends_is_refused_saying_why():
         _engine_kv(_qwen3_next_groups(), speculative_config=SimpleNamespace())
     with pytest.raises(ValueError, match="with use_replayssm: vLLM writes its states back"):
         _engine_kv(_qwen3_next_groups(), cache_config=SimpleNamespace(use_replayssm=True))
+    # vLLM rounds a state model's block up to hold a state, to sizes hostkv's pages cannot
+    # take (Qwen3-Next-80B's is 544 on a GPU): the message names the block size to ask for.
+    with pytest.raises(ValueError, match=r"vLLM's block size is 544: start vLLM with "
+                                         r"--block-size 1024"):
+        _engine_kv(_qwen3_next_groups(block=544))
     # The state kept every 32 tokens, the pages 16.
     with pytest.raises(ValueError, match="keeps it every 32 tokens, the attention layers' "
                                          "pages hold 16"):
@@ -923,3 +928,24 @@ def test_pages_a_hit_is_cut_back_from_are_not_reported_removed(segment_name):
         sched.cache.check()
     finally:
         sched.shutdown()
+
+
+def test_the_state_bench_copies_a_step_of_states_beside_a_plain_copy():
+    """`python -m hostkv.vllm.state_bench`'s small shape, two rounds: every save and load
+    through StateCopies succeeds (it asserts so) and the report counts the step's bytes."""
+    import warnings
+
+    vllm_module()
+    from hostkv.vllm import state_bench
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # vLLM's Mamba modules' deprecations on import
+        result = state_bench.measure("tiny", rounds=2)
+    # vLLM's GDN state of 2 heads of 64 at TP=1: a conv state of 384 channels x 3 and a
+    # 2 x 64 x 64 recurrent state, bfloat16.
+    assert result["layer_bytes"] == (384 * 3 + 2 * 64 * 64) * 2
+    assert result["bytes"] == 8 * 3 * result["layer_bytes"]
+    assert result["copies"] == 8 * 3 * 2
+    assert set(result["gbps"]) == {"save", "load", "plain"}
+    assert all(rate > 0 for rate in result["gbps"].values())
+    assert "tiny: 8 pages x 3 state layers" in state_bench.report(result)

@@ -365,8 +365,12 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
                       state_layers=tuple(state_layers))
     block_size = int(spec.block_size)
     if block_size & (block_size - 1):
+        # vLLM rounds a model with state's block up until an attention page holds a state
+        # (Qwen3-Next-80B: 544 tokens on a GPU, 640 on the CPU, by vLLM 0.32's rule); it keeps
+        # a block size it is given that already does.
         raise ValueError(f"hostkv pages hold a power-of-two number of tokens; vLLM's block "
-                         f"size is {block_size}")
+                         f"size is {block_size}: start vLLM with --block-size "
+                         f"{1 << (block_size - 1).bit_length()}")
     slot_bytes = layout.page_bytes(block_size) // layout.num_layers
     kv_groups = tuple(
         KVGroup(kind, tuple(sorted(position[name] for name in group.layer_names)),

@@ -127,10 +127,17 @@ class StateCopies:
                  kv_caches: Dict[str, object], rank: int, group: int) -> None:
         self.rank = rank
         self.group = group
-        slot_bytes = pool.shape[1] // kv.layout.num_layers
-        self.slots = pool.view(pool.shape[0], kv.layout.num_layers, slot_bytes)
-        # (page layer, state layout, the layer's state tensors as [num_blocks, bytes])
-        self.layers: List[Tuple[int, StateLayout, List[torch.Tensor]]] = []
+        self.num_pages = pool.shape[0]
+        self.page_bytes = pool.shape[1]
+        slot_bytes = self.page_bytes // kv.layout.num_layers
+        # Byte offsets into the flat pool, and each state tensor as [num_blocks, bytes]:
+        # a copy is then one slice each side (the per-copy Python is most of a small
+        # state's cost; see hostkv.vllm.state_bench).
+        self.pool = pool.reshape(-1)
+        self.marker = torch.frombuffer(bytearray(STATE_MARKER), dtype=torch.uint8)
+        # (part's offset in a page, marker's offset in a page, the layer's state tensors
+        # as [num_blocks, bytes])
+        self.layers: List[Tuple[int, int, List[torch.Tensor]]] = []
         for layer, state in _state_slots(kv, [group]):
             name = kv.layer_names[layer]
             tensors = kv_caches[name]
@@ -142,7 +149,9 @@ class StateCopies:
                                  f"{[str(t.dtype) for t in tensors]}); vLLM's spec declared "
                                  f"{list(state.shapes)} of {list(state.dtypes)} per block, "
                                  f"{state.rank_bytes} bytes")
-            self.layers.append((layer, state, tensors))
+            self.layers.append((layer * slot_bytes + state.part(rank)[0],
+                                layer * slot_bytes + state.marker(rank),
+                                [t.flatten(1).view(torch.uint8) for t in tensors]))
 
     @staticmethod
     def _matches(tensors: List[torch.Tensor], state: StateLayout) -> bool:
@@ -159,38 +168,31 @@ class StateCopies:
 
     def check(self, blocks: Sequence[int], pages: Sequence[int]) -> None:
         """Raises ValueError for a block or page out of range (before anything copies)."""
-        num_pages = self.slots.shape[0]
         num_blocks = min((t.shape[0] for _, _, ts in self.layers for t in ts), default=0)
         for block, page in zip(blocks, pages):
-            if not 0 <= int(block) < num_blocks or not 0 <= int(page) < num_pages:
+            if not 0 <= int(block) < num_blocks or not 0 <= int(page) < self.num_pages:
                 raise ValueError(f"hostkv: state block {block} or page {page} out of range "
-                                 f"({num_blocks} blocks, {num_pages} pages)")
-
-    def _regions(self, page: int) -> Iterable[Tuple[torch.Tensor, torch.Tensor,
-                                                     List[torch.Tensor]]]:
-        for layer, state, tensors in self.layers:
-            slot = self.slots[page, layer]
-            offset, size = state.part(self.rank)
-            mark = state.marker(self.rank)
-            yield slot[offset:offset + size], slot[mark:mark + len(STATE_MARKER)], tensors
+                                 f"({num_blocks} blocks, {self.num_pages} pages)")
 
     def save(self, blocks: Sequence[int], pages: Sequence[int]) -> Transfer:
         """Writes block ``blocks[i]``'s state of every state layer into page ``pages[i]``
         with this rank's marker; a null block writes zeros for the marker (no state)."""
         moved = 0
-        marker = torch.frombuffer(bytearray(STATE_MARKER), dtype=torch.uint8)
+        size = len(STATE_MARKER)
         for block, page in zip(blocks, pages):
-            for part, mark, tensors in self._regions(int(page)):
+            block, base = int(block), int(page) * self.page_bytes
+            for part, mark, tensors in self.layers:
+                marker = self.pool[base + mark:base + mark + size]
                 if block == _NULL_BLOCK:
-                    mark.zero_()
+                    marker.zero_()
                     continue
-                offset = 0
+                at = base + part
                 for tensor in tensors:
-                    data = tensor[int(block)].reshape(-1).view(torch.uint8)
-                    part[offset:offset + data.numel()].copy_(data)
-                    offset += data.numel()
-                mark.copy_(marker)
-                moved += offset
+                    data = tensor[block]
+                    self.pool[at:at + data.numel()].copy_(data)
+                    at += data.numel()
+                marker.copy_(self.marker)
+                moved += at - base - part
         return Transfer.finished(moved)
 
     def load(self, pages: Sequence[int], blocks: Sequence[int]) -> Transfer:
@@ -198,20 +200,20 @@ class StateCopies:
         null blocks skipped; the transfer fails (nothing of that page copied) where a page
         holds no state of this rank."""
         moved = 0
+        size = len(STATE_MARKER)
         for block, page in zip(blocks, pages):
+            block, base = int(block), int(page) * self.page_bytes
             if block == _NULL_BLOCK:
                 continue
-            regions = list(self._regions(int(page)))
-            if any(bytes(mark.numpy()) != STATE_MARKER for _, mark, _ in regions):
+            if any(not torch.equal(self.pool[base + mark:base + mark + size], self.marker)
+                   for _, mark, _ in self.layers):
                 return Transfer.finished(moved, ValueError(
                     f"hostkv: page {page} holds no state of rank {self.rank}"))
-            for part, _, tensors in regions:
-                offset = 0
+            for part, _, tensors in self.layers:
+                at = base + part
                 for tensor in tensors:
-                    target = tensor[int(block)]
-                    size = target.numel() * target.element_size()
-                    target.view(-1).view(torch.uint8).copy_(part[offset:offset + size])
-                    offset += size
-                moved += offset
+                    target = tensor[block]
+                    target.copy_(self.pool[at:at + target.numel()])
+                    at += target.numel()
+                moved += at - base - part
         return Transfer.finished(moved)
-
