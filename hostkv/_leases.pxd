@@ -31,7 +31,7 @@ ctypedef struct LeaseHolder:
 cdef long fork_epoch() noexcept
 cdef int init_robust_mutex(pthread_mutex_t* mutex) except -1
 cdef str mutex_kind_problem(pthread_mutex_t* m, str what)
-cdef int lock_contended(pthread_mutex_t* m, int64_t timeout_ns) noexcept nogil
+cdef int lock_contended(pthread_mutex_t* m, int64_t timeout_ns, bint* slept) noexcept nogil
 cdef void await_handoff(pthread_mutex_t* m) noexcept nogil
 cdef int probe_mutex(pthread_mutex_t* m) noexcept nogil
 

@@ -97,9 +97,10 @@ cdef str mutex_kind_problem(pthread_mutex_t* m, str what):
     return None
 
 
-cdef int lock_contended(pthread_mutex_t* m, int64_t timeout_ns) noexcept nogil:
+cdef int lock_contended(pthread_mutex_t* m, int64_t timeout_ns, bint* slept) noexcept nogil:
     """Locks m, which a trylock found taken, within timeout_ns; returns pthread's answer
-    (ETIMEDOUT at the bound, EOWNERDEAD for a dead holder's).
+    (ETIMEDOUT at the bound, EOWNERDEAD for a dead holder's). Sets slept[0] when it waited
+    in the kernel rather than spinning.
 
     Holds are a few microseconds: it spins that long before sleeping in the kernel, whose
     wake-up costs more than the wait (glibc's adaptive mutexes do the same, but cannot be
@@ -108,11 +109,13 @@ cdef int lock_contended(pthread_mutex_t* m, int64_t timeout_ns) noexcept nogil:
     cdef int rc = EBUSY, spins
     cdef int64_t deadline_ns
     cdef timespec deadline
+    slept[0] = False
     for spins in range(LOCK_SPINS):
         cpu_relax()
         rc = pthread_mutex_trylock(m)
         if rc != EBUSY:
             return rc
+    slept[0] = True
     deadline_ns = now_ns(CLOCK_MONOTONIC) + timeout_ns
     deadline.tv_sec = deadline_ns // 1_000_000_000
     deadline.tv_nsec = deadline_ns % 1_000_000_000

@@ -43,8 +43,11 @@ cdef class SegmentLock:
     cdef bint locked                    # a thread of this process holds hdr_mutex through this object
     cdef pthread_t lock_owner           # ... and this is that thread (valid while locked)
     cdef int in_flight                  # calls of this process's threads between begin and end
-    cdef bint handoff_due               # the last unlock through this object woke a sleeping
+    cdef readonly bint handoff_due      # the last unlock through this object woke a sleeping
                                         # waiter: the next locker gives way first (await_handoff)
+    cdef bint took_asleep               # the holder waited in the kernel for the lock: glibc
+                                        # then marks it as having waiters whether or not any
+                                        # remain, so its unlock hands nothing off
     cdef readonly bint closing          # close() is waiting for in-flight calls
     cdef pthread_t closing_thread       # ... in this thread
     cdef bint observer                  # attached without a lease: never sweeps

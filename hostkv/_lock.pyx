@@ -143,7 +143,7 @@ cdef class SegmentLock:
         """begin()'s work: lock, recover, sweep when due. Raises with the lock not held."""
         cdef int rc
         cdef int64_t wait_start, timeout_ns
-        cdef bint waited, gave_way
+        cdef bint waited, gave_way, slept = False
         check_mutex(self, &self.hdr.hdr_mutex, "the segment lock")
         wait_start = now_ns(CLOCK_MONOTONIC)
         gave_way = self.handoff_due
@@ -161,7 +161,7 @@ cdef class SegmentLock:
             timeout_ns = EXIT_LOCK_TIMEOUT_NS
         if rc == EBUSY:
             with nogil:
-                rc = lock_contended(&self.hdr.hdr_mutex, timeout_ns)
+                rc = lock_contended(&self.hdr.hdr_mutex, timeout_ns, &slept)
         if rc == ETIMEDOUT:
             raise LockTimeoutError(
                 f"segment {self.name!r}: lock not acquired within "
@@ -174,6 +174,7 @@ cdef class SegmentLock:
             raise os_error(rc, "lock segment", self.name)
         self.locked = True
         self.lock_owner = pthread_self()
+        self.took_asleep = slept
         # Taken at the first try: no wait to time (and one clock read fewer a lock).
         self.locked_at_ns = now_ns(CLOCK_MONOTONIC) if waited else wait_start
         record_duration(self.metrics.mt_lock_wait_histogram, &self.metrics.mt_lock_wait_ns,
@@ -262,7 +263,11 @@ cdef class SegmentLock:
         record_duration(self.metrics.mt_lock_hold_histogram, &self.metrics.mt_lock_hold_ns,
                         now_ns(CLOCK_MONOTONIC) - self.locked_at_ns)
         self.locked = False
-        self.handoff_due = hkv_mutex_has_sleepers(&self.hdr.hdr_mutex)
+        # A holder that slept for the lock finds the waiters bit set by glibc itself (it
+        # cannot know whether others still sleep): only a lock taken without sleeping,
+        # by a locker that came later than a sleeper, hands off.
+        self.handoff_due = (not self.took_asleep
+                            and hkv_mutex_has_sleepers(&self.hdr.hdr_mutex))
         pthread_mutex_unlock(&self.hdr.hdr_mutex)
 
     cdef int rollback_to(self, int64_t mark) except -1:

@@ -755,6 +755,7 @@ cdef class Segment(SegmentLock):
         # A parent's thread may have held the lock at fork: that thread is not here (and
         # the mutex, in shared memory, is still the parent's to unlock).
         self._forget_parent_threads()
+        self.handoff_due = False        # the parent's unlock; its waiter is the parent's
         self.fork_epoch = fork_epoch()
         if not self.observer:
             self._register_lease()

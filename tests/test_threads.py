@@ -194,6 +194,32 @@ def test_a_thread_locking_back_to_back_does_not_starve_another(segment_name):
         cache.check()
 
 
+def test_a_holder_that_slept_for_the_lock_hands_nothing_off(segment_name):
+    # glibc marks a lock taken after sleeping as having waiters, whether or not any remain:
+    # if its unlock handed off on that bit, the next lock of an idle segment would give
+    # way for 1 ms to nobody. Only the holder that came first (it found the lock free) and
+    # left a sleeper behind hands off.
+    with HostKVCache.create(segment_name, small_config(), lock_timeout=60) as cache:
+        holding, release = threading.Event(), threading.Event()
+
+        def hold():
+            holding.set()
+            release.wait(60)
+
+        holder = threading.Thread(target=cache._segment.run_locked, args=(hold,))
+        holder.start()
+        assert holding.wait(60)
+        waiter = threading.Thread(target=cache.stats)
+        waiter.start()
+        time.sleep(0.2)                 # well past its spin: asleep in the kernel
+        release.set()
+        holder.join(60)
+        waiter.join(60)
+        assert not holder.is_alive() and not waiter.is_alive()
+        assert cache._segment.handoff_due is False
+        cache.check()
+
+
 def test_views_in_threads_allocate_distinct_pages(segment_name):
     # Pages handed to live sequences of different threads never overlap.
     cfg = small_config(num_pages=128, max_sequences=64, page_size=PAGE)

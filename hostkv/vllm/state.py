@@ -133,7 +133,7 @@ class StateCopies:
         # Byte offsets into the flat pool, and each state tensor as [num_blocks, bytes]:
         # a copy is then one slice each side (the per-copy Python is most of a small
         # state's cost; see hostkv.vllm.state_bench).
-        self.pool = pool.reshape(-1)
+        self.pool = pool.view(-1)           # a view or an error, never a copy
         self.marker = torch.frombuffer(bytearray(STATE_MARKER), dtype=torch.uint8)
         # (part's offset in a page, marker's offset in a page, the layer's state tensors
         # as [num_blocks, bytes])
@@ -151,7 +151,7 @@ class StateCopies:
                                  f"{state.rank_bytes} bytes")
             self.layers.append((layer * slot_bytes + state.part(rank)[0],
                                 layer * slot_bytes + state.marker(rank),
-                                [t.flatten(1).view(torch.uint8) for t in tensors]))
+                                [t.view(t.shape[0], -1).view(torch.uint8) for t in tensors]))
 
     @staticmethod
     def _matches(tensors: List[torch.Tensor], state: StateLayout) -> bool:
