@@ -13,8 +13,11 @@ page with the state, a hit whose state went between lookup and borrow failed who
 naming only the hit's last state block, saves taking the blocks vLLM offered, and a full
 round trip from one request's saves to another's load.
 
-The byte format (parts rank after rank, then an 8-byte marker per rank) is spelled out here
-from the layout's docstring rather than read back from hostkv, so a change to it fails here.
+The byte format (each rank's bytes rank after rank where hostkv knows no split, the whole
+state where it does; then an 8-byte marker per rank naming the rank and the degree) is
+spelled out here from the layout's docstring rather than read back from hostkv, so a change
+to it fails here. The whole-state tests shard a GDN state as vLLM shards the weights that
+make it, and check that ranks of TP=1, 2 and 4 write the same bytes and read their shares.
 """
 
 from __future__ import annotations
@@ -32,7 +35,14 @@ from lib.vllm_engine import BLOCK_SIZE  # noqa: E402
 from lib.vllm_helpers import vllm_module, vllm_request  # noqa: E402
 
 BLOCK = TOKENS                      # the copy tests' pages (make_cache) are vLLM blocks
-MARKER = b"hkvstat1"                # the format's marker, spelled out
+
+
+def marker(rank=0, degree=1):
+    """The format's marker of a rank of a TP degree, spelled out."""
+    return b"hkvst\x02" + bytes((rank, degree))
+
+
+MARKER = marker()
 # A rank's state per block, as vLLM declares it for a GDN layer: a conv state and an SSM
 # state, of two element types: 3 * 20 * 4 + 2 * 4 * 8 * 2 = 368 bytes.
 SHAPES = ((3, 20), (2, 4, 8))
@@ -122,12 +132,14 @@ def test_a_qwen3_next_like_model_is_a_page_of_every_layer_with_state_slots():
     assert (state.shapes, state.dtypes, state.itemsizes, state.tp_world, state.kind) == (
         SHAPES, ("float32", "bfloat16"), (4, 2), 1, "MambaSpec (GDN_ATTN)")
     assert (state.rank_bytes, state.slot_bytes) == (RANK_BYTES, RANK_BYTES + 8)
-    assert (state.part(0), state.marker(0)) == ((0, RANK_BYTES), RANK_BYTES)
+    assert (state.runs(0), state.marker(0)) == ([(0, 0, RANK_BYTES)], RANK_BYTES)
+    assert not state.canonical           # an architecture hostkv knows no split of
     # Two ranks: both parts, then both markers.
     state = _qwen3_next_kv(tp=2).groups[0].state
     assert (state.tp_world, state.rank_bytes, state.slot_bytes) == (2, RANK_BYTES,
                                                                     2 * RANK_BYTES + 16)
-    assert [state.part(r) for r in (0, 1)] == [(0, RANK_BYTES), (RANK_BYTES, RANK_BYTES)]
+    assert [state.runs(r) for r in (0, 1)] == [[(0, 0, RANK_BYTES)],
+                                               [(0, RANK_BYTES, RANK_BYTES)]]
     assert [state.marker(r) for r in (0, 1)] == [2 * RANK_BYTES, 2 * RANK_BYTES + 8]
 
 
@@ -142,7 +154,7 @@ def test_pages_with_state_name_the_tensor_parallel_degree_in_the_namespace():
     # The bytes are vLLM's own: its version and Mamba backend are named too.
     assert one.parts_description() == ("layers [0, 2]: MambaSpec (GDN_ATTN) state of [3, 20] "
                                        "float32, [2, 4, 8] bfloat16 per rank, 1 rank(s), as "
-                                       f"vLLM {vllm.__version__}, Mamba backend TRITON lays "
+                                       f"vLLM {vllm.__version__} on cpu, Mamba backend TRITON lays "
                                        "it out")
     assert two.parts_description() == one.parts_description().replace("1 rank(s)",
                                                                        "2 rank(s)")
@@ -447,14 +459,14 @@ def test_two_ranks_write_disjoint_parts_and_a_page_has_state_once_both_did(make_
         slot = _slot(cache, layer, 5)
         assert slot[:RANK_BYTES] == _state_bytes(states0[layer], 2)
         assert slot[RANK_BYTES:2 * RANK_BYTES] == bytes(RANK_BYTES)
-        assert slot[2 * RANK_BYTES:2 * RANK_BYTES + 16] == MARKER + bytes(8)
+        assert slot[2 * RANK_BYTES:2 * RANK_BYTES + 16] == marker(0, 2) + bytes(8)
     assert copies1.submit_save([[7], [4]], [5]).error is None
     assert with_state() == 1
     for layer in STATE_LAYERS:
         slot = _slot(cache, layer, 5)
         assert slot[:RANK_BYTES] == _state_bytes(states0[layer], 2)   # rank 0's, kept
         assert slot[RANK_BYTES:2 * RANK_BYTES] == _state_bytes(states1[layer], 7)
-        assert slot[2 * RANK_BYTES:2 * RANK_BYTES + 16] == MARKER + MARKER
+        assert slot[2 * RANK_BYTES:2 * RANK_BYTES + 16] == marker(0, 2) + marker(1, 2)
         assert slot[2 * RANK_BYTES + 16:] == bytes(4096 - 2 * RANK_BYTES - 16)
     # The full-attention layers: rank 0 wrote heads 0-1, rank 1 heads 2-3.
     pool = cache.pages_tensor().view(torch.float32).view(-1, 4, 2, BLOCK, 4, 8)
@@ -509,11 +521,12 @@ def _marker_at(kv, page_bytes, layer, rank):
             + 8 * rank)
 
 
-def _set_marker(pool, kv, page, layers=STATE_LAYERS, ranks=None, value=MARKER):
+def _set_marker(pool, kv, page, layers=STATE_LAYERS, ranks=None, value=None):
     for layer in layers:
         for rank in ranks if ranks is not None else range(kv.tp_world):
             at = _marker_at(kv, pool.shape[1], layer, rank)
-            pool[page, at:at + 8] = np.frombuffer(value, dtype=np.uint8)
+            mark = value if value is not None else marker(rank, kv.tp_world)
+            pool[page, at:at + 8] = np.frombuffer(mark, dtype=np.uint8)
 
 
 def test_pages_with_state_walks_back_to_the_last_page_with_every_marker():
@@ -538,7 +551,13 @@ def test_pages_with_state_walks_back_to_the_last_page_with_every_marker():
         _set_marker(pool, kv, 9, layers=(0,))
         assert pages_with_state(kv, pool, prefix) == 5
         # One wrong byte of one marker.
-        _set_marker(pool, kv, 9, layers=(2,), ranks=(tp - 1,), value=b"hkvstat2")
+        _set_marker(pool, kv, 9, layers=(2,), ranks=(tp - 1,),
+                    value=marker(tp - 1, tp)[:5] + b"\x01" + marker(tp - 1, tp)[6:])
+        assert pages_with_state(kv, pool, prefix) == 4
+        # A marker of another rank, or of another degree, where this one's goes.
+        _set_marker(pool, kv, 9, layers=(2,), ranks=(tp - 1,), value=marker(tp, tp))
+        assert pages_with_state(kv, pool, prefix) == 4
+        _set_marker(pool, kv, 9, layers=(2,), ranks=(tp - 1,), value=marker(tp - 1, tp + 1))
         assert pages_with_state(kv, pool, prefix) == 4
         assert pages_with_state(kv, pool, prefix[:1]) == 0
         assert pages_with_state(kv, pool, []) == 0
@@ -949,3 +968,171 @@ def test_the_state_bench_copies_a_step_of_states_beside_a_plain_copy():
     assert set(result["gbps"]) == {"save", "load", "plain"}
     assert all(rate > 0 for rate in result["gbps"].values())
     assert "tiny: 8 pages x 3 state layers" in state_bench.report(result)
+
+
+# -- whole states, shared by every tensor-parallel degree ----------------------------------
+
+# A tiny Gated DeltaNet's whole state: 2 key heads and 4 value heads of 8, a kernel of 4.
+GDN_KEY_HEADS, GDN_VALUE_HEADS, GDN_DIM, GDN_KERNEL = 2, 4, 8, 4
+GDN_CHANNELS = 2 * GDN_KEY_HEADS * GDN_DIM + GDN_VALUE_HEADS * GDN_DIM
+
+
+def _gdn_whole(seed, conv_dim_first):
+    """A block's whole GDN state as one engine holds it: the convolution's channels
+    (queries, keys, values) beside its kernel - 1 columns, and the value heads' states."""
+    g = torch.Generator().manual_seed(seed)
+    conv = torch.randn(GDN_CHANNELS, GDN_KERNEL - 1, generator=g).to(torch.bfloat16)
+    return [conv if conv_dim_first else conv.t().contiguous(),
+            torch.randn(GDN_VALUE_HEADS, GDN_DIM, GDN_DIM, generator=g)]
+
+
+def _gdn_shard(whole, rank, tp, conv_dim_first):
+    """A rank's share, as vLLM shards the weights that make it: each of the queries',
+    keys' and values' channels split in tp pieces (mamba_v2_sharded_weight_loader), the
+    value heads evenly."""
+    conv, ssm = whole
+    channels = conv if conv_dim_first else conv.t()
+    keys, values = GDN_KEY_HEADS * GDN_DIM, GDN_VALUE_HEADS * GDN_DIM
+    parts = [channels[:keys], channels[keys:2 * keys], channels[2 * keys:]]
+    mine = torch.cat([p[rank * p.shape[0] // tp:(rank + 1) * p.shape[0] // tp] for p in parts])
+    heads = GDN_VALUE_HEADS // tp
+    return [(mine if conv_dim_first else mine.t()).contiguous(),
+            ssm[rank * heads:(rank + 1) * heads].contiguous()]
+
+
+def _gdn_kv(tp, conv_dim_first, architecture="Qwen3NextForCausalLM"):
+    """An EngineKV of a state layer (0) and a full-attention layer (1), as engine_kv reads
+    a Qwen3-Next at TP degree ``tp``."""
+    from hostkv.config import KVLayout
+    from hostkv.copy_engine import VLLM
+    from hostkv.vllm.layout import EngineKV, KVGroup, StateLayout, state_splits
+
+    vllm_module()
+    shard = _gdn_shard(_gdn_whole(0, conv_dim_first), 0, tp, conv_dim_first)
+    shapes = tuple(tuple(t.shape) for t in shard)
+    state = StateLayout(shapes=shapes, dtypes=("bfloat16", "float32"), itemsizes=(2, 4),
+                        tp_world=tp, kind="MambaSpec (GDN_ATTN)",
+                        splits=state_splits("GDN_ATTN", (architecture,), shapes,
+                                            conv_dim_first))
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, dtype="float32",
+                             state_layers=(0,))
+    return EngineKV(layout, 16, ("model.layers.0.linear_attn", "model.layers.1.attn"), VLLM,
+                    tp, "test", (KVGroup("state", (0,), state=state),
+                                 KVGroup("full", (1,))))
+
+
+def _gdn_blocks(whole_by_block, rank, tp, conv_dim_first):
+    """A rank's state tensors [blocks, *shape] holding each block's share."""
+    shards = [_gdn_shard(w, rank, tp, conv_dim_first) for w in whole_by_block]
+    return [torch.stack([s[i] for s in shards]) for i in range(2)]
+
+
+def test_state_splits_are_known_only_for_models_whose_sharding_hostkv_checked():
+    """Qwen3-Next's GDN state splits in three channel parts and even heads; LFM2's short
+    convolution in one part; any other architecture or kind, or shapes that do not add
+    up, is kept per degree (None)."""
+    vllm_module()
+    from hostkv.vllm.layout import state_splits
+
+    qwen = ("Qwen3NextForCausalLM",)
+    # Per rank at TP=2: 32 channels (8 queries, 8 keys, 16 values), 2 value heads.
+    assert state_splits("GDN_ATTN", qwen, ((3, 32), (2, 8, 8)), False) == (
+        (1, (8, 8, 16)), (0, (2,)))
+    assert state_splits("GDN_ATTN", qwen, ((32, 3), (2, 8, 8)), True) == (
+        (0, (8, 8, 16)), (0, (2,)))
+    assert state_splits("SHORT_CONV", ("Lfm2ForCausalLM",), ((3, 128),), False) == (
+        (1, (128,)),)
+    assert state_splits("GDN_ATTN", ("BailingMoeV3ForCausalLM",), ((3, 32), (2, 8, 8)),
+                        False) is None
+    assert state_splits("MAMBA2", qwen, ((3, 32), (2, 8, 8)), False) is None
+    assert state_splits("GDN_ATTN", qwen, ((3, 33), (2, 8, 8)), False) is None
+    assert state_splits("GDN_ATTN", qwen, ((3, 16), (2, 8, 8)), False) is None
+
+
+@pytest.mark.parametrize("conv_dim_first", [False, True], ids=["SD", "DS"])
+def test_every_degree_writes_the_same_whole_state_and_reads_its_share(conv_dim_first):
+    """The runs of a degree's ranks cover the slot's state exactly once, and put every
+    byte where an engine of TP=1 puts it: ranks of TP=2 and TP=4 save a state a TP=1 engine
+    loads whole, and a TP=1 engine's save loads into each rank of TP=2 and TP=4 as that
+    rank's share. The slot's bytes are the same whatever the degree that wrote them."""
+    from hostkv.vllm.state import StateCopies
+
+    wholes = [_gdn_whole(seed, conv_dim_first) for seed in range(4)]   # block 0: null
+    written = {}
+    for tp in (1, 2, 4):
+        kv = _gdn_kv(tp, conv_dim_first)
+        state = kv.groups[0].state
+        assert state.canonical
+        # Each rank's runs, together, are the state's bytes, once.
+        covered = sorted((at, size) for r in range(tp) for _, at, size in state.runs(r))
+        assert sum(size for _, size in covered) == state.data_bytes
+        assert all(a + n <= b for (a, n), (b, _) in zip(covered, covered[1:]))
+        pool = torch.zeros(6, kv.layout.page_bytes(16), dtype=torch.uint8)
+        for rank in range(tp):
+            tensors = _gdn_blocks(wholes, rank, tp, conv_dim_first)
+            copies = StateCopies(pool, kv, {kv.layer_names[0]: tensors}, rank, 0)
+            assert copies.save([1, 2, 0], [3, 4, 5]).error is None
+        slot = kv.layout.page_bytes(16) // 2
+        written[tp] = pool[3:5, :state.data_bytes].clone()
+        assert torch.equal(pool[3:5, state.marker(0):state.marker(0) + 8 * tp],
+                           torch.tensor([list(b"".join(marker(r, tp) for r in range(tp)))] * 2,
+                                        dtype=torch.uint8))
+        assert not pool[5, :slot].any()                         # the null block: no marker
+        # Every degree reads its shares of every degree's save.
+        for reader in (1, 2, 4):
+            kv_r = _gdn_kv(reader, conv_dim_first)
+            for rank in range(reader):
+                back = [torch.zeros_like(t) for t in _gdn_blocks(wholes, rank, reader,
+                                                                   conv_dim_first)]
+                copies = StateCopies(pool, kv_r, {kv_r.layer_names[0]: back}, rank, 0)
+                assert copies.load([3, 4], [2, 1]).error is None
+                want = _gdn_blocks(wholes, rank, reader, conv_dim_first)
+                for got, expected in zip(back, want):
+                    assert torch.equal(got[2], expected[1]), (tp, reader, rank)
+                    assert torch.equal(got[1], expected[2]), (tp, reader, rank)
+                # The page saved without a state loads nothing.
+                assert isinstance(copies.load([5], [3]).error, ValueError)
+    assert torch.equal(written[1], written[2]) and torch.equal(written[1], written[4])
+
+
+def test_a_state_is_whole_only_with_every_marker_of_the_degree_that_wrote_it():
+    """A page saved with a state at TP=2, then saved anew at TP=1: without a state it has
+    none (rank 0's zero marker, rank 1's stale one ignored), with one it has a whole state.
+    A TP=2 save that only rank 0 made is no state to a reader of any degree."""
+    from hostkv.vllm.state import StateCopies, pages_with_state
+
+    wholes = [_gdn_whole(seed, False) for seed in range(3)]
+    kv1, kv2 = _gdn_kv(1, False), _gdn_kv(2, False)
+    pool = torch.zeros(4, kv1.layout.page_bytes(16), dtype=torch.uint8)
+
+    def saver(kv, rank):
+        tensors = _gdn_blocks(wholes, rank, kv.tp_world, False)
+        return StateCopies(pool, kv, {kv.layer_names[0]: tensors}, rank, 0)
+
+    def whole(kv):
+        return pages_with_state(kv, pool.numpy(), [2])
+
+    assert saver(kv2, 0).save([1], [2]).error is None
+    assert (whole(kv1), whole(kv2)) == (0, 0)               # rank 1's share is missing
+    assert saver(kv2, 1).save([1], [2]).error is None
+    assert (whole(kv1), whole(kv2)) == (1, 1)
+    assert saver(kv1, 0).save([0], [2]).error is None        # TP=1, no state
+    assert (whole(kv1), whole(kv2)) == (0, 0)
+    assert saver(kv1, 0).save([2], [2]).error is None        # TP=1, a state
+    assert (whole(kv1), whole(kv2)) == (1, 1)
+    back = [torch.zeros_like(t) for t in _gdn_blocks(wholes, 1, 2, False)]
+    assert StateCopies(pool, kv2, {kv2.layer_names[0]: back}, 1, 0).load(
+        [2], [1]).error is None
+    assert all(torch.equal(b[1], w[2]) for b, w in zip(back, _gdn_blocks(wholes, 1, 2, False)))
+
+
+def test_whole_states_name_no_degree_in_the_namespace_and_per_degree_ones_do():
+    """Engines of two degrees of a model whose split hostkv knows describe their pages
+    alike (they share them); of one it does not know, differently (they never do)."""
+    known = [_gdn_kv(tp, False).parts_description() for tp in (1, 2, 4)]
+    assert len(set(known)) == 1
+    assert "[3, 64] bfloat16 in parts [16, 16, 32] along axis 1" in known[0]
+    assert "[4, 8, 8] float32 in parts [4] along axis 0, whole" in known[0]
+    unknown = [_gdn_kv(tp, False, "OtherForCausalLM").parts_description() for tp in (1, 2)]
+    assert len(set(unknown)) == 2 and "2 rank(s)" in unknown[1]
+

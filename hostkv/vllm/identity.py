@@ -8,7 +8,8 @@ a byte of a request's KV must be in its namespace, or the request must not use h
   the HF config as vLLM loaded it (``hf_overrides`` and RoPE scaling applied), ``hf_overrides``
   itself, dtype, KV-cache dtype, quantization, ``max_model_len`` (vLLM's LongRoPE picks its
   factors by it), load format, model implementation, the page layout (with, for a model with
-  recurrent state, its layout and the tensor-parallel degree) and the ``namespace``
+  recurrent state, its layout, and the tensor-parallel degree where the state is kept per
+  degree) and the ``namespace``
   setting. The segment outlives engines: a new checkpoint at the same path must never read
   the old one's KV.
 - The request (:class:`RequestIdentity`): its ``cache_salt``, its LoRA adapter (name, path
@@ -169,8 +170,8 @@ def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: st
                     parts: str = "") -> bytes:
     """The engine's part of every namespace: every engine-wide input to a KV byte (the
     module docstring lists them), and ``parts``, what a page holds beyond the canonical
-    K/V (``EngineKV.parts_description``: recurrent state, which is each rank's shard, names
-    the tensor-parallel degree). Otherwise deliberately left out: the attention backend and
+    K/V (``EngineKV.parts_description``: recurrent state, whole, or each rank's shard where
+    hostkv knows no split, which names the tensor-parallel degree). Otherwise deliberately left out: the attention backend and
     the tensor-parallel degree (pages are canonical: engines of any share them)."""
     model = vllm_config.model_config
     cache = getattr(vllm_config, "cache_config", None)

@@ -16,8 +16,11 @@ only the blocks vLLM kept, the window at the hit's end).
 A layer with recurrent state (Mamba, Gated DeltaNet and other linear attention: vLLM's
 ``MambaSpec``) has a page slot too, of the attention layers' size, as vLLM's own block pool
 pads its state to an attention page: the slot holds the layer's state after the page's last
-token, when vLLM kept it (``hostkv.vllm.state``). Other kinds (chunked-local attention,
-cross attention) are refused at start-up.
+token, when vLLM kept it (``hostkv.vllm.state``): the whole state, each rank writing its
+share, where hostkv knows how the model splits it over ranks (:data:`CANONICAL_STATES`),
+so that engines of every tensor-parallel degree share the pages; else each rank's bytes,
+for engines of one degree. Other kinds (chunked-local attention, cross attention) are
+refused at start-up.
 """
 
 from __future__ import annotations
@@ -45,36 +48,49 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["EngineKV", "KVGroup", "StateLayout", "describe_layout", "engine_kv", "layer_runs",
-           "open_segment"]
+__all__ = ["CANONICAL_STATES", "EngineKV", "KVGroup", "StateLayout",
+           "conv_state_dim_first", "describe_layout", "engine_kv", "layer_runs", "open_segment",
+           "state_splits"]
 
 logger = logging.getLogger("hostkv.vllm")
 
 
-# The marker a rank writes after its part of a layer's state: the slot holds the state
-# after the page's last token. Every save of a page of a model with state writes the marker
-# or zeros, so a slot's stale bytes never pass for a state.
-STATE_MARKER = b"hkvstat1"
+# The marker a rank writes after its share of a layer's state: the slot holds the state
+# after the page's last token. Every save of a page of a model with state writes a marker
+# or zeros, so a slot's stale bytes never pass for a state. Its last two bytes name the
+# rank and the tensor-parallel degree that wrote it (see StateLayout.marker_bytes).
+STATE_MARKER_PREFIX = b"hkvst\x02"
+
+# (offset in a rank's state bytes of one block, offset in the slot, bytes): one contiguous
+# piece of a rank's state and where it goes in the slot.
+StateRun = Tuple[int, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
-    """How a recurrent-state layer's page slot holds the state: each tensor-parallel rank's
-    part (its tensors' bytes, in vLLM's order, as vLLM holds them: opaque to hostkv), rank
-    after rank, then one 8-byte marker per rank (:data:`STATE_MARKER`, or zeros).
+    """How a recurrent-state layer's page slot holds the state: the state's bytes, then one
+    8-byte marker per rank that wrote them (:meth:`marker_bytes`, or zeros).
 
-    The parts are each rank's own shard, so a page's state means the same only to engines
-    of the same tensor-parallel degree (the degree is in the engine's namespace).
+    A state tensor is split over the tensor-parallel ranks along one axis, in parts (Gated
+    DeltaNet's convolution state holds a rank's share of the queries', the keys' and the
+    values' channels, in that order). Where hostkv knows the split (``splits``), the slot
+    holds the whole state, canonical: each tensor as one engine holds it, each part's shares
+    in rank order. A rank writes and reads its shares wherever they lie, so engines of every
+    tensor-parallel degree share the pages. Where it does not, the slot holds each rank's
+    bytes as vLLM holds them (opaque to hostkv), rank after rank: such pages mean the same
+    only to engines of one degree, which then goes into the namespace.
 
     Attributes:
         shapes: A rank's state tensors' shapes, per block (vLLM's ``MambaSpec.shapes``).
         dtypes: Their element types' names.
         itemsizes: Their element sizes in bytes.
-        tp_world: Tensor-parallel ranks (parts in a slot).
+        tp_world: Tensor-parallel ranks of this engine.
         kind: vLLM's name of the layer kind (``GDN_ATTN``, ``MAMBA2``, ...), for messages.
         writer: What lays the bytes out: vLLM's version and its Mamba backend. The bytes
             are vLLM's own, so a vLLM that keeps a state of the same shapes in another
             order must never read them (this goes into the namespace).
+        splits: Per tensor, (axis, each part's length on a rank along it); None where the
+            split is unknown (the opaque layout).
     """
 
     shapes: Tuple[Tuple[int, ...], ...]
@@ -83,37 +99,103 @@ class StateLayout:
     tp_world: int
     kind: str
     writer: str = ""
+    splits: Optional[Tuple[Tuple[int, Tuple[int, ...]], ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.splits is None:
+            return
+        if len(self.splits) != len(self.shapes):
+            raise ValueError(f"hostkv: {len(self.splits)} splits for {len(self.shapes)} "
+                             "state tensors")
+        for shape, (axis, parts) in zip(self.shapes, self.splits):
+            if not 0 <= axis < len(shape) or sum(parts) != shape[axis] or min(parts) <= 0:
+                raise ValueError(f"hostkv: a state tensor of {list(shape)} split along "
+                                 f"axis {axis} in parts {list(parts)}")
+
+    @property
+    def canonical(self) -> bool:
+        """Whether the slot holds the whole state, the same for every tensor-parallel
+        degree."""
+        return self.splits is not None
+
+    @staticmethod
+    def _count(shape: Sequence[int]) -> int:
+        count = 1
+        for dim in shape:
+            count *= int(dim)
+        return count
 
     @property
     def rank_bytes(self) -> int:
-        """Bytes of one rank's part: every tensor's state of one block."""
-        total = 0
-        for shape, size in zip(self.shapes, self.itemsizes):
-            count = 1
-            for dim in shape:
-                count *= int(dim)
-            total += count * size
-        return total
+        """Bytes of one rank's share: every tensor's state of one block."""
+        return sum(self._count(shape) * size
+                   for shape, size in zip(self.shapes, self.itemsizes))
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the state in the slot: every rank's share (with a known split, the
+        whole state, whatever the degree)."""
+        return self.tp_world * self.rank_bytes
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes the slot must have: every rank's part and marker."""
-        return self.tp_world * (self.rank_bytes + len(STATE_MARKER))
-
-    def part(self, rank: int) -> Tuple[int, int]:
-        """(offset, bytes) of a rank's part in the slot."""
-        return rank * self.rank_bytes, self.rank_bytes
+        """Bytes the slot must have: the state and this engine's ranks' markers."""
+        return self.data_bytes + self.tp_world * len(STATE_MARKER_PREFIX + b"rd")
 
     def marker(self, rank: int) -> int:
         """Offset of a rank's marker in the slot."""
-        return self.tp_world * self.rank_bytes + rank * len(STATE_MARKER)
+        return self.data_bytes + rank * len(STATE_MARKER_PREFIX + b"rd")
+
+    def marker_bytes(self, rank: int) -> bytes:
+        """The marker a rank of this engine writes after its share of a state: it names
+        the rank and the degree, so a reader of any degree knows whose markers make the
+        state whole."""
+        return STATE_MARKER_PREFIX + bytes((rank, self.tp_world))
+
+    def runs(self, rank: int) -> List[StateRun]:
+        """Where a rank's state goes in the slot: (offset in the rank's bytes of a block,
+        as vLLM lays its tensors one after another; offset in the slot; bytes), in the
+        rank's byte order, adjacent runs merged."""
+        runs: List[StateRun] = []
+        if self.splits is None:
+            runs = [(0, rank * self.rank_bytes, self.rank_bytes)]
+            return runs
+        source = target = 0
+        for shape, size, (axis, parts) in zip(self.shapes, self.itemsizes, self.splits):
+            outer = self._count(shape[:axis])
+            inner = self._count(shape[axis + 1:]) * size
+            whole = shape[axis] * self.tp_world          # along the axis, canonical
+            for row in range(outer):
+                before = 0                                # canonical, earlier parts
+                for part in parts:
+                    at = target + (row * whole + before + rank * part) * inner
+                    if runs and runs[-1][0] + runs[-1][2] == source \
+                            and runs[-1][1] + runs[-1][2] == at:
+                        last = runs.pop()
+                        runs.append((last[0], last[1], last[2] + part * inner))
+                    else:
+                        runs.append((source, at, part * inner))
+                    source += part * inner
+                    before += part * self.tp_world
+            target += outer * whole * inner
+        return runs
 
     def describe(self) -> str:
-        """The layout in words; it goes into the engine's namespace."""
-        tensors = ", ".join(f"{list(shape)} {dtype}"
-                            for shape, dtype in zip(self.shapes, self.dtypes))
-        return (f"{self.kind} state of {tensors} per rank, {self.tp_world} rank(s)"
-                + (f", as {self.writer} lays it out" if self.writer else ""))
+        """The layout in words; it goes into the engine's namespace. A canonical one names
+        the whole tensors and their parts (never the degree); an opaque one each rank's
+        tensors and the degree."""
+        if self.splits is None:
+            tensors = ", ".join(f"{list(shape)} {dtype}"
+                                for shape, dtype in zip(self.shapes, self.dtypes))
+            text = f"{self.kind} state of {tensors} per rank, {self.tp_world} rank(s)"
+        else:
+            whole = []
+            for shape, dtype, (axis, parts) in zip(self.shapes, self.dtypes, self.splits):
+                dims = [d * self.tp_world if i == axis else d for i, d in enumerate(shape)]
+                whole.append(f"{dims} {dtype} in parts "
+                             f"{[p * self.tp_world for p in parts]} along axis {axis}")
+            text = f"{self.kind} state of {', '.join(whole)}, whole"
+        return text + (f", as {self.writer} lays it out" if self.writer else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,13 +478,20 @@ def _layers_text(group: object) -> str:
 
 
 def _state_writer(vllm_config: "VllmConfig") -> str:
-    """vLLM's version and Mamba backend: what lays a state's bytes out."""
+    """vLLM's version, Mamba backend and platform: what lays a state's bytes out (vLLM's
+    CPU kernels hold a GDN head's state as [key, value], its GPU kernels as [value, key])."""
     try:
         from vllm import __version__ as version
     except ImportError:
         version = "unknown"
+    try:
+        from vllm.platforms import current_platform
+
+        platform = str(current_platform.device_type)
+    except Exception:                   # noqa: BLE001 - an unknown platform is its own
+        platform = "unknown"
     backend = getattr(getattr(vllm_config, "mamba_config", None), "backend", None)
-    return f"vLLM {version}, Mamba backend {getattr(backend, 'name', backend)}"
+    return f"vLLM {version} on {platform}, Mamba backend {getattr(backend, 'name', backend)}"
 
 
 def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
@@ -413,6 +502,7 @@ def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
 
     spec = group.kv_cache_spec          # type: ignore[attr-defined]
     what = f"KV-cache group {_group_kind(spec)} ({_layers_text(group)})"
+    kind = _mamba_kind(spec)
     mode = getattr(spec, "mamba_cache_mode", "none")
     if mode != "align":
         # Only "align" keeps the state at block ends; "all" keeps it elsewhere, "none"
@@ -435,16 +525,82 @@ def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
                          "late, so no save can know one is there")
     dtypes = tuple(dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
                    for dtype in spec.dtypes)
+    shapes = tuple(tuple(int(d) for d in shape) for shape in spec.shapes)
     state = StateLayout(
-        shapes=tuple(tuple(int(d) for d in shape) for shape in spec.shapes),
+        shapes=shapes,
         dtypes=tuple(str(dtype).replace("torch.", "") for dtype in dtypes),
         itemsizes=tuple(torch.empty((), dtype=dtype).element_size() for dtype in dtypes),
-        tp_world=tp, kind=_group_kind(spec), writer=_state_writer(vllm_config))
+        tp_world=tp, kind=_group_kind(spec), writer=_state_writer(vllm_config),
+        splits=state_splits(kind, _architectures(vllm_config), shapes,
+                            conv_state_dim_first(),
+                            bool(getattr(spec, "tp_replicated", False))))
     if state.slot_bytes > slot_bytes:
         raise ValueError(f"hostkv: {what}'s state ({state.rank_bytes} bytes on each of {tp} "
                          f"rank(s), and a marker each) does not fit a page's slot of "
                          f"{slot_bytes} bytes (one layer's K/V of the page)")
     return state
+
+
+# The models whose state split over tensor-parallel ranks hostkv knows, by vLLM's kind of
+# state and the model's architecture: how vLLM 0.32 shards their weights (the convolution's
+# channels by ``mamba_v2_sharded_weight_loader`` in parts, the heads evenly), checked by
+# engines of two degrees loading each other's states (tests/test_vllm_shapes.py). Any other
+# model's state is kept per degree: a wrong split would be a wrong state.
+CANONICAL_STATES = {
+    ("GDN_ATTN", "Qwen3NextForCausalLM"): "gdn",
+    ("SHORT_CONV", "Lfm2ForCausalLM"): "short_conv",
+}
+
+
+def state_splits(kind: str, architectures: Sequence[str],
+                 shapes: Sequence[Tuple[int, ...]], conv_dim_first: bool,
+                 replicated: bool = False
+                 ) -> Optional[Tuple[Tuple[int, Tuple[int, ...]], ...]]:
+    """How a state's tensors split over tensor-parallel ranks (:attr:`StateLayout.splits`),
+    or None where hostkv does not know.
+
+    Args:
+        kind: vLLM's kind of state (``GDN_ATTN``, ``SHORT_CONV``, ...).
+        architectures: The model's architectures (its config's).
+        shapes: A rank's state tensors' shapes, per block.
+        conv_dim_first: Whether vLLM holds a convolution state as (channels, kernel - 1)
+            rather than (kernel - 1, channels).
+        replicated: Whether vLLM keeps the whole state on every rank (``tp_replicated``).
+    """
+    if replicated:
+        return None
+    rule = next((CANONICAL_STATES[(kind, arch)] for arch in architectures
+                 if (kind, arch) in CANONICAL_STATES), None)
+    axis = 0 if conv_dim_first else 1
+    if rule == "short_conv" and len(shapes) == 1 and len(shapes[0]) == 2:
+        return ((axis, (shapes[0][axis],)),)
+    if rule == "gdn" and len(shapes) == 2 and len(shapes[0]) == 2 and len(shapes[1]) == 3:
+        # The convolution's channels: a rank's queries, keys (as many) and values; the
+        # recurrent state: a rank's value heads, each [value dim, key dim].
+        channels = shapes[0][axis]
+        values = shapes[1][0] * shapes[1][1]
+        keys = (channels - values) // 2
+        if keys > 0 and 2 * keys + values == channels:
+            return ((axis, (keys, keys, values)), (0, (shapes[1][0],)))
+    return None
+
+
+def _mamba_kind(spec: object) -> str:
+    mamba = getattr(spec, "mamba_type", None)
+    return str(getattr(mamba, "name", mamba))
+
+
+def _architectures(vllm_config: "VllmConfig") -> Tuple[str, ...]:
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    return tuple(getattr(hf_config, "architectures", None) or ())
+
+
+def conv_state_dim_first() -> bool:
+    """Whether vLLM holds a convolution state as (channels, kernel - 1) ("DS"), not as
+    (kernel - 1, channels) ("SD", its default on a CPU)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return bool(is_conv_state_dim_first())
 
 
 def describe_layout(layout: Optional[KVLayout], page_size: int) -> str:

@@ -13,13 +13,15 @@ The protocol, on top of a page being one block of every layer
 
 1. **Save.** A page's save takes, for each state group, the block vLLM offered for the
    page's end in this step, or :data:`~hostkv.vllm.groups.NULL_BLOCK` when it offered none.
-   Every rank writes its part of each state layer's slot and its marker
-   (:data:`~hostkv.vllm.layout.STATE_MARKER` after a state, zeros without one), so a slot
-   never keeps a marker from an earlier page. The page is committed, as every page, once
-   every rank confirmed the step: its state is then whole or absent, never partial.
+   Every rank writes its share of each state layer's slot and its marker
+   (:meth:`~hostkv.vllm.layout.StateLayout.marker_bytes` after a state, zeros without
+   one), so a slot never keeps a marker from an earlier page. The page is committed, as
+   every page, once every rank confirmed the step: its state is then whole or absent,
+   never partial.
 2. **Lookup.** A hit must end at a page that holds a state: the scheduler walks the longest
-   match back to the last page whose every marker is set (:func:`pages_with_state`). KV of
-   the pages before it is loaded as usual; their states are not needed.
+   match back to the last page whose every state layer has the markers of every rank that
+   wrote it (:func:`pages_with_state`; rank 0's marker names the degree). KV of the pages
+   before it is loaded as usual; their states are not needed.
 3. **Borrow.** Once the pages are held, the scheduler reads the last one's markers again (it
    may have been evicted and saved anew, without a state, between lookup and borrow); a
    page without them fails the request's (asynchronous) load, and vLLM computes it whole.
@@ -27,9 +29,12 @@ The protocol, on top of a page being one block of every layer
    state of a hit from; the worker checks the markers before copying
    (:class:`StateCopies`).
 
-A state's bytes are each rank's shard as vLLM holds it, so pages with state mean the same
-only to engines of one tensor-parallel degree: the degree is in the engine's namespace.
-Saves are synchronous: vLLM may hand a boundary block to another request at a later step.
+Where hostkv knows how a model's state splits over tensor-parallel ranks
+(:data:`~hostkv.vllm.layout.CANONICAL_STATES`) a slot holds the whole state and each rank
+copies its shares, so engines of every degree share the pages; otherwise the slot holds
+each rank's bytes as vLLM keeps them and the degree is in the engine's namespace
+(:class:`~hostkv.vllm.layout.StateLayout`). Saves are synchronous: vLLM may hand a
+boundary block to another request at a later step.
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ import numpy as np
 import torch
 
 from hostkv.transfers import Transfer
-from hostkv.vllm.layout import STATE_MARKER, EngineKV, StateLayout
+from hostkv.vllm.layout import STATE_MARKER_PREFIX, EngineKV, StateLayout
 
-__all__ = ["StateCopies", "offered_state_blocks", "pages_with_state", "state_blocks_to_load"]
+__all__ = ["StateCopies", "offered_state_blocks", "pages_with_state", "slot_holds_state",
+           "state_blocks_to_load"]
 
-_MARKER = np.frombuffer(STATE_MARKER, dtype=np.uint8)
 _NULL_BLOCK = 0
+_MARKER_BYTES = len(STATE_MARKER_PREFIX) + 2
 
 
 def _state_slots(kv: EngineKV, groups: Optional[Sequence[int]] = None
@@ -57,9 +63,27 @@ def _state_slots(kv: EngineKV, groups: Optional[Sequence[int]] = None
             for layer in kv.groups[g].layers]
 
 
+def slot_holds_state(slot: np.ndarray, state: StateLayout) -> bool:
+    """Whether a layer's page slot (its bytes) holds a whole state: rank 0's marker names
+    the degree that wrote it, and every rank of that degree marked its share. An opaque
+    layout (:attr:`StateLayout.canonical` false) takes only its own degree's."""
+    at = state.data_bytes
+    first = slot[at:at + _MARKER_BYTES].tobytes()
+    if first[:-2] != STATE_MARKER_PREFIX or first[-2] != 0:
+        return False
+    degree = first[-1]
+    if degree < 1 or at + degree * _MARKER_BYTES > slot.shape[0]:
+        return False
+    if not state.canonical and degree != state.tp_world:
+        return False
+    return all(slot[at + r * _MARKER_BYTES:at + (r + 1) * _MARKER_BYTES].tobytes()
+               == STATE_MARKER_PREFIX + bytes((r, degree)) for r in range(1, degree))
+
+
 def pages_with_state(kv: EngineKV, pool: np.ndarray, pages: Sequence[int]) -> int:
     """How many of ``pages`` (a prefix's, in order) make the longest prefix that ends at a
-    page holding every state layer's state (every rank's marker set); 0 if none does.
+    page holding every state layer's whole state (:func:`slot_holds_state`); 0 if none
+    does.
 
     Args:
         kv: The engine's KV cache as pages.
@@ -70,12 +94,10 @@ def pages_with_state(kv: EngineKV, pool: np.ndarray, pages: Sequence[int]) -> in
     if not slots:
         return len(pages)
     slot_bytes = pool.shape[1] // kv.layout.num_layers
-    size = len(STATE_MARKER)
     for count in range(len(pages), 0, -1):
         page = pool[int(pages[count - 1])]
-        if all(np.array_equal(page[layer * slot_bytes + state.marker(rank):
-                                   layer * slot_bytes + state.marker(rank) + size], _MARKER)
-               for layer, state in slots for rank in range(state.tp_world)):
+        if all(slot_holds_state(page[layer * slot_bytes:(layer + 1) * slot_bytes], state)
+               for layer, state in slots):
             return count
     return 0
 
@@ -107,8 +129,9 @@ class StateCopies:
     of one group is another layer's memory in the next, so each group's layers are copied
     through its own blocks only.
 
-    The copies run inline (a state is tens of kilobytes a layer); the transfer they answer
-    is over.
+    A rank's state goes into the slot in runs (:meth:`StateLayout.runs`): its shares of a
+    whole state, or its bytes as they are. The copies run inline (a state is tens of
+    kilobytes a layer); the transfer they answer is over.
 
     Args:
         pool: The page pool as bytes, [num_pages, page_bytes] (a uint8 tensor).
@@ -129,15 +152,16 @@ class StateCopies:
         self.group = group
         self.num_pages = pool.shape[0]
         self.page_bytes = pool.shape[1]
-        slot_bytes = self.page_bytes // kv.layout.num_layers
-        # Byte offsets into the flat pool, and each state tensor as [num_blocks, bytes]:
-        # a copy is then one slice each side (the per-copy Python is most of a small
-        # state's cost; see hostkv.vllm.state_bench).
+        self.slot_bytes = self.page_bytes // kv.layout.num_layers
+        # The flat pool (a copy slices it: the per-copy Python is most of a small state's
+        # cost; see hostkv.vllm.state_bench), and the same host memory for reading markers.
         self.pool = pool.view(-1)           # a view or an error, never a copy
-        self.marker = torch.frombuffer(bytearray(STATE_MARKER), dtype=torch.uint8)
-        # (part's offset in a page, marker's offset in a page, the layer's state tensors
-        # as [num_blocks, bytes])
-        self.layers: List[Tuple[int, int, List[torch.Tensor]]] = []
+        self.pool_bytes = self.pool.numpy()
+        # (slot's offset in a page, its layout, the layer's state tensors as [num_blocks,
+        # bytes], and the pieces: (tensor, offset in its block's bytes, offset in the
+        # slot, bytes))
+        self.layers: List[Tuple[int, StateLayout, List[torch.Tensor],
+                                List[Tuple[int, int, int, int]]]] = []
         for layer, state in _state_slots(kv, [group]):
             name = kv.layer_names[layer]
             tensors = kv_caches[name]
@@ -149,9 +173,12 @@ class StateCopies:
                                  f"{[str(t.dtype) for t in tensors]}); vLLM's spec declared "
                                  f"{list(state.shapes)} of {list(state.dtypes)} per block, "
                                  f"{state.rank_bytes} bytes")
-            self.layers.append((layer * slot_bytes + state.part(rank)[0],
-                                layer * slot_bytes + state.marker(rank),
-                                [t.view(t.shape[0], -1).view(torch.uint8) for t in tensors]))
+            flat = [t.view(t.shape[0], -1).view(torch.uint8) for t in tensors]
+            self.layers.append((layer * self.slot_bytes, state, flat,
+                                _pieces(state.runs(rank), [t.shape[1] for t in flat])))
+        self.markers = {id(state): torch.frombuffer(bytearray(state.marker_bytes(rank)),
+                                                    dtype=torch.uint8)
+                        for _, state, _, _ in self.layers}
 
     @staticmethod
     def _matches(tensors: List[torch.Tensor], state: StateLayout) -> bool:
@@ -168,7 +195,7 @@ class StateCopies:
 
     def check(self, blocks: Sequence[int], pages: Sequence[int]) -> None:
         """Raises ValueError for a block or page out of range (before anything copies)."""
-        num_blocks = min((t.shape[0] for _, _, ts in self.layers for t in ts), default=0)
+        num_blocks = min((t.shape[0] for _, _, ts, _ in self.layers for t in ts), default=0)
         for block, page in zip(blocks, pages):
             if not 0 <= int(block) < num_blocks or not 0 <= int(page) < self.num_pages:
                 raise ValueError(f"hostkv: state block {block} or page {page} out of range "
@@ -176,44 +203,58 @@ class StateCopies:
 
     def save(self, blocks: Sequence[int], pages: Sequence[int]) -> Transfer:
         """Writes block ``blocks[i]``'s state of every state layer into page ``pages[i]``
-        with this rank's marker; a null block writes zeros for the marker (no state)."""
+        (this rank's shares) with this rank's marker; a null block writes zeros for the
+        marker (no state)."""
         moved = 0
-        size = len(STATE_MARKER)
         for block, page in zip(blocks, pages):
             block, base = int(block), int(page) * self.page_bytes
-            for part, mark, tensors in self.layers:
-                marker = self.pool[base + mark:base + mark + size]
+            for slot, state, tensors, pieces in self.layers:
+                mark = base + slot + state.marker(self.rank)
+                marker = self.pool[mark:mark + _MARKER_BYTES]
                 if block == _NULL_BLOCK:
                     marker.zero_()
                     continue
-                at = base + part
-                for tensor in tensors:
-                    data = tensor[block]
-                    self.pool[at:at + data.numel()].copy_(data)
-                    at += data.numel()
-                marker.copy_(self.marker)
-                moved += at - base - part
+                for tensor, offset, at, size in pieces:
+                    at += base + slot
+                    self.pool[at:at + size].copy_(tensors[tensor][block, offset:offset + size])
+                    moved += size
+                marker.copy_(self.markers[id(state)])
         return Transfer.finished(moved)
 
     def load(self, pages: Sequence[int], blocks: Sequence[int]) -> Transfer:
-        """Copies page ``pages[i]``'s state into block ``blocks[i]`` of every state layer,
-        null blocks skipped; the transfer fails (nothing of that page copied) where a page
-        holds no state of this rank."""
+        """Copies page ``pages[i]``'s state into block ``blocks[i]`` of every state layer
+        (this rank's shares), null blocks skipped; the transfer fails (nothing of that page
+        copied) where a page holds no whole state."""
         moved = 0
-        size = len(STATE_MARKER)
         for block, page in zip(blocks, pages):
             block, base = int(block), int(page) * self.page_bytes
             if block == _NULL_BLOCK:
                 continue
-            if any(not torch.equal(self.pool[base + mark:base + mark + size], self.marker)
-                   for _, mark, _ in self.layers):
+            if any(not slot_holds_state(self.pool_bytes[base + slot:
+                                                        base + slot + self.slot_bytes], state)
+                   for slot, state, _, _ in self.layers):
                 return Transfer.finished(moved, ValueError(
                     f"hostkv: page {page} holds no state of rank {self.rank}"))
-            for part, _, tensors in self.layers:
-                at = base + part
-                for tensor in tensors:
-                    target = tensor[block]
-                    target.copy_(self.pool[at:at + target.numel()])
-                    at += target.numel()
-                moved += at - base - part
+            for slot, _, tensors, pieces in self.layers:
+                for tensor, offset, at, size in pieces:
+                    at += base + slot
+                    tensors[tensor][block, offset:offset + size].copy_(self.pool[at:at + size])
+                    moved += size
         return Transfer.finished(moved)
+
+
+def _pieces(runs: Sequence[Tuple[int, int, int]], sizes: Sequence[int]
+            ) -> List[Tuple[int, int, int, int]]:
+    """A rank's runs (offset in its block's bytes, offset in the slot, bytes) cut where
+    one of its tensors ends: (tensor, offset in that tensor's block, offset in the slot,
+    bytes). ``sizes``: each tensor's bytes of a block, in vLLM's order."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    pieces = []
+    for source, target, size in runs:
+        while size:
+            tensor = max(i for i, start in enumerate(starts) if start <= source)
+            offset = source - starts[tensor]
+            take = min(size, sizes[tensor] - offset)
+            pieces.append((tensor, offset, target, take))
+            source, target, size = source + take, target + take, size - take
+    return pieces

@@ -31,7 +31,8 @@ import torch
 from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig, KVLayout
 from hostkv.copy_engine import VLLM
-from hostkv.vllm.layout import EngineKV, KVGroup, StateLayout
+from hostkv.vllm.layout import (EngineKV, KVGroup, StateLayout, conv_state_dim_first,
+                                 state_splits)
 from hostkv.vllm.state import StateCopies
 
 __all__ = ["SHAPES", "measure", "main"]
@@ -71,7 +72,10 @@ def measure(shape: str = "qwen3-next", rounds: int = 15,
     shapes, dtypes = _gdn_state(key_heads, value_heads, head_dim, kernel)
     state = StateLayout(shapes=shapes, dtypes=tuple(str(d).replace("torch.", "") for d in dtypes),
                         itemsizes=tuple(torch.empty((), dtype=d).element_size() for d in dtypes),
-                        tp_world=1, kind="GDN_ATTN")
+                        tp_world=1, kind="GDN_ATTN",
+                        # Qwen3-Next's whole state, as engines of every degree share it.
+                        splits=state_splits("GDN_ATTN", ("Qwen3NextForCausalLM",), shapes,
+                                            conv_state_dim_first()))
     num_layers = state_layers + full_layers
     # vLLM's hybrid manager makes an attention page at least as large as a state; hostkv's
     # pages hold a power-of-two number of tokens (the block size such an engine is given).

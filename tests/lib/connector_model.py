@@ -980,16 +980,17 @@ class Harness:
         layer holds every rank's part (its state tensors' bytes), rank after rank, then one
         8-byte marker per rank (hostkv.vllm.state): every marker of every state layer set,
         and every part the state after the page's tokens; or no marker set (no state)."""
-        from hostkv.vllm.layout import STATE_MARKER
+        from hostkv.vllm.layout import STATE_MARKER_PREFIX
 
         tp = self.opts.tp
         part = STATE_ELEMENTS // tp * 4
         slots = page.view(np.uint8).reshape(self.layers, -1)
-        markers = {slots[layer, tp * part + rank * 8:tp * part + (rank + 1) * 8].tobytes()
-                   for layer in self.state_layers for rank in range(tp)}
-        if markers == {bytes(8)}:
+        markers = {(rank, slots[layer, tp * part + rank * 8:tp * part + (rank + 1) * 8]
+                    .tobytes()) for layer in self.state_layers for rank in range(tp)}
+        if {mark for _, mark in markers} == {bytes(8)}:
             return None
-        if markers != {STATE_MARKER}:
+        # Each rank's marker names it and the degree.
+        if markers != {(rank, STATE_MARKER_PREFIX + bytes((rank, tp))) for rank in range(tp)}:
             return f"holds a partial state: markers {sorted(markers)}"
         want = self.expected_states.get(key)
         if want is None:

@@ -114,6 +114,20 @@ def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_di
         config.block_dim = config.conv_dim = 128
         config.block_auto_adjust_ff_dim = False
         model = Lfm2ForCausalLM(config)
+    elif kind == "granite_h":
+        # Granite-4.0-H: Mamba-2 layers (vLLM's MambaSpec MAMBA2) beside full attention, as
+        # Nemotron-H and Falcon-H1 have them.
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        config = GraniteMoeHybridConfig(
+            hidden_size=128, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=num_kv_heads, tie_word_embeddings=False,
+            layer_types=["mamba" if i % 2 == 0 else "attention" for i in range(num_layers)],
+            mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=64,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, num_local_experts=0,
+            num_experts_per_tok=0, shared_intermediate_size=256,
+            position_embedding_type="rope", **common)
+        model = GraniteMoeHybridForCausalLM(config)
     else:
         raise ValueError(f"no such model kind {kind!r}")
     model.save_pretrained(path)
