@@ -131,22 +131,29 @@ def test_mla_engines_share_latent_pages(tmp_path):
     # reductions differ enough to flip a greedy token of this random model even without
     # any connector, so bit-exact tokens are checked within one degree (the Llama cases
     # above cross degrees).
+    # On a CPU with AMX vLLM picks its AMX MLA backend, which takes bfloat16 weights only:
+    # this float32 model asks for the reference CPU backend, whatever machine runs it.
     _share_both_ways(tmp_path, "mla", model, tp_a=2, tp_b=2, block_size=16,
-                     vllm_caches=False, settings=ASYNC)
+                     vllm_caches=False, settings=ASYNC,
+                     llm_kwargs={"attention_backend": "CPU_MLA"})
 
 
-@pytest.mark.parametrize("kind,num_layers,dtype", [
-    ("gemma3", 4, "float32"), ("gemma3_swa", 2, "float32"), ("gpt_oss", 2, "bfloat16")],
+@pytest.mark.parametrize("kind,num_layers,dtype,tp_a", [
+    ("gemma3", 4, "float32", 1), ("gemma3_swa", 2, "float32", 1), ("gpt_oss", 2, "bfloat16", 2)],
     ids=["gemma3-mixed", "gemma3-all-sliding", "gpt-oss"])
 def test_sliding_window_models_share_pages_with_the_hybrid_manager_on(tmp_path, kind,
-                                                                       num_layers, dtype):
+                                                                       num_layers, dtype,
+                                                                       tp_a):
     """vLLM's hybrid KV-cache manager stays on (hostkv is SupportsHMA): sliding-window
     layers keep only the blocks of their window. Gemma-3 with sliding-window and full layers
     alternating (two KV-cache groups: hits load asynchronously), a Gemma-3 all of whose
     layers slide (one group, Mistral-7B-v0.1's kind), and gpt-oss (attention sinks, experts;
-    bfloat16, its checkpoints' dtype). A (TP=1) and B (TP=2) share pages both ways, the
-    loads filling only the blocks vLLM keeps in the window; then, for the mixed Gemma-3,
-    B's rank 1 is killed mid-save and A reads nothing half-written."""
+    bfloat16, its checkpoints' dtype). A and B (TP=2) share pages both ways, the loads
+    filling only the blocks vLLM keeps in the window; then, for the mixed Gemma-3, B's rank
+    1 is killed mid-save and A reads nothing half-written. A is TP=1 for the Gemma-3s; for
+    gpt-oss TP=2 too: in bfloat16 a TP=1 and a TP=2 engine sum in another order, and on a
+    CPU with AMX (bfloat16 kernels of its own) a near-tie of this random model flipped the
+    8th token of 16 between the degrees (the Gemma-3s, float32, cross degrees)."""
     model = write_model(str(tmp_path / "model"), num_layers=num_layers, num_kv_heads=2,
                         kind=kind)
 
@@ -154,7 +161,7 @@ def test_sliding_window_models_share_pages_with_the_hybrid_manager_on(tmp_path, 
         # Then B (TP=2) loses rank 1 mid-save: A reads nothing half-written.
         _kill_a_rank_mid_save(b, a, segment, _prompts(random.Random(11), 3))
 
-    _share_both_ways(tmp_path, kind, model, llm_kwargs={"dtype": dtype},
+    _share_both_ways(tmp_path, kind, model, tp_a=tp_a, llm_kwargs={"dtype": dtype},
                      then=kill_b_mid_save if kind == "gemma3" else None)
 
 

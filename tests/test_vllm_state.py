@@ -1136,3 +1136,20 @@ def test_whole_states_name_no_degree_in_the_namespace_and_per_degree_ones_do():
     unknown = [_gdn_kv(tp, False, "OtherForCausalLM").parts_description() for tp in (1, 2)]
     assert len(set(unknown)) == 2 and "2 rank(s)" in unknown[1]
 
+
+
+def test_a_split_that_does_not_add_up_to_the_tensor_is_refused():
+    """A StateLayout whose splits name no axis of a tensor, or parts that do not add up to
+    it, or another count of tensors, is a ValueError naming it."""
+    vllm_module()
+    from hostkv.vllm.layout import StateLayout
+
+    base = dict(shapes=((3, 32), (2, 8, 8)), dtypes=("bfloat16", "float32"), itemsizes=(2, 4),
+                tp_world=2, kind="GDN_ATTN")
+    StateLayout(**base, splits=((1, (8, 8, 16)), (0, (2,))))
+    for splits, what in [(((2, (32,)), (0, (2,))), "axis 2"),
+                         (((1, (8, 8, 8)), (0, (2,))), r"parts \[8, 8, 8\]"),
+                         (((1, (0, 32)), (0, (2,))), r"parts \[0, 32\]"),
+                         (((1, (32,)),), "1 splits for 2 state tensors")]:
+        with pytest.raises(ValueError, match=what):
+            StateLayout(**base, splits=splits)

@@ -171,8 +171,9 @@ def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: st
     """The engine's part of every namespace: every engine-wide input to a KV byte (the
     module docstring lists them), and ``parts``, what a page holds beyond the canonical
     K/V (``EngineKV.parts_description``: recurrent state, whole, or each rank's shard where
-    hostkv knows no split, which names the tensor-parallel degree). Otherwise deliberately left out: the attention backend and
-    the tensor-parallel degree (pages are canonical: engines of any share them)."""
+    hostkv knows no split, which names the tensor-parallel degree). Otherwise deliberately
+    left out: the attention backend and the tensor-parallel degree (pages are canonical:
+    engines of any share them)."""
     model = vllm_config.model_config
     cache = getattr(vllm_config, "cache_config", None)
     load = getattr(vllm_config, "load_config", None)

@@ -60,6 +60,7 @@ logger = logging.getLogger("hostkv.vllm")
 # or zeros, so a slot's stale bytes never pass for a state. Its last two bytes name the
 # rank and the tensor-parallel degree that wrote it (see StateLayout.marker_bytes).
 STATE_MARKER_PREFIX = b"hkvst\x02"
+STATE_MARKER_BYTES = len(STATE_MARKER_PREFIX) + 2
 
 # (offset in a rank's state bytes of one block, offset in the slot, bytes): one contiguous
 # piece of a rank's state and where it goes in the slot.
@@ -140,11 +141,11 @@ class StateLayout:
     @property
     def slot_bytes(self) -> int:
         """Bytes the slot must have: the state and this engine's ranks' markers."""
-        return self.data_bytes + self.tp_world * len(STATE_MARKER_PREFIX + b"rd")
+        return self.data_bytes + self.tp_world * STATE_MARKER_BYTES
 
     def marker(self, rank: int) -> int:
         """Offset of a rank's marker in the slot."""
-        return self.data_bytes + rank * len(STATE_MARKER_PREFIX + b"rd")
+        return self.data_bytes + rank * STATE_MARKER_BYTES
 
     def marker_bytes(self, rank: int) -> bytes:
         """The marker a rank of this engine writes after its share of a state: it names
@@ -156,10 +157,9 @@ class StateLayout:
         """Where a rank's state goes in the slot: (offset in the rank's bytes of a block,
         as vLLM lays its tensors one after another; offset in the slot; bytes), in the
         rank's byte order, adjacent runs merged."""
-        runs: List[StateRun] = []
         if self.splits is None:
-            runs = [(0, rank * self.rank_bytes, self.rank_bytes)]
-            return runs
+            return [(0, rank * self.rank_bytes, self.rank_bytes)]
+        runs: List[StateRun] = []
         source = target = 0
         for shape, size, (axis, parts) in zip(self.shapes, self.itemsizes, self.splits):
             outer = self._count(shape[:axis])
@@ -543,9 +543,11 @@ def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
 
 # The models whose state split over tensor-parallel ranks hostkv knows, by vLLM's kind of
 # state and the model's architecture: how vLLM 0.32 shards their weights (the convolution's
-# channels by ``mamba_v2_sharded_weight_loader`` in parts, the heads evenly), checked by
-# engines of two degrees loading each other's states (tests/test_vllm_shapes.py). Any other
-# model's state is kept per degree: a wrong split would be a wrong state.
+# channels by ``mamba_v2_sharded_weight_loader`` in parts, the heads evenly), read from
+# vLLM's source and checked byte for byte against it in tests/test_vllm_state.py. Engines of
+# two degrees loading each other's states (tests/test_vllm_shapes.py) find every hit, but
+# their tokens cannot show a wrong split. Any other model's state is kept per degree: a
+# wrong split would be a wrong state.
 CANONICAL_STATES = {
     ("GDN_ATTN", "Qwen3NextForCausalLM"): "gdn",
     ("SHORT_CONV", "Lfm2ForCausalLM"): "short_conv",

@@ -45,13 +45,12 @@ import numpy as np
 import torch
 
 from hostkv.transfers import Transfer
-from hostkv.vllm.layout import STATE_MARKER_PREFIX, EngineKV, StateLayout
+from hostkv.vllm.layout import STATE_MARKER_BYTES, STATE_MARKER_PREFIX, EngineKV, StateLayout
 
 __all__ = ["StateCopies", "offered_state_blocks", "pages_with_state", "slot_holds_state",
            "state_blocks_to_load"]
 
 _NULL_BLOCK = 0
-_MARKER_BYTES = len(STATE_MARKER_PREFIX) + 2
 
 
 def _state_slots(kv: EngineKV, groups: Optional[Sequence[int]] = None
@@ -68,15 +67,15 @@ def slot_holds_state(slot: np.ndarray, state: StateLayout) -> bool:
     the degree that wrote it, and every rank of that degree marked its share. An opaque
     layout (:attr:`StateLayout.canonical` false) takes only its own degree's."""
     at = state.data_bytes
-    first = slot[at:at + _MARKER_BYTES].tobytes()
+    first = slot[at:at + STATE_MARKER_BYTES].tobytes()
     if first[:-2] != STATE_MARKER_PREFIX or first[-2] != 0:
         return False
     degree = first[-1]
-    if degree < 1 or at + degree * _MARKER_BYTES > slot.shape[0]:
+    if degree < 1 or at + degree * STATE_MARKER_BYTES > slot.shape[0]:
         return False
     if not state.canonical and degree != state.tp_world:
         return False
-    return all(slot[at + r * _MARKER_BYTES:at + (r + 1) * _MARKER_BYTES].tobytes()
+    return all(slot[at + r * STATE_MARKER_BYTES:at + (r + 1) * STATE_MARKER_BYTES].tobytes()
                == STATE_MARKER_PREFIX + bytes((r, degree)) for r in range(1, degree))
 
 
@@ -210,7 +209,7 @@ class StateCopies:
             block, base = int(block), int(page) * self.page_bytes
             for slot, state, tensors, pieces in self.layers:
                 mark = base + slot + state.marker(self.rank)
-                marker = self.pool[mark:mark + _MARKER_BYTES]
+                marker = self.pool[mark:mark + STATE_MARKER_BYTES]
                 if block == _NULL_BLOCK:
                     marker.zero_()
                     continue
