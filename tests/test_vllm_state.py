@@ -1045,8 +1045,35 @@ def test_state_splits_are_known_only_for_models_whose_sharding_hostkv_checked():
     assert state_splits("GDN_ATTN", ("BailingMoeV3ForCausalLM",), ((3, 32), (2, 8, 8)),
                         False) is None
     assert state_splits("MAMBA2", qwen, ((3, 32), (2, 8, 8)), False) is None
+    # Mamba-2 (vLLM's MambaMixer2) per rank: x of 2 heads of 8, then B and C of 16 each.
+    granite = ("GraniteMoeHybridForCausalLM",)
+    assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 4)), False) == (
+        (1, (16, 16, 16)), (0, (2,)))
+    assert state_splits("MAMBA2", ("NemotronHForCausalLM",), ((48, 3), (2, 8, 4)), True) == (
+        (0, (16, 16, 16)), (0, (2,)))
+    # Groups copied to every rank: a rank holds no share of a whole state.
+    assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 4)), False,
+                        groups_replicated=True) is None
     assert state_splits("GDN_ATTN", qwen, ((3, 33), (2, 8, 8)), False) is None
     assert state_splits("GDN_ATTN", qwen, ((3, 16), (2, 8, 8)), False) is None
+
+
+def test_mamba2_groups_are_replicated_where_their_number_does_not_divide_by_the_degree():
+    """vLLM copies a Mamba-2 model's groups to every rank when their number does not divide
+    by the degree; a config that names no number of groups counts as copied."""
+    vllm_module()
+    from types import SimpleNamespace
+
+    from hostkv.vllm.layout import mamba2_groups_replicated
+
+    def engine(**hf):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(**hf)))
+
+    assert not mamba2_groups_replicated(engine(mamba_n_groups=1), 1)
+    assert mamba2_groups_replicated(engine(mamba_n_groups=1), 2)
+    assert not mamba2_groups_replicated(engine(n_groups=8), 4)      # Nemotron-H's name
+    assert mamba2_groups_replicated(engine(n_groups=8), 16)
+    assert mamba2_groups_replicated(engine(), 1)
 
 
 @pytest.mark.parametrize("conv_dim_first", [False, True], ids=["SD", "DS"])

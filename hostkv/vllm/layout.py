@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["CANONICAL_STATES", "EngineKV", "KVGroup", "StateLayout",
-           "conv_state_dim_first", "describe_layout", "engine_kv", "layer_runs", "open_segment",
-           "state_splits"]
+           "conv_state_dim_first", "describe_layout", "engine_kv", "layer_runs",
+           "mamba2_groups_replicated", "open_segment", "state_splits"]
 
 logger = logging.getLogger("hostkv.vllm")
 
@@ -533,7 +533,8 @@ def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
         tp_world=tp, kind=_group_kind(spec), writer=_state_writer(vllm_config),
         splits=state_splits(kind, _architectures(vllm_config), shapes,
                             conv_state_dim_first(),
-                            bool(getattr(spec, "tp_replicated", False))))
+                            bool(getattr(spec, "tp_replicated", False)),
+                            kind == "MAMBA2" and mamba2_groups_replicated(vllm_config, tp)))
     if state.slot_bytes > slot_bytes:
         raise ValueError(f"hostkv: {what}'s state ({state.rank_bytes} bytes on each of {tp} "
                          f"rank(s), and a marker each) does not fit a page's slot of "
@@ -544,19 +545,24 @@ def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
 # The models whose state split over tensor-parallel ranks hostkv knows, by vLLM's kind of
 # state and the model's architecture: how vLLM 0.32 shards their weights (the convolution's
 # channels by ``mamba_v2_sharded_weight_loader`` in parts, the heads evenly), read from
-# vLLM's source and checked byte for byte against it in tests/test_vllm_state.py. Engines of
-# two degrees loading each other's states (tests/test_vllm_shapes.py) find every hit, but
-# their tokens cannot show a wrong split. Any other model's state is kept per degree: a
-# wrong split would be a wrong state.
+# vLLM's source and checked byte for byte against it in tests/test_vllm_state.py. Real
+# engines of two degrees (tests/test_vllm_shapes.py) load each other's states and write the
+# same whole states for the same prompts, to rounding (their tokens alone cannot show a
+# wrong split). Any other model's state is kept per degree: a wrong split would be a wrong
+# state.
 CANONICAL_STATES = {
     ("GDN_ATTN", "Qwen3NextForCausalLM"): "gdn",
     ("SHORT_CONV", "Lfm2ForCausalLM"): "short_conv",
+    # vLLM's MambaMixer2 in all three.
+    ("MAMBA2", "GraniteMoeHybridForCausalLM"): "mamba2",
+    ("MAMBA2", "NemotronHForCausalLM"): "mamba2",
+    ("MAMBA2", "FalconH1ForCausalLM"): "mamba2",
 }
 
 
 def state_splits(kind: str, architectures: Sequence[str],
                  shapes: Sequence[Tuple[int, ...]], conv_dim_first: bool,
-                 replicated: bool = False
+                 replicated: bool = False, groups_replicated: bool = False
                  ) -> Optional[Tuple[Tuple[int, Tuple[int, ...]], ...]]:
     """How a state's tensors split over tensor-parallel ranks (:attr:`StateLayout.splits`),
     or None where hostkv does not know.
@@ -568,6 +574,9 @@ def state_splits(kind: str, architectures: Sequence[str],
         conv_dim_first: Whether vLLM holds a convolution state as (channels, kernel - 1)
             rather than (kernel - 1, channels).
         replicated: Whether vLLM keeps the whole state on every rank (``tp_replicated``).
+        groups_replicated: Whether vLLM gives every rank a copy of a Mamba-2 model's
+            groups (their number does not divide by the degree), or cannot tell: a rank's
+            state then holds copies, no share of a whole.
     """
     if replicated:
         return None
@@ -584,7 +593,25 @@ def state_splits(kind: str, architectures: Sequence[str],
         keys = (channels - values) // 2
         if keys > 0 and 2 * keys + values == channels:
             return ((axis, (keys, keys, values)), (0, (shapes[1][0],)))
+    if rule == "mamba2" and not groups_replicated and len(shapes) == 2 \
+            and len(shapes[0]) == 2 and len(shapes[1]) == 3:
+        # The convolution's channels: a rank's heads' x, then its share of the groups' B
+        # and C (as many); the SSM state: a rank's heads, each [head dim, state size].
+        channels = shapes[0][axis]
+        heads_x = shapes[1][0] * shapes[1][1]
+        groups = (channels - heads_x) // 2
+        if groups > 0 and heads_x + 2 * groups == channels:
+            return ((axis, (heads_x, groups, groups)), (0, (shapes[1][0],)))
     return None
+
+
+def mamba2_groups_replicated(vllm_config: "VllmConfig", tp: int) -> bool:
+    """Whether vLLM gives every rank a copy of a Mamba-2 model's groups (B and C), which it
+    does when their number does not divide by the degree (one group at TP=2, as Granite-4.0-H
+    and Falcon-H1 have), or the config does not say how many there are."""
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    groups = getattr(hf_config, "mamba_n_groups", None) or getattr(hf_config, "n_groups", None)
+    return not isinstance(groups, int) or groups <= 0 or groups % tp != 0
 
 
 def _mamba_kind(spec: object) -> str:

@@ -116,18 +116,44 @@ def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_di
         model = Lfm2ForCausalLM(config)
     elif kind == "granite_h":
         # Granite-4.0-H: Mamba-2 layers (vLLM's MambaSpec MAMBA2) beside full attention, as
-        # Nemotron-H and Falcon-H1 have them.
+        # Nemotron-H and Falcon-H1 have them. Two groups, so that each rank of TP=2 holds
+        # one (Granite-4.0-H's checkpoints have one, which vLLM copies to every rank).
         from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
         config = GraniteMoeHybridConfig(
             hidden_size=128, intermediate_size=256, num_attention_heads=4,
             num_key_value_heads=num_kv_heads, tie_word_embeddings=False,
             layer_types=["mamba" if i % 2 == 0 else "attention" for i in range(num_layers)],
-            mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=64,
+            mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=64,
             mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, num_local_experts=0,
             num_experts_per_tok=0, shared_intermediate_size=256,
             position_embedding_type="rope", **common)
         model = GraniteMoeHybridForCausalLM(config)
+    elif kind == "nemotron_h":
+        # Nemotron-H: Mamba-2, attention and MLP layers each a layer of their own; two
+        # groups, one per rank at TP=2, as Granite-4.0-H's above.
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        types = ["mamba", "attention", "mlp"] * num_layers
+        config = NemotronHConfig(
+            hidden_size=128, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=num_kv_heads, head_dim=32,
+            layers_block_type=types[:num_layers + num_layers // 2],
+            ssm_state_size=64, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
+            conv_kernel=4, expand=2, chunk_size=256, vocab_size=1000,
+            max_position_embeddings=4096, torch_dtype="float32")
+        model = NemotronHForCausalLM(config)
+    elif kind == "falcon_h1":
+        # Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side. One
+        # group, as its checkpoints have: vLLM copies it to every rank at TP=2.
+        from transformers import FalconH1Config, FalconH1ForCausalLM
+
+        config = FalconH1Config(
+            hidden_size=128, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=num_kv_heads, mamba_d_ssm=256, mamba_n_heads=8,
+            mamba_d_head=32, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4,
+            mamba_expand=2, mamba_chunk_size=256, **common)
+        model = FalconH1ForCausalLM(config)
     else:
         raise ValueError(f"no such model kind {kind!r}")
     model.save_pretrained(path)
