@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 __all__ = ["BLOCK_SIZE", "Server", "bench_client", "cached_tokens", "completion", "hostkv_counters",
            "main", "multi_turn_trace", "report", "run_benchmark",
@@ -235,7 +235,10 @@ class Server:
 
     def kill(self) -> None:
         """SIGKILL to the server's whole process group (its engine processes included), as
-        an OOM killer or an operator's ``kill -9`` would; waits for the server to exit."""
+        an OOM killer or an operator's ``kill -9`` would; waits for the server to exit,
+        then unlinks the shared memory vLLM's processes had mapped (a killed vLLM leaves its
+        message queues, 160-240 MiB each, in /dev/shm)."""
+        names = vllm_shared_memory(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -244,6 +247,7 @@ class Server:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             pass
+        unlink_shared_memory(names)
 
     def stop(self, timeout: float = 60.0) -> None:
         """SIGTERM (vLLM shuts its engines down), then SIGKILL for whatever is left."""
@@ -257,6 +261,46 @@ class Server:
             except subprocess.TimeoutExpired:
                 pass
         self.kill()
+
+
+# What vLLM makes in /dev/shm: Python's SharedMemory (its message queues), its CPU
+# tensor-parallel ranks' buffers, and the named semaphores of its multiprocessing locks.
+# hostkv's own segments are never among them: a segment outlives any engine.
+_VLLM_SHARED_MEMORY = ("psm_", "vllm_dist_", "sem.mp-")
+
+
+def vllm_shared_memory(group: int) -> Set[str]:
+    """The /dev/shm names vLLM made that the processes of a process group have mapped.
+
+    Read before the group is killed: its processes unlink them on a clean shutdown, and
+    nobody does after a SIGKILL (the resource tracker that would dies with the group)."""
+    names: Set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != group:
+                continue
+            with open(f"/proc/{entry}/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    path = fields[5].strip() if len(fields) == 6 else ""
+                    if path.startswith("/dev/shm/"):
+                        name = path[len("/dev/shm/"):].split(" ")[0]
+                        if name.startswith(_VLLM_SHARED_MEMORY):
+                            names.add(name)
+        except OSError:                          # gone meanwhile, or not ours to read
+            continue
+    return names
+
+
+def unlink_shared_memory(names: Set[str]) -> None:
+    """Unlinks these /dev/shm names where they are still there."""
+    for name in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
 
 
 def _cpu_ids(text: str) -> List[int]:

@@ -14,6 +14,7 @@ import os
 import signal
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from hostkv.bench.serve import unlink_shared_memory, vllm_shared_memory
 from workers.vllm_engine_child import BLOCK_SIZE, engine_main, save_adapter, save_model
 
 __all__ = ["BLOCK_SIZE", "Engine", "stop_engines", "unlink_vllm_shm", "vllm_shm",
@@ -143,13 +144,17 @@ class Engine:
         return value
 
     def kill(self) -> None:
-        """kill -9 of the engine's whole process group (its EngineCore included)."""
+        """kill -9 of the engine's whole process group (its EngineCore included); the
+        shared memory vLLM's processes had mapped is unlinked once they are gone."""
+        names = set()
         if self.proc.pid is not None:
+            names = vllm_shared_memory(self.proc.pid)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         self.proc.join(30)
+        unlink_shared_memory(names)
 
     def request_stop(self) -> None:
         """Asks the engine to exit without waiting for it (stop() then waits). An engine
