@@ -1036,44 +1036,53 @@ def test_state_splits_are_known_only_for_models_whose_sharding_hostkv_checked():
 
     qwen = ("Qwen3NextForCausalLM",)
     # Per rank at TP=2: 32 channels (8 queries, 8 keys, 16 values), 2 value heads.
+    no, three = (False,), (False,) * 3
     assert state_splits("GDN_ATTN", qwen, ((3, 32), (2, 8, 8)), False) == (
-        (1, (8, 8, 16)), (0, (2,)))
+        (1, (8, 8, 16), three), (0, (2,), no))
     assert state_splits("GDN_ATTN", qwen, ((32, 3), (2, 8, 8)), True) == (
-        (0, (8, 8, 16)), (0, (2,)))
+        (0, (8, 8, 16), three), (0, (2,), no))
     assert state_splits("SHORT_CONV", ("Lfm2ForCausalLM",), ((3, 128),), False) == (
-        (1, (128,)),)
+        (1, (128,), no),)
     assert state_splits("GDN_ATTN", ("BailingMoeV3ForCausalLM",), ((3, 32), (2, 8, 8)),
                         False) is None
     assert state_splits("MAMBA2", qwen, ((3, 32), (2, 8, 8)), False) is None
-    # Mamba-2 (vLLM's MambaMixer2) per rank: x of 2 heads of 8, then B and C of 16 each.
+    # Mamba-2 (vLLM's MambaMixer2) per rank at TP=2: x of 2 heads of 8, then B and C of
+    # 16 each: a share of 8 groups of state size 4, or a copy of one group of 16.
     granite = ("GraniteMoeHybridForCausalLM",)
-    assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 4)), False) == (
-        (1, (16, 16, 16)), (0, (2,)))
-    assert state_splits("MAMBA2", ("NemotronHForCausalLM",), ((48, 3), (2, 8, 4)), True) == (
-        (0, (16, 16, 16)), (0, (2,)))
-    # Groups copied to every rank: a rank holds no share of a whole state.
-    assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 4)), False,
-                        groups_replicated=True) is None
+    assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 4)), False, False, 8, 2) == (
+        (1, (16, 16, 16), three), (0, (2,), no))
+    assert state_splits("MAMBA2", ("NemotronHForCausalLM",), ((48, 3), (2, 8, 4)), True,
+                        False, 8, 2) == ((0, (16, 16, 16), three), (0, (2,), no))
+    assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 16)), False, False, 1, 2) == (
+        (1, (16, 16, 16), (False, True, True)), (0, (2,), no))
+    # A number of groups the config does not give, one vLLM refuses (2 at TP=4), or shapes
+    # that do not add up to the config's: kept per degree.
+    assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 4)), False, False, None, 2) is None
+    assert state_splits("MAMBA2", granite, ((3, 40), (1, 8, 4)), False, False, 2, 4) is None
+    assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 4)), False, False, 1, 2) is None
+    assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 4)), False, False, 4, 2) is None
     assert state_splits("GDN_ATTN", qwen, ((3, 33), (2, 8, 8)), False) is None
     assert state_splits("GDN_ATTN", qwen, ((3, 16), (2, 8, 8)), False) is None
 
 
-def test_mamba2_groups_are_replicated_where_their_number_does_not_divide_by_the_degree():
-    """vLLM copies a Mamba-2 model's groups to every rank when their number does not divide
-    by the degree; a config that names no number of groups counts as copied."""
+def test_a_mamba2_models_groups_are_read_where_its_architecture_keeps_them():
+    """Granite-4.0-H and Falcon-H1 give their number of groups as mamba_n_groups,
+    Nemotron-H as n_groups; any other architecture, or no positive number there, is None."""
     vllm_module()
     from types import SimpleNamespace
 
-    from hostkv.vllm.layout import mamba2_groups_replicated
+    from hostkv.vllm.layout import mamba2_groups
 
-    def engine(**hf):
-        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(**hf)))
+    def engine(architecture, **hf):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(
+            architectures=[architecture], **hf)))
 
-    assert not mamba2_groups_replicated(engine(mamba_n_groups=1), 1)
-    assert mamba2_groups_replicated(engine(mamba_n_groups=1), 2)
-    assert not mamba2_groups_replicated(engine(n_groups=8), 4)      # Nemotron-H's name
-    assert mamba2_groups_replicated(engine(n_groups=8), 16)
-    assert mamba2_groups_replicated(engine(), 1)
+    assert mamba2_groups(engine("GraniteMoeHybridForCausalLM", mamba_n_groups=1)) == 1
+    assert mamba2_groups(engine("FalconH1ForCausalLM", mamba_n_groups=2, n_groups=4)) == 2
+    assert mamba2_groups(engine("NemotronHForCausalLM", n_groups=8, mamba_n_groups=1)) == 8
+    assert mamba2_groups(engine("NemotronHForCausalLM", mamba_n_groups=8)) is None
+    assert mamba2_groups(engine("GraniteMoeHybridForCausalLM", mamba_n_groups=0)) is None
+    assert mamba2_groups(engine("BambaForCausalLM", mamba_n_groups=1)) is None
 
 
 @pytest.mark.parametrize("conv_dim_first", [False, True], ids=["SD", "DS"])
@@ -1120,6 +1129,106 @@ def test_every_degree_writes_the_same_whole_state_and_reads_its_share(conv_dim_f
                 # The page saved without a state loads nothing.
                 assert isinstance(copies.load([5], [3]).error, ValueError)
     assert torch.equal(written[1], written[2]) and torch.equal(written[1], written[4])
+
+
+# A tiny Mamba-2: 4 heads of 8, groups of state size 4, a kernel of 4.
+M2_HEADS, M2_DIM, M2_STATE, M2_KERNEL = 4, 8, 4, 4
+
+
+def _mamba2_rank_channels(groups, rank, tp):
+    """Which of the whole convolution's channels (x, then the groups' B, then C) a rank
+    holds, in its order, as vLLM 0.32 loads them: its own weight loader
+    (mamba_v2_sharded_weight_loader with MambaMixer2's shard settings) applied to the
+    channels' indices."""
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weight_loader
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    x = M2_HEADS * M2_DIM
+    extra = MambaStateShapeCalculator.extra_groups_for_head_shards(groups, tp)
+    group_channels = (groups + extra) * M2_STATE
+    settings = (group_channels, extra * M2_STATE, groups == 1)
+    param = torch.full(((x + 2 * group_channels) // tp,), -1.0, dtype=torch.float64)
+    loader = mamba_v2_sharded_weight_loader([(x, 0, False), settings, settings], tp, rank)
+    loader(param, torch.arange(x + 2 * groups * M2_STATE, dtype=torch.float64))
+    assert (param >= 0).all()
+    return param.long()
+
+
+def _mamba2_shard(whole, groups, rank, tp, conv_dim_first):
+    """A rank's Mamba-2 state: its channels of the whole convolution state (vLLM's
+    loader's) and its heads' SSM states."""
+    conv, ssm = whole                                  # conv: [channels, kernel - 1]
+    mine = conv[_mamba2_rank_channels(groups, rank, tp)]
+    heads = M2_HEADS // tp
+    return [(mine if conv_dim_first else mine.t()).contiguous(),
+            ssm[rank * heads:(rank + 1) * heads].contiguous()]
+
+
+def _mamba2_kv(groups, tp, conv_dim_first):
+    """An EngineKV of a Mamba-2 layer (0) and a full-attention layer (1), as engine_kv reads
+    a Granite-4.0-H of ``groups`` groups at TP degree ``tp``."""
+    from hostkv.copy_engine import VLLM
+    from hostkv.vllm.layout import EngineKV, KVGroup, StateLayout, state_splits
+
+    vllm_module()
+    channels = _mamba2_rank_channels(groups, 0, tp).numel()
+    conv = (channels, M2_KERNEL - 1) if conv_dim_first else (M2_KERNEL - 1, channels)
+    shapes = (conv, (M2_HEADS // tp, M2_DIM, M2_STATE))
+    state = StateLayout(shapes=shapes, dtypes=("float32", "float32"), itemsizes=(4, 4),
+                        tp_world=tp, kind="MambaSpec (MAMBA2)",
+                        splits=state_splits("MAMBA2", ("GraniteMoeHybridForCausalLM",),
+                                            shapes, conv_dim_first, False, groups, tp))
+    assert state.canonical
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, dtype="float32",
+                             state_layers=(0,))
+    return EngineKV(layout, 16, ("model.layers.0.mamba", "model.layers.1.attn"), VLLM,
+                    tp, "test", (KVGroup("state", (0,), state=state),
+                                 KVGroup("full", (1,))))
+
+
+@pytest.mark.parametrize("conv_dim_first", [False, True], ids=["SD", "DS"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_every_degree_writes_a_mamba2_models_whole_state_and_reads_its_share(groups,
+                                                                             conv_dim_first):
+    """A Mamba-2 state sharded by vLLM's own weight loader: the groups' B and C channels
+    shared out where the degree divides them, one group copied to every rank (each rank
+    writing its copy to the same place). Ranks of every degree vLLM allows write the slot
+    a TP=1 engine writes, byte for byte, and read back exactly their own state; the
+    description (the namespace) is the same at every degree."""
+    from hostkv.vllm.state import StateCopies
+
+    g = torch.Generator().manual_seed(groups)
+    channels = M2_HEADS * M2_DIM + 2 * groups * M2_STATE
+    wholes = [[torch.randn(channels, M2_KERNEL - 1, generator=g),
+               torch.randn(M2_HEADS, M2_DIM, M2_STATE, generator=g)] for _ in range(3)]
+    degrees = [tp for tp in (1, 2, 4) if groups % tp == 0 or groups == 1]
+    written, described = {}, set()
+    for tp in degrees:
+        kv = _mamba2_kv(groups, tp, conv_dim_first)
+        state = kv.groups[0].state
+        described.add(state.describe())
+        assert state.data_bytes == (channels * (M2_KERNEL - 1)
+                                    + M2_HEADS * M2_DIM * M2_STATE) * 4
+        pool = torch.zeros(4, kv.layout.page_bytes(16), dtype=torch.uint8)
+        for rank in range(tp):
+            shards = [_mamba2_shard(w, groups, rank, tp, conv_dim_first) for w in wholes]
+            tensors = [torch.stack([s[i] for s in shards]) for i in range(2)]
+            copies = StateCopies(pool, kv, {kv.layer_names[0]: tensors}, rank, 0)
+            assert copies.save([1, 2], [2, 3]).error is None
+        written[tp] = pool[2:4, :state.data_bytes].clone()
+        for reader in degrees:
+            kv_r = _mamba2_kv(groups, reader, conv_dim_first)
+            for rank in range(reader):
+                back = [torch.zeros(3, *t.shape) for t in
+                        _mamba2_shard(wholes[0], groups, rank, reader, conv_dim_first)]
+                copies = StateCopies(pool, kv_r, {kv_r.layer_names[0]: back}, rank, 0)
+                assert copies.load([2, 3], [2, 1]).error is None
+                for block, whole in ((2, wholes[1]), (1, wholes[2])):
+                    want = _mamba2_shard(whole, groups, rank, reader, conv_dim_first)
+                    for got, expected in zip(back, want):
+                        assert torch.equal(got[block], expected), (tp, reader, rank)
+    assert all(torch.equal(written[1], slot) for slot in written.values())
+    assert len(described) == 1, described
 
 
 def test_a_state_is_whole_only_with_every_marker_of_the_degree_that_wrote_it():
@@ -1173,10 +1282,12 @@ def test_a_split_that_does_not_add_up_to_the_tensor_is_refused():
 
     base = dict(shapes=((3, 32), (2, 8, 8)), dtypes=("bfloat16", "float32"), itemsizes=(2, 4),
                 tp_world=2, kind="GDN_ATTN")
-    StateLayout(**base, splits=((1, (8, 8, 16)), (0, (2,))))
-    for splits, what in [(((2, (32,)), (0, (2,))), "axis 2"),
-                         (((1, (8, 8, 8)), (0, (2,))), r"parts \[8, 8, 8\]"),
-                         (((1, (0, 32)), (0, (2,))), r"parts \[0, 32\]"),
-                         (((1, (32,)),), "1 splits for 2 state tensors")]:
+    no, three = (False,), (False,) * 3
+    StateLayout(**base, splits=((1, (8, 8, 16), three), (0, (2,), no)))
+    for splits, what in [(((2, (32,), no), (0, (2,), no)), "axis 2"),
+                         (((1, (8, 8, 8), three), (0, (2,), no)), r"parts \[8, 8, 8\]"),
+                         (((1, (0, 32), no * 2), (0, (2,), no)), r"parts \[0, 32\]"),
+                         (((1, (8, 8, 16), no), (0, (2,), no)), r"\(copied: \[False\]\)"),
+                         (((1, (32,), no),), "1 splits for 2 state tensors")]:
         with pytest.raises(ValueError, match=what):
             StateLayout(**base, splits=splits)

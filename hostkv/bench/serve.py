@@ -273,7 +273,9 @@ def vllm_shared_memory(group: int) -> Set[str]:
     """The /dev/shm names vLLM made that the processes of a process group have mapped.
 
     Read before the group is killed: its processes unlink them on a clean shutdown, and
-    nobody does after a SIGKILL (the resource tracker that would dies with the group)."""
+    after a SIGKILL nobody does when the resource tracker that would is in the group too
+    (``vllm serve`` started as a process of its own); an engine spawned by multiprocessing
+    shares its parent's tracker, which unlinks them only when that parent exits."""
     names: Set[str] = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -285,8 +287,9 @@ def vllm_shared_memory(group: int) -> Set[str]:
                 for line in maps:
                     fields = line.split(maxsplit=5)
                     path = fields[5].strip() if len(fields) == 6 else ""
-                    if path.startswith("/dev/shm/"):
-                        name = path[len("/dev/shm/"):].split(" ")[0]
+                    # An unlinked name is " (deleted)": nothing left to unlink.
+                    if path.startswith("/dev/shm/") and not path.endswith(" (deleted)"):
+                        name = path[len("/dev/shm/"):]
                         if name.startswith(_VLLM_SHARED_MEMORY):
                             names.add(name)
         except OSError:                          # gone meanwhile, or not ours to read

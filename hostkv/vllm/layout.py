@@ -48,9 +48,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["CANONICAL_STATES", "EngineKV", "KVGroup", "StateLayout",
-           "conv_state_dim_first", "describe_layout", "engine_kv", "layer_runs",
-           "mamba2_groups_replicated", "open_segment", "state_splits"]
+__all__ = ["CANONICAL_STATES", "EngineKV", "KVGroup", "MAMBA2_GROUPS_ATTRIBUTE",
+           "StateLayout", "conv_state_dim_first", "describe_layout", "engine_kv",
+           "layer_runs", "mamba2_groups", "open_segment", "state_splits"]
 
 logger = logging.getLogger("hostkv.vllm")
 
@@ -66,6 +66,10 @@ STATE_MARKER_BYTES = len(STATE_MARKER_PREFIX) + 2
 # piece of a rank's state and where it goes in the slot.
 StateRun = Tuple[int, int, int]
 
+# How a state tensor is split over tensor-parallel ranks: (axis, each part's length on a
+# rank along it, whether each part is copied whole to every rank rather than shared out).
+StateSplit = Tuple[int, Tuple[int, ...], Tuple[bool, ...]]
+
 
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
@@ -74,7 +78,9 @@ class StateLayout:
 
     A state tensor is split over the tensor-parallel ranks along one axis, in parts (Gated
     DeltaNet's convolution state holds a rank's share of the queries', the keys' and the
-    values' channels, in that order). Where hostkv knows the split (``splits``), the slot
+    values' channels, in that order); a part may be copied whole to every rank instead
+    (Mamba-2's B and C channels, when its one group is given to each rank). Where hostkv
+    knows the split (``splits``), the slot
     holds the whole state, canonical: each tensor as one engine holds it, each part's shares
     in rank order. A rank writes and reads its shares wherever they lie, so engines of every
     tensor-parallel degree share the pages. Where it does not, the slot holds each rank's
@@ -90,7 +96,8 @@ class StateLayout:
         writer: What lays the bytes out: vLLM's version and its Mamba backend. The bytes
             are vLLM's own, so a vLLM that keeps a state of the same shapes in another
             order must never read them (this goes into the namespace).
-        splits: Per tensor, (axis, each part's length on a rank along it); None where the
+        splits: Per tensor, (axis, each part's length on a rank along it, whether each
+            part is copied whole to every rank rather than shared out); None where the
             split is unknown (the opaque layout).
     """
 
@@ -100,7 +107,7 @@ class StateLayout:
     tp_world: int
     kind: str
     writer: str = ""
-    splits: Optional[Tuple[Tuple[int, Tuple[int, ...]], ...]] = None
+    splits: Optional[Tuple[StateSplit, ...]] = None
 
     def __post_init__(self) -> None:
         if self.splits is None:
@@ -108,10 +115,18 @@ class StateLayout:
         if len(self.splits) != len(self.shapes):
             raise ValueError(f"hostkv: {len(self.splits)} splits for {len(self.shapes)} "
                              "state tensors")
-        for shape, (axis, parts) in zip(self.shapes, self.splits):
-            if not 0 <= axis < len(shape) or sum(parts) != shape[axis] or min(parts) <= 0:
+        for shape, (axis, parts, copied) in zip(self.shapes, self.splits):
+            if not 0 <= axis < len(shape) or sum(parts) != shape[axis] or min(parts) <= 0 \
+                    or len(copied) != len(parts):
                 raise ValueError(f"hostkv: a state tensor of {list(shape)} split along "
-                                 f"axis {axis} in parts {list(parts)}")
+                                 f"axis {axis} in parts {list(parts)} (copied: "
+                                 f"{list(copied)})")
+
+    def _whole_parts(self, split: StateSplit) -> List[int]:
+        """A split's parts as one engine holds them: a share's times the degree, a copied
+        part once."""
+        _, parts, copied = split
+        return [part if copy else part * self.tp_world for part, copy in zip(parts, copied)]
 
     @property
     def canonical(self) -> bool:
@@ -134,9 +149,12 @@ class StateLayout:
 
     @property
     def data_bytes(self) -> int:
-        """Bytes of the state in the slot: every rank's share (with a known split, the
-        whole state, whatever the degree)."""
-        return self.tp_world * self.rank_bytes
+        """Bytes of the state in the slot: with a known split, the whole state (whatever
+        the degree); else every rank's bytes."""
+        if self.splits is None:
+            return self.tp_world * self.rank_bytes
+        return sum(self._count(shape) // shape[split[0]] * sum(self._whole_parts(split)) * size
+                   for shape, size, split in zip(self.shapes, self.itemsizes, self.splits))
 
     @property
     def slot_bytes(self) -> int:
@@ -161,14 +179,18 @@ class StateLayout:
             return [(0, rank * self.rank_bytes, self.rank_bytes)]
         runs: List[StateRun] = []
         source = target = 0
-        for shape, size, (axis, parts) in zip(self.shapes, self.itemsizes, self.splits):
+        for shape, size, split in zip(self.shapes, self.itemsizes, self.splits):
+            axis, parts, copied = split
             outer = self._count(shape[:axis])
             inner = self._count(shape[axis + 1:]) * size
-            whole = shape[axis] * self.tp_world          # along the axis, canonical
+            wholes = self._whole_parts(split)
+            whole = sum(wholes)                           # along the axis, canonical
             for row in range(outer):
                 before = 0                                # canonical, earlier parts
-                for part in parts:
-                    at = target + (row * whole + before + rank * part) * inner
+                for part, copy, part_whole in zip(parts, copied, wholes):
+                    # A copied part: every rank holds (and writes) the same whole part.
+                    share = 0 if copy else rank * part
+                    at = target + (row * whole + before + share) * inner
                     if runs and runs[-1][0] + runs[-1][2] == source \
                             and runs[-1][1] + runs[-1][2] == at:
                         last = runs.pop()
@@ -176,7 +198,7 @@ class StateLayout:
                     else:
                         runs.append((source, at, part * inner))
                     source += part * inner
-                    before += part * self.tp_world
+                    before += part_whole
             target += outer * whole * inner
         return runs
 
@@ -190,10 +212,10 @@ class StateLayout:
             text = f"{self.kind} state of {tensors} per rank, {self.tp_world} rank(s)"
         else:
             whole = []
-            for shape, dtype, (axis, parts) in zip(self.shapes, self.dtypes, self.splits):
-                dims = [d * self.tp_world if i == axis else d for i, d in enumerate(shape)]
-                whole.append(f"{dims} {dtype} in parts "
-                             f"{[p * self.tp_world for p in parts]} along axis {axis}")
+            for shape, dtype, split in zip(self.shapes, self.dtypes, self.splits):
+                axis, parts = split[0], self._whole_parts(split)
+                dims = [sum(parts) if i == axis else d for i, d in enumerate(shape)]
+                whole.append(f"{dims} {dtype} in parts {parts} along axis {axis}")
             text = f"{self.kind} state of {', '.join(whole)}, whole"
         return text + (f", as {self.writer} lays it out" if self.writer else "")
 
@@ -531,10 +553,10 @@ def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
         dtypes=tuple(str(dtype).replace("torch.", "") for dtype in dtypes),
         itemsizes=tuple(torch.empty((), dtype=dtype).element_size() for dtype in dtypes),
         tp_world=tp, kind=_group_kind(spec), writer=_state_writer(vllm_config),
-        splits=state_splits(kind, _architectures(vllm_config), shapes,
-                            conv_state_dim_first(),
-                            bool(getattr(spec, "tp_replicated", False)),
-                            kind == "MAMBA2" and mamba2_groups_replicated(vllm_config, tp)))
+        splits=state_splits(
+            kind, _architectures(vllm_config), shapes, conv_state_dim_first(),
+            bool(getattr(spec, "tp_replicated", False)),
+            mamba2_groups(vllm_config) if kind == "MAMBA2" else None, tp))
     if state.slot_bytes > slot_bytes:
         raise ValueError(f"hostkv: {what}'s state ({state.rank_bytes} bytes on each of {tp} "
                          f"rank(s), and a marker each) does not fit a page's slot of "
@@ -559,11 +581,19 @@ CANONICAL_STATES = {
     ("MAMBA2", "FalconH1ForCausalLM"): "mamba2",
 }
 
+# Where each Mamba-2 architecture's config gives its number of groups, as vLLM 0.32's model
+# reads it for MambaMixer2.
+MAMBA2_GROUPS_ATTRIBUTE = {
+    "GraniteMoeHybridForCausalLM": "mamba_n_groups",
+    "FalconH1ForCausalLM": "mamba_n_groups",
+    "NemotronHForCausalLM": "n_groups",
+}
+
 
 def state_splits(kind: str, architectures: Sequence[str],
                  shapes: Sequence[Tuple[int, ...]], conv_dim_first: bool,
-                 replicated: bool = False, groups_replicated: bool = False
-                 ) -> Optional[Tuple[Tuple[int, Tuple[int, ...]], ...]]:
+                 replicated: bool = False, mamba2_groups: Optional[int] = None,
+                 tp_world: int = 1) -> Optional[Tuple[StateSplit, ...]]:
     """How a state's tensors split over tensor-parallel ranks (:attr:`StateLayout.splits`),
     or None where hostkv does not know.
 
@@ -574,9 +604,9 @@ def state_splits(kind: str, architectures: Sequence[str],
         conv_dim_first: Whether vLLM holds a convolution state as (channels, kernel - 1)
             rather than (kernel - 1, channels).
         replicated: Whether vLLM keeps the whole state on every rank (``tp_replicated``).
-        groups_replicated: Whether vLLM gives every rank a copy of a Mamba-2 model's
-            groups (their number does not divide by the degree), or cannot tell: a rank's
-            state then holds copies, no share of a whole.
+        mamba2_groups: A Mamba-2 model's number of groups (:func:`mamba2_groups`); None
+            where the config does not say, and hostkv cannot tell how they are split.
+        tp_world: The engine's tensor-parallel degree.
     """
     if replicated:
         return None
@@ -584,7 +614,7 @@ def state_splits(kind: str, architectures: Sequence[str],
                  if (kind, arch) in CANONICAL_STATES), None)
     axis = 0 if conv_dim_first else 1
     if rule == "short_conv" and len(shapes) == 1 and len(shapes[0]) == 2:
-        return ((axis, (shapes[0][axis],)),)
+        return ((axis, (shapes[0][axis],), (False,)),)
     if rule == "gdn" and len(shapes) == 2 and len(shapes[0]) == 2 and len(shapes[1]) == 3:
         # The convolution's channels: a rank's queries, keys (as many) and values; the
         # recurrent state: a rank's value heads, each [value dim, key dim].
@@ -592,26 +622,37 @@ def state_splits(kind: str, architectures: Sequence[str],
         values = shapes[1][0] * shapes[1][1]
         keys = (channels - values) // 2
         if keys > 0 and 2 * keys + values == channels:
-            return ((axis, (keys, keys, values)), (0, (shapes[1][0],)))
-    if rule == "mamba2" and not groups_replicated and len(shapes) == 2 \
-            and len(shapes[0]) == 2 and len(shapes[1]) == 3:
+            return ((axis, (keys, keys, values), (False,) * 3), (0, (shapes[1][0],), (False,)))
+    if rule == "mamba2" and mamba2_groups and len(shapes) == 2 and len(shapes[0]) == 2 \
+            and len(shapes[1]) == 3:
         # The convolution's channels: a rank's heads' x, then its share of the groups' B
         # and C (as many); the SSM state: a rank's heads, each [head dim, state size].
-        channels = shapes[0][axis]
+        # vLLM shares the groups out where the degree divides them, and gives every rank a
+        # copy of one group (extra_groups_for_head_shards); it refuses any other number.
+        if mamba2_groups % tp_world == 0:
+            copied, group_channels = False, mamba2_groups * shapes[1][2] // tp_world
+        elif mamba2_groups == 1:
+            copied, group_channels = True, shapes[1][2]
+        else:
+            return None
         heads_x = shapes[1][0] * shapes[1][1]
-        groups = (channels - heads_x) // 2
-        if groups > 0 and heads_x + 2 * groups == channels:
-            return ((axis, (heads_x, groups, groups)), (0, (shapes[1][0],)))
+        # Shapes that do not add up to what the config says are not what hostkv checked.
+        if heads_x + 2 * group_channels == shapes[0][axis]:
+            return ((axis, (heads_x, group_channels, group_channels), (False, copied, copied)),
+                    (0, (shapes[1][0],), (False,)))
     return None
 
 
-def mamba2_groups_replicated(vllm_config: "VllmConfig", tp: int) -> bool:
-    """Whether vLLM gives every rank a copy of a Mamba-2 model's groups (B and C), which it
-    does when their number does not divide by the degree (one group at TP=2, as Granite-4.0-H
-    and Falcon-H1 have), or the config does not say how many there are."""
+def mamba2_groups(vllm_config: "VllmConfig") -> Optional[int]:
+    """A Mamba-2 model's number of groups (of B and C channels), from where its
+    architecture's config gives it; None where hostkv does not know where that is, or the
+    config holds no positive number there."""
     hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    groups = getattr(hf_config, "mamba_n_groups", None) or getattr(hf_config, "n_groups", None)
-    return not isinstance(groups, int) or groups <= 0 or groups % tp != 0
+    for architecture in _architectures(vllm_config):
+        if architecture in MAMBA2_GROUPS_ATTRIBUTE:
+            groups = getattr(hf_config, MAMBA2_GROUPS_ATTRIBUTE[architecture], None)
+            return groups if isinstance(groups, int) and groups > 0 else None
+    return None
 
 
 def _mamba_kind(spec: object) -> str:
