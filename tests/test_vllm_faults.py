@@ -290,9 +290,10 @@ def test_hard_eviction_beside_failing_saves(engines):
                 # its first requests then surely borrow and load, and the later ones' lookups
                 # race the evictions. Evicting from the start could leave nothing to load.
                 # Its counter, not its live sequences: a sequence may come and go between
-                # two looks.
-                allocated = cache.stats().pages_allocated
-                while not stop.is_set() and cache.stats().pages_allocated == allocated:
+                # two looks. The count before is read before the engine starts: read here,
+                # the engine may already have made every allocation of the batch, and the
+                # evictor would wait for one that never comes.
+                while not stop.is_set() and cache.stats().pages_allocated == allocated_before:
                     time.sleep(0.001)
                 while not stop.is_set():
                     evicted[0] += cache.evict(evictor_rng.randrange(1, 5))
@@ -305,6 +306,8 @@ def test_hard_eviction_beside_failing_saves(engines):
 
     before = _injected(world)
     before_counts = faulty.metrics()
+    with hostkv.HostKVCache.attach(world["segment"]) as cache:
+        allocated_before = cache.stats().pages_allocated
     _set_faults(world, save_rate=0.5, seed="evictions")
     evictor = threading.Thread(target=evict, name="evictor")
     evictor.start()
