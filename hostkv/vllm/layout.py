@@ -574,11 +574,14 @@ def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
 # state.
 CANONICAL_STATES = {
     ("GDN_ATTN", "Qwen3NextForCausalLM"): "gdn",
+    # vLLM's ShortConv in both.
     ("SHORT_CONV", "Lfm2ForCausalLM"): "short_conv",
-    # vLLM's MambaMixer2 in all three.
+    ("SHORT_CONV", "Lfm2MoeForCausalLM"): "short_conv",
+    # vLLM's MambaMixer2 in all four.
     ("MAMBA2", "GraniteMoeHybridForCausalLM"): "mamba2",
     ("MAMBA2", "NemotronHForCausalLM"): "mamba2",
     ("MAMBA2", "FalconH1ForCausalLM"): "mamba2",
+    ("MAMBA2", "Zamba2ForCausalLM"): "mamba2",
 }
 
 # Where each Mamba-2 architecture's config gives its number of groups, as vLLM 0.32's model
@@ -587,6 +590,7 @@ MAMBA2_GROUPS_ATTRIBUTE = {
     "GraniteMoeHybridForCausalLM": "mamba_n_groups",
     "FalconH1ForCausalLM": "mamba_n_groups",
     "NemotronHForCausalLM": "n_groups",
+    "Zamba2ForCausalLM": "mamba_ngroups",
 }
 
 

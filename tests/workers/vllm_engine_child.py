@@ -154,6 +154,36 @@ def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_di
             mamba_d_head=32, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4,
             mamba_expand=2, mamba_chunk_size=256, **common)
         model = FalconH1ForCausalLM(config)
+    elif kind == "lfm2_moe":
+        # LFM2-MoE: LFM2's gated short convolutions beside full attention, experts after
+        # the dense first layer. Every token goes to both experts: a random router's one
+        # choice flips at a near-tie between engines that batch a step differently
+        # (measured: an engine's 8th token differed from its own cached rerun's), which no
+        # cache causes and which would hide what the tests check.
+        from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+        config = Lfm2MoeConfig(hidden_size=128, intermediate_size=256,
+                               moe_intermediate_size=64, num_attention_heads=2,
+                               num_key_value_heads=num_kv_heads, num_experts=2,
+                               num_experts_per_tok=2, num_dense_layers=1,
+                               layer_types=["conv" if i % 2 == 0 else "full_attention"
+                                            for i in range(num_layers)],
+                               initializer_range=0.3, tie_word_embeddings=False, **common)
+        model = Lfm2MoeForCausalLM(config)
+    elif kind == "zamba2":
+        # Zamba2: Mamba-2 layers, with a shared attention block before some of them. A
+        # state size of 256 makes vLLM's block 256 tokens, as the other Mamba-2 models'
+        # (vLLM 0.32 loads Zamba2's attention with as many KV heads as query heads only).
+        from transformers import Zamba2Config, Zamba2ForCausalLM
+
+        config = Zamba2Config(
+            hidden_size=128, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=4, n_mamba_heads=8, mamba_d_state=256,
+            mamba_d_conv=4,
+            mamba_expand=2, mamba_ngroups=2, chunk_size=256, num_mem_blocks=1,
+            layers_block_type=["mamba" if i % 2 == 0 else "hybrid" for i in range(num_layers)],
+            use_mem_rope=True, **common)
+        model = Zamba2ForCausalLM(config)
     else:
         raise ValueError(f"no such model kind {kind!r}")
     model.save_pretrained(path)
