@@ -12,13 +12,15 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import hostkv
 from hostkv.bench.serve import unlink_shared_memory, vllm_shared_memory
 from workers.vllm_engine_child import BLOCK_SIZE, engine_main, save_adapter, save_model
 
-__all__ = ["BLOCK_SIZE", "Engine", "stop_engines", "unlink_vllm_shm", "vllm_shm",
-           "write_adapter", "write_model"]
+__all__ = ["BLOCK_SIZE", "Engine", "settled_stats", "stop_engines", "unlink_vllm_shm",
+           "vllm_shm", "write_adapter", "write_model"]
 
 START_TIMEOUT = 400.0      # an engine takes ~20-30 s to start, more on a loaded machine
 CALL_TIMEOUT = 300.0
@@ -188,6 +190,24 @@ def stop_engines(engines: Sequence[Engine]) -> None:
         engine.request_stop()
     for engine in engines:
         engine.stop()
+
+
+def settled_stats(segment: str, timeout: float = 60.0) -> hostkv.CacheStats:
+    """The segment's stats once no sequence is active and no page borrowed, or the last
+    ones seen when ``timeout`` passes (the caller's assertions then say what was left).
+
+    An engine has answered a request before it lets the request's sequence go: vLLM
+    finishes a request before it hears of the request's last save (with asynchronous
+    saves, a step later), and hostkv keeps the sequence until that save is done. So a
+    test that looks right after ``generate`` may see it still held for a step."""
+    deadline = time.monotonic() + timeout
+    with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+        while True:
+            stats = cache.stats()
+            if (stats.active_sequences == 0 and stats.borrowed_pages == 0) \
+                    or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.01)
 
 
 def vllm_shm() -> set:
