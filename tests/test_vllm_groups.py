@@ -72,25 +72,34 @@ def test_layer_runs_split_indices_into_strided_slices():
         assert [i for run in runs for i in range(*run)] == layers
 
 
-def test_sliding_and_full_groups_make_one_page_of_every_layer_in_model_order():
+def test_windowed_and_full_groups_make_one_page_of_every_layer_in_model_order():
     full, sliding = _specs()
     kv = _engine_kv([(sliding, _names(0, 2)), (full, _names(1, 3))])
     assert kv.layout.num_layers == 4 and kv.page_size == BLOCK
     assert kv.layer_names == tuple(_names(0, 1, 2, 3))
     assert [(g.kind, g.layers, g.sliding_window) for g in kv.groups] == [
         ("sliding_window", (0, 2), 64), ("full", (1, 3), None)]
-    assert kv.sliding_groups == (0,)
+    assert kv.windowed_groups == (0,)
     # One group, all sliding: the same page as a full-attention model of its shape.
     kv = _engine_kv([(sliding, _names(0, 1))])
-    assert kv.layout.num_layers == 2 and kv.sliding_groups == (0,)
+    assert kv.layout.num_layers == 2 and kv.windowed_groups == (0,)
+    # Llama 4's chunked-local layers beside its full ones: windowed too (vLLM frees the
+    # blocks of the chunks before the current one).
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
+                                        dtype=torch.float32, attention_chunk_size=64)
+    kv = _engine_kv([(chunked, _names(0, 1, 2)), (full, _names(3))])
+    assert [(g.kind, g.layers) for g in kv.groups] == [("chunked_local", (0, 1, 2)),
+                                                       ("full", (3,))]
+    assert kv.windowed_groups == kv.null_groups == (0,) and kv.loads_asynchronously
     # Without the hybrid manager every layer is one full-attention group, in model order.
     kv = _engine_kv([(full, _names(0, 1, 2, 3))])
     assert [(g.kind, g.layers) for g in kv.groups] == [("full", (0, 1, 2, 3))]
 
 
 def test_groups_hostkv_cannot_hold_are_refused_naming_what_they_are():
-    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, MambaSpec,
-                                            MLAAttentionSpec)
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, MambaSpec, MLAAttentionSpec
 
     full, sliding = _specs()
     # Recurrent state without prefix caching: vLLM keeps no state at block ends.
@@ -98,10 +107,11 @@ def test_groups_hostkv_cannot_hold_are_refused_naming_what_they_are():
                       dtypes=(torch.float32, torch.float32))
     with pytest.raises(ValueError, match=r"MambaSpec \(MAMBA2\).*has 'none'"):
         _engine_kv([(mamba, ["model.layers.0.linear_attn"]), (full, _names(1))])
-    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
-                                        dtype=torch.float32, attention_chunk_size=64)
-    with pytest.raises(ValueError, match="group 1 of 2 is ChunkedLocalAttentionSpec"):
-        _engine_kv([(full, _names(0)), (chunked, _names(1))])
+    # A cross-attention layer's blocks hold the encoder's tokens, not the prompt's.
+    cross = CrossAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
+                               dtype=torch.float32)
+    with pytest.raises(ValueError, match="group 1 of 2 is CrossAttentionSpec"):
+        _engine_kv([(full, _names(0)), (cross, _names(1))])
     # Groups of other shapes: a page is one layout.
     wide, _ = _specs(dim=128)
     with pytest.raises(ValueError, match="groups 0 and 1 differ: head_size 64 and 128"):
@@ -202,12 +212,12 @@ def test_engines_over_slices_of_the_layers_give_a_whole_engines_bytes(make_cache
 # vllm_request hashes blocks of this size.
 SCHED_BLOCK = BLOCK_SIZE
 
-def _scheduler(hv, segment, sliding_groups=(0,), async_loads=True, num_pages=64):
+def _scheduler(hv, segment, windowed_groups=(0,), async_loads=True, num_pages=64):
     layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
     settings = hv.HostKVSettings(segment=segment, num_pages=num_pages, async_saves=False)
     cache = hv.open_segment(settings, layout, SCHED_BLOCK)
     return hv.scheduler.SchedulerSide(cache, settings, SCHED_BLOCK, b"model", hv.metrics.Failures(),
-                                      hv.metrics.Counters(), sliding_groups=sliding_groups,
+                                      hv.metrics.Counters(), windowed_groups=windowed_groups,
                                       async_loads=async_loads)
 
 
@@ -292,7 +302,7 @@ def test_asynchronous_loads_never_run_with_asynchronous_saves(segment_name):
     with hv.open_segment(settings, layout, SCHED_BLOCK) as cache:
         with pytest.raises(ValueError, match="asynchronous loads with asynchronous saves"):
             hv.scheduler.SchedulerSide(cache, settings, SCHED_BLOCK, b"model", hv.metrics.Failures(),
-                                       hv.metrics.Counters(), sliding_groups=(0,),
+                                       hv.metrics.Counters(), windowed_groups=(0,),
                                        async_loads=True)
 
 

@@ -6,10 +6,11 @@ reuses the other's pages and generates exactly the tokens of an engine without h
 1, 2, 4 and 8 KV heads (1 is fewer heads than ranks: vLLM replicates the head, one rank
 writes), head_dim 64 and 128; a dense DeepSeek-V2-style MLA model (one latent vector per
 token, every rank loads, rank 0 writes: two TP=2 engines); sliding-window families with
-vLLM's hybrid manager on (Gemma-3, gpt-oss); and models whose layers keep a recurrent state
-(Qwen3-Next's Gated DeltaNet, LFM2's and LFM2-MoE's short convolution, the Mamba-2 of
-Granite-4.0-H, Nemotron-H, Falcon-H1 and Zamba2), whose whole states engines of every TP
-degree share where hostkv knows how vLLM splits them.
+vLLM's hybrid manager on (Gemma-3, gpt-oss) and Llama 4's chunked-local attention; and
+models whose layers keep a recurrent state (Qwen3-Next's Gated DeltaNet, LFM2's and
+LFM2-MoE's short convolution, the Mamba-2 of Granite-4.0-H, Nemotron-H, Falcon-H1 and
+Zamba2), whose whole states engines of every TP degree share where hostkv knows how vLLM
+splits them.
 
 Each case starts its two engines at once (A and B, both with hostkv); each start costs ~30 s.
 The expected tokens of a hit come from the engine that computed the prompts, serving them a
@@ -29,8 +30,8 @@ import pytest
 
 import hostkv
 from conftest import unlink_quietly
-from lib.vllm_engine import (BLOCK_SIZE, Engine, stop_engines, unlink_vllm_shm, vllm_shm,
-                             write_model)
+from lib.vllm_engine import (BLOCK_SIZE, Engine, settled_stats, stop_engines,
+                             unlink_vllm_shm, vllm_shm, write_model)
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: ./scripts/test.sh installs it (see README)",
@@ -102,10 +103,10 @@ def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int =
         outs, cached, _ = a.generate(second, MAX_TOKENS)
         assert cached == _hits(second, block_size)
         assert outs == expected
+        stats = settled_stats(segment)
+        assert stats.active_sequences == 0 and stats.borrowed_pages == 0
         with hostkv.HostKVCache.attach(segment, lease=False) as cache:
             cache.check()
-            stats = cache.stats()
-            assert stats.active_sequences == 0 and stats.borrowed_pages == 0
         for engine in engines:
             assert "hostkv: " not in engine.log()    # the connector failed nowhere
         if then is not None:
@@ -144,17 +145,20 @@ def test_mla_engines_share_latent_pages(tmp_path):
 
 
 @pytest.mark.parametrize("kind,num_layers,dtype,tp_a", [
-    ("gemma3", 4, "float32", 1), ("gemma3_swa", 2, "float32", 1), ("gpt_oss", 2, "bfloat16", 2)],
-    ids=["gemma3-mixed", "gemma3-all-sliding", "gpt-oss"])
+    ("gemma3", 4, "float32", 1), ("gemma3_swa", 2, "float32", 1), ("gpt_oss", 2, "bfloat16", 2),
+    ("llama4", 4, "float32", 1)],
+    ids=["gemma3-mixed", "gemma3-all-sliding", "gpt-oss", "llama4-chunked-local"])
 def test_sliding_window_models_share_pages_with_the_hybrid_manager_on(tmp_path, kind,
                                                                        num_layers, dtype,
                                                                        tp_a):
     """vLLM's hybrid KV-cache manager stays on (hostkv is SupportsHMA): sliding-window
     layers keep only the blocks of their window. Gemma-3 with sliding-window and full layers
     alternating (two KV-cache groups: hits load asynchronously), a Gemma-3 all of whose
-    layers slide (one group, Mistral-7B-v0.1's kind), and gpt-oss (attention sinks, experts;
-    bfloat16, its checkpoints' dtype). A and B (TP=2) share pages both ways, the loads
-    filling only the blocks vLLM keeps in the window; then, for the mixed Gemma-3, B's rank
+    layers slide (one group, Mistral-7B-v0.1's kind), gpt-oss (attention sinks, experts;
+    bfloat16, its checkpoints' dtype), and Llama 4, whose chunked-local layers keep only
+    the blocks of the current chunk of 64 tokens (the prompts cross one or two chunks),
+    beside its full ones. A and B (TP=2) share pages both ways, the loads filling only the
+    blocks vLLM keeps in the window or chunk; then, for the mixed Gemma-3, B's rank
     1 is killed mid-save and A reads nothing half-written. A is TP=1 for the Gemma-3s; for
     gpt-oss TP=2 too: in bfloat16 a TP=1 and a TP=2 engine sum in another order, and on a
     CPU with AMX (bfloat16 kernels of its own) a near-tie of this random model flipped the
@@ -449,10 +453,10 @@ def _kill_a_rank_mid_save(victim: Engine, survivor: Engine, segment: str,
     import signal
     import time
 
-    victim.submit(prompts, 1000)
-    deadline = time.monotonic() + 120
     with hostkv.HostKVCache.attach(segment, lease=False) as observer:
         base = observer.stats().cached_pages
+        victim.submit(prompts, 1000)
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             stats = observer.stats()
             if stats.active_sequences >= len(prompts) and stats.cached_pages > base:

@@ -125,7 +125,7 @@ def test_a_qwen3_next_like_model_is_a_page_of_every_layer_with_state_slots():
     assert [(g.kind, g.layers, g.sliding_window) for g in kv.groups] == [
         ("state", (0, 2), None), ("full", (1, 3), None)]
     assert kv.groups[1].state is None
-    assert (kv.state_groups, kv.null_groups, kv.sliding_groups) == ((0,), (0,), ())
+    assert (kv.state_groups, kv.null_groups, kv.windowed_groups) == ((0,), (0,), ())
     # Two groups: vLLM takes only whole-request load failures.
     assert kv.loads_asynchronously
     state = kv.groups[0].state
@@ -607,7 +607,7 @@ def _state_scheduler(hv, segment):
     cache = hv.open_segment(settings, kv.layout, SCHED_BLOCK)
     return kv, hv.scheduler.SchedulerSide(
         cache, settings, SCHED_BLOCK, b"model", hv.metrics.Failures(), hv.metrics.Counters(),
-        tp_world=kv.tp_world, sliding_groups=kv.sliding_groups,
+        tp_world=kv.tp_world, windowed_groups=kv.windowed_groups,
         async_loads=kv.loads_asynchronously, kv=kv)
 
 

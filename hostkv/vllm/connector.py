@@ -68,8 +68,8 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     See the module docstring for the flow and ``HostKVSettings`` for the
     ``kv_connector_extra_config`` keys. It takes part in vLLM's hybrid KV-cache manager
-    (``SupportsHMA``): full-attention, sliding-window and recurrent-state groups
-    (``hostkv.vllm.groups``, ``hostkv.vllm.state``). Construction (engine start-up) raises on a bad
+    (``SupportsHMA``): full-attention, sliding-window, chunked-local and recurrent-state
+    groups (``hostkv.vllm.groups``, ``hostkv.vllm.state``). Construction (engine start-up) raises on a bad
     config or a segment of another layout; every serving-path method fails open.
     """
 
@@ -95,11 +95,12 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         kv = engine_kv(vllm_config, kv_cache_config)
         self._kv = kv
         if kv.null_groups and settings.async_saves:
-            # vLLM frees a sliding-window block once it left the window, and may hand a
+            # vLLM frees a windowed group's block once it left the span, and may hand a
             # state block to another request, at the next step: a save still reading it
             # would read their KV.
-            logger.warning("hostkv: the model has sliding-window or recurrent-state "
-                           "KV-cache groups: saves are synchronous (async_saves off)")
+            logger.warning("hostkv: the model has sliding-window, chunked-local or "
+                           "recurrent-state KV-cache groups: saves are synchronous "
+                           "(async_saves off)")
             self._settings = settings = dataclasses.replace(settings, async_saves=False)
         layout = kv.layout
         self._failures = Failures()
@@ -151,7 +152,7 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = SchedulerSide(self._cache, self._settings, kv.page_size,
                                         identity, self._failures, self._counters,
                                         tier, tp_world=kv.tp_world,
-                                        sliding_groups=kv.sliding_groups,
+                                        windowed_groups=kv.windowed_groups,
                                         async_loads=kv.loads_asynchronously, kv=kv)
         else:
             self._worker = WorkerSide(self._cache, kv, _tensor_parallel_rank(),

@@ -1,15 +1,15 @@
 """Copies of an engine whose layers come in KV-cache groups, each with its own block table.
 
-vLLM's hybrid KV-cache manager gives each group of layers (full attention, sliding window)
-a block table of its own: block ``b`` of a full-attention layer and block ``b`` of a
+vLLM's hybrid KV-cache manager gives each group of layers (full attention, sliding window,
+chunked-local attention) a block table of its own: block ``b`` of a full-attention layer and block ``b`` of a
 sliding-window layer are different tokens. A page is still one block of every layer
 (``hostkv.vllm.layout``), so a step's copy of a page moves, for each group, the group's
 layers from the block that group's table names. :class:`GroupCopies` builds one
 :class:`hostkv.copy_engine.CopyEngine` per arithmetic run of a group's page layers (one
 strided view of the pool each) and hands each its group's blocks.
 
-A sliding-window group's table names vLLM's null block for the blocks that fell out of the
-window: a load skips them (vLLM never reads them), a save refuses them (the page's KV
+A windowed group's table (sliding window, chunked-local attention) names vLLM's null block
+for the blocks that fell out of the layers' span: a load skips them (vLLM never reads them), a save refuses them (the page's KV
 for those layers is gone, so the page cannot be written). A recurrent-state group's
 layers are copied by :class:`hostkv.vllm.state.StateCopies`: a null block there saves a
 page without a state, and loads nothing.
@@ -121,15 +121,15 @@ class GroupCopies:
         except BaseException:
             self.close()
             raise
-        self.sliding = set(kv.sliding_groups)
+        self.windowed = set(kv.windowed_groups)
 
     def _pairs(self, group: int, blocks: Sequence[int], pages: Sequence[int],
                saving: bool) -> Tuple[List[int], List[int]]:
-        if group not in self.sliding or NULL_BLOCK not in blocks:
+        if group not in self.windowed or NULL_BLOCK not in blocks:
             return list(blocks), list(pages)
         if saving:
-            raise ValueError(f"hostkv: a save of sliding-window group {group} names vLLM's "
-                             f"null block (KV out of the window is gone): {list(blocks)[:16]}")
+            raise ValueError(f"hostkv: a save of windowed group {group} names vLLM's null "
+                             f"block (KV out of the layers' span is gone): {list(blocks)[:16]}")
         kept = [(b, p) for b, p in zip(blocks, pages) if b != NULL_BLOCK]
         return [b for b, _ in kept], [p for _, p in kept]
 
@@ -162,7 +162,7 @@ class GroupCopies:
 
         Raises:
             ValueError: lengths that differ, an index out of range, or a null block in a
-                sliding-window group; nothing was copied.
+                windowed group; nothing was copied.
         """
         plans = self._plans(blocks, pages, saving=True)
         return GroupTransfer(self._state_parts(blocks, pages, saving=True)
@@ -170,7 +170,7 @@ class GroupCopies:
 
     def submit_load(self, pages: Sequence[int], blocks: Sequence[Sequence[int]]) -> GroupTransfer:
         """Starts copying page ``pages[i]`` into every group's block ``blocks[group][i]``,
-        skipping the null blocks of sliding-window and state groups (see
+        skipping the null blocks of windowed and state groups (see
         :meth:`CopyEngine.submit_load`). A page without the state a load asks for fails
         the transfer.
 

@@ -7,11 +7,12 @@ here is read from vLLM's KV-cache config and its spec classes, never guessed fro
 tensor's shape.
 
 With vLLM's hybrid KV-cache manager a model's layers come in KV-cache groups, one per
-attention kind, each with its own block table. hostkv holds full-attention and
-sliding-window groups of one shape: a page is still every layer's block of its tokens, so
-pages mean the same whether the manager is on or off (off, vLLM keeps every token of a
-sliding-window layer; on, it frees the blocks that fell out of the window, and a load fills
-only the blocks vLLM kept, the window at the hit's end).
+attention kind, each with its own block table. hostkv holds full-attention,
+sliding-window and chunked-local-attention groups of one shape: a page is still every
+layer's block of its tokens, so pages mean the same whether the manager is on or off (off,
+vLLM keeps every token of a sliding-window or chunked-local layer; on, it frees the blocks
+that fell out of the layer's span, the window or the chunks before the current one, and a
+load fills only the blocks vLLM kept, the span at the hit's end).
 
 A layer with recurrent state (Mamba, Gated DeltaNet and other linear attention: vLLM's
 ``MambaSpec``) has a page slot too, of the attention layers' size, as vLLM's own block pool
@@ -19,8 +20,8 @@ pads its state to an attention page: the slot holds the layer's state after the 
 token, when vLLM kept it (``hostkv.vllm.state``): the whole state, each rank writing its
 share, where hostkv knows how the model splits it over ranks (:data:`CANONICAL_STATES`),
 so that engines of every tensor-parallel degree share the pages; else each rank's bytes,
-for engines of one degree. Other kinds (chunked-local attention, cross attention) are
-refused at start-up.
+for engines of one degree. Other kinds (cross attention, vLLM's other spec classes, which
+keep blocks otherwise) are refused at start-up.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, List, Optional, Sequence, Set, Tuple
 
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, MLAAttentionSpec,
-                                        SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                        MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
 
 from hostkv.cache import HostKVCache
 from hostkv.config import HostKVConfig, KVLayout
@@ -225,8 +226,9 @@ class KVGroup:
     """One of vLLM's KV-cache groups: layers that share a block table.
 
     Attributes:
-        kind: "full", "sliding_window", "mla" or "state" (recurrent state: Mamba, linear
-            attention).
+        kind: "full", "sliding_window", "chunked_local" (Llama 4's attention within chunks
+            of its ``attention_chunk_size``), "mla" or "state" (recurrent state: Mamba,
+            linear attention).
         layers: The group's layers as indices into the page's layers (model order).
         sliding_window: The window in tokens (sliding-window groups), else None.
         state: How a page slot holds a layer's state ("state" groups), else None.
@@ -289,10 +291,10 @@ class EngineKV:
     @property
     def loads_asynchronously(self) -> bool:
         """Whether hits load asynchronously, a failure failing the whole request: with a
-        sliding-window group, vLLM recomputing from a bad block would attend to window
-        blocks it never allocated (null), and with several groups it takes no block-level
-        load errors at all."""
-        return len(self.groups) > 1 or bool(self.sliding_groups)
+        sliding-window or chunked-local group, vLLM recomputing from a bad block would
+        attend to blocks of the span it never allocated (null), and with several groups it
+        takes no block-level load errors at all."""
+        return len(self.groups) > 1 or bool(self.windowed_groups)
 
     @property
     def state_groups(self) -> Tuple[int, ...]:
@@ -301,11 +303,11 @@ class EngineKV:
 
     @property
     def null_groups(self) -> Tuple[int, ...]:
-        """Indices of the groups whose block lists may name vLLM's null block: sliding
-        windows (blocks out of the window) and state groups (a page whose state is not
+        """Indices of the groups whose block lists may name vLLM's null block: windowed
+        groups (blocks out of the layers' span) and state groups (a page whose state is not
         copied)."""
         return tuple(i for i, group in enumerate(self.groups)
-                     if group.kind in ("sliding_window", "state"))
+                     if group.kind in ("sliding_window", "chunked_local", "state"))
 
     def parts_description(self) -> str:
         """What a page holds beyond every layer's K/V (or latent) in the canonical layout,
@@ -316,10 +318,13 @@ class EngineKV:
                          for g in self.state_groups)
 
     @property
-    def sliding_groups(self) -> Tuple[int, ...]:
-        """Indices of the sliding-window groups (their tables hold vLLM's null block for
-        the blocks that fell out of the window)."""
-        return tuple(i for i, group in enumerate(self.groups) if group.kind == "sliding_window")
+    def windowed_groups(self) -> Tuple[int, ...]:
+        """Indices of the groups whose layers attend to a span that moves on, sliding
+        windows and chunked-local attention: vLLM frees a block once it left the span
+        (their tables then name vLLM's null block), and a hit needs only the span at its
+        end."""
+        return tuple(i for i, group in enumerate(self.groups)
+                     if group.kind in ("sliding_window", "chunked_local"))
 
     def heads_of_rank(self, rank: int) -> Tuple[int, int, bool]:
         """(first head, stop, writes) of a rank's slice of every page (see
@@ -399,12 +404,14 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
             kinds.append("full")
         elif type(spec) is SlidingWindowSpec:
             kinds.append("sliding_window")
+        elif type(spec) is ChunkedLocalAttentionSpec:
+            kinds.append("chunked_local")
         elif type(spec) is MambaSpec:
             kinds.append("state")
         else:
             raise ValueError(
-                f"hostkv holds full attention, sliding-window attention, MLA and recurrent "
-                f"state; KV-cache group {index} of {len(groups)} is {_group_kind(spec)} "
+                f"hostkv holds full, sliding-window and chunked-local attention, MLA and "
+                f"recurrent state; KV-cache group {index} of {len(groups)} is {_group_kind(spec)} "
                 f"({_layers_text(group)}, {backend}): hostkv cannot serve this model")
     if "mla" in kinds and len(groups) != 1:
         raise ValueError(f"hostkv holds MLA only as a model's one KV-cache group; this one "

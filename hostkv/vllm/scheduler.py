@@ -32,16 +32,17 @@ The protocol, per request (docs/vllm.md, "Never wrong KV", says it with every fa
   (the blocks vLLM gave them in that step are not recorded); a report that could not be
   taken is taken at the next step.
 
-A model with a sliding-window KV-cache group (vLLM's hybrid manager) has a block table per
-group, and a sliding-window group's table holds vLLM's null block once a block left the
-window. Its hits load asynchronously: the request waits (``WAITING_FOR_REMOTE_KVS``) until
+A model with a windowed KV-cache group (vLLM's hybrid manager: sliding-window or
+chunked-local attention) has a block table per group, and a windowed group's table holds
+vLLM's null block once a block left the layers' span (the window, or the chunks before the
+current one). Its hits load asynchronously: the request waits (``WAITING_FOR_REMOTE_KVS``) until
 every rank reports its load finished, and a load that cannot be made whole (evicted, not
 planned, failed on a rank) is reported failed for the whole request, which vLLM then
 computes from its first token; hostkv offers it no hit again, so a load that keeps failing
 cannot hold it back. Block-level errors would not do: vLLM takes none for a model of
 several groups, and recomputing from a bad block would attend to window blocks it never
 allocated. vLLM itself keeps the blocks of a request that finishes while its load is
-outstanding until the load is reported. A save that would read a sliding window's null
+outstanding until the load is reported. A save that would read a windowed group's null
 block freezes the request (the page's KV for those layers is gone).
 
 A model with recurrent-state layers (Mamba, linear attention) has a state group: a hit must
@@ -154,17 +155,18 @@ class SchedulerSide:
     def __init__(self, cache: HostKVCache, settings: HostKVSettings, block_size: int,
                  namespace_base: bytes, failures: Failures, counters: Counters,
                  tier: Optional["RemoteTier"] = None, tp_world: int = 1,
-                 sliding_groups: Tuple[int, ...] = (), async_loads: bool = False,
+                 windowed_groups: Tuple[int, ...] = (), async_loads: bool = False,
                  kv: Optional[EngineKV] = None) -> None:
         self.cache = cache
-        # The KV-cache groups whose tables hold null blocks (sliding windows), and whether
-        # hits load asynchronously (several groups: see the module docstring).
-        self.sliding_groups = sliding_groups
+        # The KV-cache groups whose tables hold null blocks (sliding windows, chunked-local
+        # attention), and whether hits load asynchronously (several groups: see the module
+        # docstring).
+        self.windowed_groups = windowed_groups
         # The engine's pages (for their recurrent state: hostkv.vllm.state), its state
         # groups, and the groups whose block lists may name the null block.
         self.kv = kv
         self.state_groups = kv.state_groups if kv is not None else ()
-        self.null_groups = kv.null_groups if kv is not None else sliding_groups
+        self.null_groups = kv.null_groups if kv is not None else windowed_groups
         self.async_loads = async_loads
         # Requests whose asynchronous load failed: offered no hit again, so that a load
         # that keeps failing cannot hold them back.
@@ -644,7 +646,7 @@ class SchedulerSide:
         for st, end in plans:
             if st.frozen or st.seq_tokens < end * self.block_size:
                 continue
-            if self.sliding_groups and not self._window_holds(st, end):
+            if self.windowed_groups and not self._window_holds(st, end):
                 st.freeze()
                 continue
             saves.append((st, end, self.view.page_table(st.seq_id)[st.scheduled_upto:end]
@@ -652,9 +654,10 @@ class SchedulerSide:
         return saves
 
     def _window_holds(self, st: _Req, end: int) -> bool:
-        """Whether every sliding-window group still holds blocks [scheduled_upto, end) of
-        the request. vLLM's own table says (its copy in the scheduler output is only what
-        it added): it frees a block once it left the window, and gives it to others."""
+        """Whether every windowed group still holds blocks [scheduled_upto, end) of the
+        request. vLLM's own table says (its copy in the scheduler output is only what it
+        added): it frees a block once it left the span (the window, the current chunk),
+        and gives it to others."""
         if self.kv_cache_manager is not None:
             try:
                 live = self.kv_cache_manager.get_block_ids(st.req_id)
@@ -663,7 +666,7 @@ class SchedulerSide:
             st.blocks = [list(group) for group in live]
         return all(len(st.blocks[g]) >= end
                    and NULL_BLOCK not in st.blocks[g][st.scheduled_upto:end]
-                   for g in self.sliding_groups)
+                   for g in self.windowed_groups)
 
     def _unplanned(self, step: int, loads: List[_Load], bad: List[int],
                    recv_failed: List[str], finishing: List[str],

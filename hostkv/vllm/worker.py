@@ -75,7 +75,7 @@ class WorkerSide:
         self.register_failed = False
         self.copy_calls = 0
         self.async_saves = async_saves
-        # A model with a sliding-window group: loads are asynchronous, reported per
+        # A model with a windowed group: loads are asynchronous, reported per
         # request (see EngineKV.loads_asynchronously).
         self.async_loads = kv.loads_asynchronously
         self.received: Set[str] = set()
@@ -201,7 +201,7 @@ class WorkerSide:
         return True
 
     def _real_blocks(self, groups: List[List[int]]) -> List[int]:
-        """Every block of every group but a sliding-window group's null blocks."""
+        """Every block of every group but a windowed or state group's null blocks."""
         return real_blocks(groups, self.kv.null_groups)
 
     def _loads_failed(self, req_ids: Set[str], blocks: List[int]) -> None:

@@ -184,6 +184,19 @@ def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_di
             layers_block_type=["mamba" if i % 2 == 0 else "hybrid" for i in range(num_layers)],
             use_mem_rope=True, **common)
         model = Zamba2ForCausalLM(config)
+    elif kind == "llama4":
+        # Llama 4: three layers of every four attend within chunks of attention_chunk_size
+        # tokens (vLLM's chunked-local attention), the fourth to every token (no RoPE).
+        # One expert: its router has no choice to flip at a near-tie.
+        from transformers import Llama4TextConfig, Llama4ForCausalLM
+
+        config = Llama4TextConfig(hidden_size=128, intermediate_size=256,
+                                  intermediate_size_mlp=256, num_attention_heads=2,
+                                  num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                                  num_local_experts=1, num_experts_per_tok=1,
+                                  interleave_moe_layer_step=1, attention_chunk_size=64,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+        model = Llama4ForCausalLM(config)
     else:
         raise ValueError(f"no such model kind {kind!r}")
     model.save_pretrained(path)
