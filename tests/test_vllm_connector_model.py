@@ -45,16 +45,17 @@ LONG = os.environ.get("HOSTKV_LONG") == "1"
 STEPS = 4000 if LONG else 700
 SEEDS = range(40) if LONG else range(3)
 # (tensor-parallel ranks, asynchronous scheduling, asynchronous saves, KV-cache groups:
-# a key of lib.connector_model.GROUPS). Sliding-window and state models save
+# a key of lib.connector_model.GROUPS). Sliding-window, chunked-local and state models save
 # synchronously (the connector turns asynchronous saves off for them). vLLM allows
 # asynchronous scheduling with align mode (only its spec-decode paths check the pair:
 # gpu_model_runner's num_accepted_tokens sync), so the state model runs it at TP=2, and
 # vLLM's synchronous Scheduler at TP=1.
 SHAPES = [(1, False, False, "full"), (2, True, False, "full"), (4, True, True, "full"),
           (2, False, True, "full"), (1, True, True, "full"), (2, True, False, "hybrid"),
-          (1, False, False, "sliding"), (2, True, False, "state"), (1, False, False, "state")]
+          (1, False, False, "sliding"), (2, True, False, "chunked"), (2, True, False, "state"),
+          (1, False, False, "state")]
 # vLLM's blocks: a hybrid model takes a block of each group per page of tokens.
-NUM_BLOCKS = {"full": 28, "hybrid": 44, "sliding": 28, "state": 44}
+NUM_BLOCKS = {"full": 28, "hybrid": 44, "sliding": 28, "chunked": 44, "state": 44}
 
 
 def _run(segment: str, seed: int, tp: int, async_scheduling: bool, async_saves: bool,

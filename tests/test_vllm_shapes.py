@@ -156,8 +156,9 @@ def test_sliding_window_models_share_pages_with_the_hybrid_manager_on(tmp_path, 
     alternating (two KV-cache groups: hits load asynchronously), a Gemma-3 all of whose
     layers slide (one group, Mistral-7B-v0.1's kind), gpt-oss (attention sinks, experts;
     bfloat16, its checkpoints' dtype), and Llama 4, whose chunked-local layers keep only
-    the blocks of the current chunk of 64 tokens (the prompts cross one or two chunks),
-    beside its full ones. A and B (TP=2) share pages both ways, the loads filling only the
+    the blocks of the current chunk of 64 tokens beside its full ones (hits of 96 tokens
+    load the chunk's one block, of 128, where a chunk ends, none of the group's; a load
+    that skipped the chunked layers changed the first token). A and B (TP=2) share pages both ways, the loads filling only the
     blocks vLLM keeps in the window or chunk; then, for the mixed Gemma-3, B's rank
     1 is killed mid-save and A reads nothing half-written. A is TP=1 for the Gemma-3s; for
     gpt-oss TP=2 too: in bfloat16 a TP=1 and a TP=2 engine sum in another order, and on a
@@ -288,10 +289,11 @@ WHOLE_STATES = {"qwen3_next": [("bfloat16", 384 * 3), ("float32", 2 * 64 * 64)],
 def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_path, kind,
                                                                          dtype, num_kv_heads):
     """Qwen3-Next (Gated DeltaNet layers; vLLM-CPU's kernel takes bfloat16), LFM2 (gated
-    short convolutions) and LFM2-MoE (the same with experts): a recurrent state (vLLM's MambaSpec) beside full attention, with
-    vLLM's hybrid manager on. A page holds every attention layer's K/V and every state
-    layer's whole state after its last token, where vLLM kept one, each rank writing and
-    reading its share, so engines of every degree share pages.
+    short convolutions) and LFM2-MoE (the same with experts): a recurrent state (vLLM's
+    MambaSpec) beside full attention, with vLLM's hybrid manager on. A page holds every
+    attention layer's K/V and every state layer's whole state after its last token, where
+    vLLM kept one, each rank writing and reading its share, so engines of every degree
+    share pages.
 
     A TP=2 engine loads what another TP=2 engine computed (the attention pages and the
     state at the hit's end) and generates exactly what that engine generates from its own

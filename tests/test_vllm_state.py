@@ -1069,7 +1069,8 @@ def test_state_splits_are_known_only_for_models_whose_sharding_hostkv_checked():
 
 def test_a_mamba2_models_groups_are_read_where_its_architecture_keeps_them():
     """Granite-4.0-H and Falcon-H1 give their number of groups as mamba_n_groups,
-    Nemotron-H as n_groups, Zamba2 as mamba_ngroups; any other architecture, or no positive number there, is None."""
+    Nemotron-H as n_groups, Zamba2 as mamba_ngroups; any other architecture, or no
+    positive number there, is None."""
     vllm_module()
     from types import SimpleNamespace
 

@@ -69,8 +69,9 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
     See the module docstring for the flow and ``HostKVSettings`` for the
     ``kv_connector_extra_config`` keys. It takes part in vLLM's hybrid KV-cache manager
     (``SupportsHMA``): full-attention, sliding-window, chunked-local and recurrent-state
-    groups (``hostkv.vllm.groups``, ``hostkv.vllm.state``). Construction (engine start-up) raises on a bad
-    config or a segment of another layout; every serving-path method fails open.
+    groups (``hostkv.vllm.groups``, ``hostkv.vllm.state``). Construction (engine start-up)
+    raises on a bad config or a segment of another layout; every serving-path method fails
+    open.
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,

@@ -1,18 +1,19 @@
 """Copies of an engine whose layers come in KV-cache groups, each with its own block table.
 
 vLLM's hybrid KV-cache manager gives each group of layers (full attention, sliding window,
-chunked-local attention) a block table of its own: block ``b`` of a full-attention layer and block ``b`` of a
-sliding-window layer are different tokens. A page is still one block of every layer
-(``hostkv.vllm.layout``), so a step's copy of a page moves, for each group, the group's
-layers from the block that group's table names. :class:`GroupCopies` builds one
+chunked-local attention) a block table of its own: block ``b`` of a full-attention layer
+and block ``b`` of a sliding-window layer are different tokens. A page is still one block
+of every layer (``hostkv.vllm.layout``), so a step's copy of a page moves, for each group,
+the group's layers from the block that group's table names. :class:`GroupCopies` builds one
 :class:`hostkv.copy_engine.CopyEngine` per arithmetic run of a group's page layers (one
 strided view of the pool each) and hands each its group's blocks.
 
 A windowed group's table (sliding window, chunked-local attention) names vLLM's null block
-for the blocks that fell out of the layers' span: a load skips them (vLLM never reads them), a save refuses them (the page's KV
-for those layers is gone, so the page cannot be written). A recurrent-state group's
-layers are copied by :class:`hostkv.vllm.state.StateCopies`: a null block there saves a
-page without a state, and loads nothing.
+for the blocks that fell out of the layers' span: a load skips them (vLLM never reads
+them), a save refuses them (the page's KV for those layers is gone, so the page cannot be
+written). A recurrent-state group's layers are copied by
+:class:`hostkv.vllm.state.StateCopies`: a null block there saves a page without a state,
+and loads nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ NULL_BLOCK = 0
 
 
 def real_blocks(groups: Sequence[Sequence[int]], with_null: Sequence[int]) -> List[int]:
-    """Every block of every group, but the null blocks of the groups ``with_null`` (sliding
-    windows, state: :attr:`EngineKV.null_groups`), which are never KV."""
+    """Every block of every group, but the null blocks of the groups ``with_null``
+    (windowed groups, state: :attr:`EngineKV.null_groups`), which are never KV."""
     return [b for g, blocks in enumerate(groups) for b in blocks
             if g not in with_null or b != NULL_BLOCK]
 

@@ -367,11 +367,12 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
 
     Raises:
         ValueError: a KV cache hostkv cannot hold, naming what it saw: KV-cache groups of
-            other shapes, a group of another kind than full attention, sliding-window
-            attention or MLA (naming it: Mamba state, for one), K and V of other sizes,
-            packed or quantized KV content, a block size that is not a power of two, pipeline, decode-context or
-            prefill-context parallelism, or KV heads that do not split over the
-            tensor-parallel ranks.
+            other shapes, a group of another kind than full, sliding-window or
+            chunked-local attention, MLA or recurrent state (naming it: cross attention,
+            for one), a state hostkv cannot keep at page ends, K and V of other sizes,
+            packed or quantized KV content, a block size that is not a power of two,
+            pipeline, decode-context or prefill-context parallelism, or KV heads that do
+            not split over the tensor-parallel ranks.
     """
     parallel = vllm_config.parallel_config
     tp = int(parallel.tensor_parallel_size)

@@ -56,10 +56,11 @@ _HASH_MOD = (1 << 61) - 1
 # One offset per (layer, K/V, head, dim): the page layout's order [layers, 2, heads, dim].
 _OFFSETS = np.arange(1, MAX_LAYERS * 2 * HEADS * DIM + 1, dtype=np.int64).reshape(
     MAX_LAYERS, 2, 1, HEADS, DIM)
-NULL_BLOCK = 0          # vLLM's null block: a sliding-window or state group's unheld blocks
+NULL_BLOCK = 0          # vLLM's null block: a windowed or state group's unheld blocks
 
 # KV-cache groups of each kind of model, as vLLM's hybrid manager makes them:
-# (kind, layers, sliding window in tokens). "hybrid" interleaves the kinds the way
+# (kind, layers, span in tokens: the sliding window, or the chunk of chunked-local
+# attention). "hybrid" interleaves the kinds the way
 # Gemma-style models do, so each group's layers are a strided run of the page's layers
 # and a page's layers come from two block tables. "state" interleaves recurrent-state
 # layers (vLLM's MambaSpec, align mode) with full attention, as Qwen3-Next does.
@@ -67,6 +68,10 @@ GROUPS = {
     "full": (("full", (0, 1), None),),
     "hybrid": (("sliding_window", (0, 2), 2 * BS), ("full", (1, 3), None)),
     "sliding": (("sliding_window", (0, 1), BS + 8),),
+    # Llama 4's kind: attention within chunks of two blocks beside full attention (vLLM
+    # frees a whole chunk's blocks at once, and a hit ending where a chunk does needs
+    # none of the group's).
+    "chunked": (("chunked_local", (0, 2), 2 * BS), ("full", (1, 3), None)),
     "state": (("state", (0, 2), None), ("full", (1, 3), None)),
 }
 # A state layer's state on one rank, per block, as Gated DeltaNet's: a convolution window
@@ -208,8 +213,8 @@ class Harness:
         from vllm.v1.core.kv_cache_coordinator import (HybridKVCacheCoordinator,
                                                         UnitaryKVCacheCoordinator)
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
-                                                KVCacheGroupSpec, MambaSpec,
+        from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                                KVCacheConfig, KVCacheGroupSpec, MambaSpec,
                                                 SlidingWindowSpec)
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -224,10 +229,11 @@ class Harness:
         extra = {"num_pages": opts.num_pages, "async_saves": opts.async_saves}
         groups = GROUPS[opts.kv_groups]
         self.layers = 1 + max(layer for _, layers, _ in groups for layer in layers)
-        # layer -> its group; group -> its sliding window (None: full attention or state).
+        # layer -> its group; group -> its span (None: full attention or state) and kind.
         self.layer_group = [next(g for g, (_, layers, _) in enumerate(groups) if i in layers)
                             for i in range(self.layers)]
         self.windows = [window for _, _, window in groups]
+        self.kinds = [kind for kind, _, _ in groups]
         self.state_groups = [g for g, (kind, _, _) in enumerate(groups) if kind == "state"]
         # The layers with KV per position, and those with a recurrent state.
         self.attention_layers = [i for i in range(self.layers)
@@ -257,6 +263,8 @@ class Harness:
                                  mamba_cache_mode="align")
             elif kind == "sliding_window":
                 spec = SlidingWindowSpec(sliding_window=window, **shape)
+            elif kind == "chunked_local":
+                spec = ChunkedLocalAttentionSpec(attention_chunk_size=window, **shape)
             else:
                 spec = FullAttentionSpec(**shape)
             group_specs.append(KVCacheGroupSpec([self.layer_names[i] for i in layers], spec))
@@ -685,8 +693,8 @@ class Harness:
         """The model runner's view of each request: its blocks and computed tokens."""
         self.computed: Dict[str, int] = {}
         self.scheduled: Dict[str, int] = dict(out.num_scheduled_tokens)
-        # A sliding-window group's table keeps, as the model runner's does, the ids of
-        # blocks vLLM freed behind the window (only new blocks come in the output); the
+        # A windowed group's table keeps, as the model runner's does, the ids of blocks
+        # vLLM freed behind the window or chunk (only new blocks come in the output); the
         # forward never reads them.
         for new in out.scheduled_new_reqs:
             self.block_tables[new.req_id] = [list(group) for group in new.block_ids]
@@ -729,13 +737,21 @@ class Harness:
 
     def _reads(self, c: int) -> Dict[int, int]:
         """The first position each attention layer reads of a request's earlier KV when it
-        computes from position c: every one for full attention; for a sliding window of w
+        computes from position c: every one for full attention; for chunked-local
+        attention in chunks of w those of c's chunk (ChunkedLocalAttentionManager's);
+        for a sliding window of w
         tokens the last w - 1 (vLLM frees the blocks before them:
         SlidingWindowManager.get_num_skipped_tokens). A state layer reads no KV (its
         state: :meth:`_state_wrong`)."""
-        return {layer: 0 if self.windows[self.layer_group[layer]] is None
-                else max(0, c - self.windows[self.layer_group[layer]] + 1)
-                for layer in self.attention_layers}
+        def first(group: int) -> int:
+            window = self.windows[group]
+            if window is None:
+                return 0
+            if self.kinds[group] == "chunked_local":
+                return c // window * window
+            return max(0, c - window + 1)
+
+        return {layer: first(self.layer_group[layer]) for layer in self.attention_layers}
 
     def _write(self, req_id: str, start: int, values: np.ndarray) -> None:
         """Writes [layers, 2, n, heads, dim] at positions [start, start + n) on every rank
