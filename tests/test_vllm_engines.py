@@ -155,11 +155,6 @@ def world(tmp_path_factory):
         unlink_quietly(segment)
 
 
-def _observe(segment: str) -> hostkv.CacheStats:
-    """The segment's stats once the engines let their finished requests' sequences go."""
-    return settled_stats(segment)
-
-
 def test_a_then_b_share_prefixes(world):
     """A serves first turns; B, a process started later, serves the second turns: it reports
     the expected hits and generates exactly what the engine without hostkv generates."""
@@ -168,7 +163,7 @@ def test_a_then_b_share_prefixes(world):
     outs, cached, _ = a.generate(plan.a1, MAX_TOKENS)
     assert outs == expected["a1"]
     assert cached == [0] * len(plan.a1)          # a fresh segment: nothing to find
-    stats = _observe(world["segment"])
+    stats = settled_stats(world["segment"])
     assert stats.active_sequences == 0 and stats.borrowed_pages == 0
     assert stats.cached_pages == sum(_cached_by(p, o) // BLOCK_SIZE
                                      for p, o in zip(plan.a1, outs))

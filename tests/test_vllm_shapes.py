@@ -158,9 +158,10 @@ def test_sliding_window_models_share_pages_with_the_hybrid_manager_on(tmp_path, 
     bfloat16, its checkpoints' dtype), and Llama 4, whose chunked-local layers keep only
     the blocks of the current chunk of 64 tokens beside its full ones (hits of 96 tokens
     load the chunk's one block, of 128, where a chunk ends, none of the group's; a load
-    that skipped the chunked layers changed the first token). A and B (TP=2) share pages both ways, the loads filling only the
-    blocks vLLM keeps in the window or chunk; then, for the mixed Gemma-3, B's rank
-    1 is killed mid-save and A reads nothing half-written. A is TP=1 for the Gemma-3s; for
+    that skipped the chunked layers changed the first token). A and B (TP=2) share pages
+    both ways, the loads filling only the blocks vLLM keeps in the window or chunk; then,
+    for the mixed Gemma-3, B's rank 1 is killed mid-save and A reads nothing half-written.
+    A is TP=1 for the Gemma-3s and Llama 4; for
     gpt-oss TP=2 too: in bfloat16 a TP=1 and a TP=2 engine sum in another order, and on a
     CPU with AMX (bfloat16 kernels of its own) a near-tie of this random model flipped the
     8th token of 16 between the degrees (the Gemma-3s, float32, cross degrees)."""

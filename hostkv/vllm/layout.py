@@ -306,8 +306,7 @@ class EngineKV:
         """Indices of the groups whose block lists may name vLLM's null block: windowed
         groups (blocks out of the layers' span) and state groups (a page whose state is not
         copied)."""
-        return tuple(i for i, group in enumerate(self.groups)
-                     if group.kind in ("sliding_window", "chunked_local", "state"))
+        return tuple(sorted(self.windowed_groups + self.state_groups))
 
     def parts_description(self) -> str:
         """What a page holds beyond every layer's K/V (or latent) in the canonical layout,
