@@ -56,6 +56,7 @@ def _vllm_config(model: str, **changes):
     model_config = types.SimpleNamespace(
         model=model, revision=None, dtype="float32", quantization=None,
         quantization_config=None, hf_overrides={}, max_model_len=2048, model_impl="auto",
+        generation_config="auto", override_generation_config={},
         hf_config=types.SimpleNamespace(to_json_string=lambda use_diff=True: json.dumps(hf)))
     cache_config = types.SimpleNamespace(cache_dtype="auto")
     load_config = types.SimpleNamespace(load_format="auto")
@@ -84,6 +85,14 @@ def test_engine_identity_changes_with_each_input(tmp_path):
         "rope scaling": identity(_vllm_config(model, hf={"rope_scaling": {"factor": 2.0}}),
                                  layout, ""),
         "max_model_len": identity(_vllm_config(model, max_model_len=4096), layout, ""),
+        # Llama 4's queries are scaled by attn_temperature_tuning, which its model code
+        # reads from the generation config.
+        "override_generation_config": identity(_vllm_config(
+            model, override_generation_config={"attn_temperature_tuning": True}), layout, ""),
+        "generation_config": identity(_vllm_config(model, generation_config="vllm"),
+                                      layout, ""),
+        "a generation config directory": identity(_vllm_config(
+            model, generation_config=str(tmp_path / "copy")), layout, ""),
         "load format": identity(_vllm_config(model, load_format="dummy"), layout, ""),
         "revision": identity(_vllm_config(model, revision="v2"), layout, ""),
         "namespace": identity(_vllm_config(model), layout, "tenant"),
@@ -103,7 +112,19 @@ def test_engine_identity_changes_with_each_input(tmp_path):
     # ... or its config changed (same mtime and size: its content counts).
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump({"model_type": "llama", "num_hidden_layers": 3}, f)
-    assert identity(_vllm_config(model), layout, "") not in (base, rewritten)
+    reconfigured = identity(_vllm_config(model), layout, "")
+    assert reconfigured not in (base, rewritten)
+    # ... or its generation config did (read the same way).
+    with open(os.path.join(model, "generation_config.json"), "w") as f:
+        json.dump({"attn_temperature_tuning": True}, f)
+    retuned = identity(_vllm_config(model), layout, "")
+    stat = os.stat(os.path.join(model, "generation_config.json"))
+    with open(os.path.join(model, "generation_config.json"), "w") as f:
+        json.dump({"attn_temperature_tuning": False}, f)
+    os.utime(os.path.join(model, "generation_config.json"), ns=(stat.st_atime_ns,
+                                                                stat.st_mtime_ns))
+    assert len({base, rewritten, reconfigured, retuned,
+                identity(_vllm_config(model), layout, "")}) == 5
     # A hub id that is not cached locally: its name and revision alone.
     assert (identity(_vllm_config("no-such-org/no-such-model"), layout, "") !=
             identity(_vllm_config("no-such-org/no-such-model", revision="abc"), layout, ""))

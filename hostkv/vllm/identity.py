@@ -6,8 +6,11 @@ a byte of a request's KV must be in its namespace, or the request must not use h
 - The engine (:func:`engine_identity`, once at the scheduler's start): the model's name and
   revision, a fingerprint of its checkpoint as it is on disk (:func:`checkpoint_fingerprint`),
   the HF config as vLLM loaded it (``hf_overrides`` and RoPE scaling applied), ``hf_overrides``
-  itself, dtype, KV-cache dtype, quantization, ``max_model_len`` (vLLM's LongRoPE picks its
-  factors by it), load format, model implementation, the page layout (with, for a model with
+  itself, the generation config vLLM reads (``generation_config``, the checkpoint's
+  ``generation_config.json``, ``override_generation_config``: Llama 4's model code takes
+  ``attn_temperature_tuning`` from it, which scales its queries), dtype, KV-cache dtype,
+  quantization, ``max_model_len`` (vLLM's LongRoPE picks its factors by it, Llama 4 its
+  temperature tuning), load format, model implementation, the page layout (with, for a model with
   recurrent state, its layout, and the tensor-parallel degree where the state is kept per
   degree) and the ``namespace``
   setting. The segment outlives engines: a new checkpoint at the same path must never read
@@ -51,11 +54,11 @@ logger = logging.getLogger("hostkv.vllm")
 
 # The version of what goes into a namespace: a change makes every old page unreachable
 # (never misread) for engines of the new version.
-_VERSION = b"hostkv-vllm-3"
+_VERSION = b"hostkv-vllm-4"
 # Files whose content, not only their size and time, goes into a fingerprint: small, and
 # what decides how the weights are read.
 _CONFIG_FILES = ("config.json", "adapter_config.json", "params.json",
-                 "quantize_config.json", "hf_quant_config.json")
+                 "quantize_config.json", "hf_quant_config.json", "generation_config.json")
 # A directory with more files than this is fingerprinted by its first ones (sorted): a
 # model directory has tens, a cache directory mistaken for one must not stall the start.
 _MAX_FILES = 10000
@@ -179,11 +182,17 @@ def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: st
     load = getattr(vllm_config, "load_config", None)
     name = str(model.model)
     revision = getattr(model, "revision", None)
+    # "auto" (the checkpoint's generation_config.json, in its fingerprint), "vllm" (none),
+    # or a directory of its own.
+    generation = str(getattr(model, "generation_config", "auto"))
     return fields_digest(
         _VERSION, name, revision or "",
         checkpoint_fingerprint(name, revision),
         _hf_config_text(getattr(model, "hf_config", None)),
         _stable(getattr(model, "hf_overrides", None)),
+        generation,
+        files_fingerprint(generation) if os.path.isdir(generation) else b"",
+        _stable(getattr(model, "override_generation_config", None)),
         str(getattr(model, "dtype", "")),
         str(getattr(cache, "cache_dtype", "")),
         str(getattr(model, "quantization", None)),
