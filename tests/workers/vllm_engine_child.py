@@ -4,7 +4,8 @@ vLLM starts its own processes with spawn, so an engine cannot live in the pytest
 in a forked child): lib.vllm_engine.Engine spawns engine_main here, which makes itself a
 process-group leader (so that a kill takes the engine's EngineCore process with it) and
 serves generate calls over a pipe. save_model writes a tiny random-weight model, so that the
-parent never imports transformers; open_segment_at_once is one of several engines opening a
+parent never imports transformers, in model_writer_main, one process that writes every model
+of a test run; open_segment_at_once is one of several engines opening a
 segment at the same moment. Nothing here imports pytest.
 """
 
@@ -304,6 +305,26 @@ def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path
     conn.send(("bye", None))
     del llm
     sys.stdout.flush()
+
+
+def model_writer_main(conn: Any) -> None:
+    """The process that writes every model and adapter of a test run (lib.vllm_engine's
+    write_model and write_adapter): torch and transformers are imported once, not once a
+    model (~6 s each, one core busy and the other idle). Each request is (function name,
+    arguments), answered ("ok", None) or ("error", traceback); ends when the pipe closes.
+    Each model is as a fresh process writes it: save_model and save_adapter seed torch
+    themselves, and nothing else they use keeps state between models."""
+    writers = {"save_model": save_model, "save_adapter": save_adapter}
+    while True:
+        try:
+            name, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            writers[name](*args)
+            conn.send(("ok", None))
+        except BaseException:                    # noqa: BLE001 - reported to the parent
+            conn.send(("error", traceback.format_exc()))
 
 
 def open_segment_at_once(name: str, barrier: Any, results: Any, num_layers: int) -> None:
