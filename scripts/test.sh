@@ -2,7 +2,7 @@
 # The README's test command. On a fresh Debian machine it installs what the tests need
 # (scripts/common.sh says what and where), then runs pytest in the repository's root (paths
 # are relative to it) with this script's arguments:
-#   ./scripts/test.sh                           the whole suite (~20 minutes on 2 cores)
+#   ./scripts/test.sh                           the whole suite (~35 minutes on 2 cores)
 #   ./scripts/test.sh tests/test_remote.py -q   a selection
 set -euo pipefail
 # shellcheck source=scripts/common.sh

@@ -10,11 +10,10 @@ a byte of a request's KV must be in its namespace, or the request must not use h
   ``generation_config.json``, ``override_generation_config``: Llama 4's model code takes
   ``attn_temperature_tuning`` from it, which scales its queries), dtype, KV-cache dtype,
   quantization, ``max_model_len`` (vLLM's LongRoPE picks its factors by it, Llama 4 its
-  temperature tuning), load format, model implementation, the page layout (with, for a model with
-  recurrent state, its layout, and the tensor-parallel degree where the state is kept per
-  degree) and the ``namespace``
-  setting. The segment outlives engines: a new checkpoint at the same path must never read
-  the old one's KV.
+  temperature tuning), load format, model implementation, the page layout (with, for a
+  model with recurrent state, its layout, and the tensor-parallel degree where the state
+  is kept per degree) and the ``namespace`` setting. The segment outlives engines: a new
+  checkpoint at the same path must never read the old one's KV.
 - The request (:class:`RequestIdentity`): its ``cache_salt``, its LoRA adapter (name, path
   and a fingerprint of the adapter's files) and its multimodal items (each one's identifier,
   vLLM's hash of the item, with its placeholder's position).
