@@ -51,15 +51,15 @@ MAX_TOKENS = 16
 # EngineCore in the engine's own process (the module's docstring says why and where not).
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 SPLIT_NAMESPACE_IN_PROCESS = {"llama4", "falcon_h1"}
-
-
-def _engine_env(kind: str) -> dict:
-    """The environment of a ``kind`` model's engines (see IN_PROCESS)."""
-    return {} if kind in SPLIT_NAMESPACE_IN_PROCESS else IN_PROCESS
 # A state's marker as hostkv/vllm/layout.py writes it (STATE_MARKER_PREFIX, then the rank
 # and the degree), spelled out: hostkv.vllm imports vLLM, which the test process never does.
 STATE_MARKER_PREFIX = b"hkvst\x02"
 STATE_MARKER_BYTES = 8
+
+
+def _engine_env(kind: str) -> Dict[str, str]:
+    """The environment of a ``kind`` model's engines (see IN_PROCESS)."""
+    return {} if kind in SPLIT_NAMESPACE_IN_PROCESS else IN_PROCESS
 
 
 def _prompts(rng: random.Random, n: int) -> List[List[int]]:
@@ -93,12 +93,12 @@ def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int =
                      settings: Optional[Dict] = None,
                      llm_kwargs: Optional[Dict] = None,
                      then: Optional[Callable[[Engine, Engine, str], None]] = None,
-                     env: Optional[Dict[str, str]] = None) -> None:
+                     env: Dict[str, str] = IN_PROCESS) -> None:
     """Engines A (tp_a) and B (tp_b) share pages both ways. block_size: the one vLLM runs
     the model with; vllm_caches: False where vLLM turns its own prefix cache off (MLA on the
     CPU); settings: more of hostkv's connector settings (kv_connector_extra_config); then:
     more to do with A, B and the segment before they stop; env: the engines' environment
-    (default IN_PROCESS)."""
+    (_engine_env)."""
     llm_kwargs = llm_kwargs or {}
     segment = f"hostkv-test-{name}-{os.getpid()}-{random.randrange(1 << 30):x}"
     extra = {"segment": segment, "size": "64MiB", **(settings or {})}
@@ -107,7 +107,6 @@ def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int =
     engines = []
     shm_before = vllm_shm()
     try:
-        env = IN_PROCESS if env is None else env
         a = Engine(model, extra, str(tmp_path / "a.log"), tp=tp_a, env=env, **llm_kwargs)
         b = Engine(model, extra, str(tmp_path / "b.log"), tp=tp_b, env=env, **llm_kwargs)
         engines = [a, b]
