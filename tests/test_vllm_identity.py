@@ -130,6 +130,39 @@ def test_engine_identity_changes_with_each_input(tmp_path):
             identity(_vllm_config("no-such-org/no-such-model", revision="abc"), layout, ""))
 
 
+def test_the_namespace_reads_the_hf_config_as_vllm_loads_it(tmp_path):
+    """The HF config in an engine's namespace is the one vLLM's ModelConfig loads (flat and
+    dict hf_overrides applied), read again: a change model code makes to the live config
+    (only a single-process engine's scheduler sees it) leaves it as it was, so engines of
+    one model share pages whatever their process layout."""
+    import multiprocessing
+
+    from workers.vllm_engine_child import hf_config_texts
+
+    model = write_model(str(tmp_path / "model"))
+    overrides = [{}, {"rms_norm_eps": 1e-3},
+                 {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                      "rope_theta": 10000.0}}]
+    results = multiprocessing.get_context("spawn").Queue()
+    child = multiprocessing.get_context("spawn").Process(
+        target=hf_config_texts, args=(model, overrides, results))
+    child.start()
+    try:
+        texts = results.get(timeout=180)
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert isinstance(texts, list), texts
+    for live, loaded, after_model_code in texts:
+        assert loaded == live
+        assert after_model_code == loaded
+    assert len({loaded for _, loaded, _ in texts}) == len(overrides)
+    assert '"rms_norm_eps": 0.001' in texts[1][1]
+    assert '"factor": 2.0' in texts[2][1]
+
+
 def _scheduler_side(hv, segment: str):
     layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
     settings = hv.HostKVSettings(segment=segment, num_pages=64)

@@ -20,9 +20,9 @@ fewer a start. hostkv's processes are those of vLLM's default (the scheduler's
 connector where vLLM schedules, a worker per tensor-parallel rank: a TP=1 engine's in
 that process, a TP=2 engine's in their own), and the other engine tests
 (test_vllm_engines.py, test_vllm_faults.py, test_vllm_identity.py) run vLLM's default
-processes. Llama 4 and Falcon-H1 run those too: their model code changes the HF
-config, which in one process splits TP=1 engines' namespace from TP=2 ones'
-(docs/vllm.md, "Namespaces", known limit).
+processes. Llama 4's and Falcon-H1's model code changes the live HF config, which only a
+TP=1 engine's scheduler sees in one process: their cases check that hostkv's namespace
+reads the config again, so those engines still share pages with TP=2 ones.
 The expected tokens of a hit come from the engine that computed the prompts, serving them a
 second time: then its own vLLM prefix cache supplies their KV, as hostkv supplies it to the
 other engine. (tests/test_vllm_engines.py checks against an engine without hostkv.) Two
@@ -48,18 +48,12 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 MAX_TOKENS = 16
-# EngineCore in the engine's own process (the module's docstring says why and where not).
+# EngineCore in the engine's own process (the module's docstring says why).
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-SPLIT_NAMESPACE_IN_PROCESS = {"llama4", "falcon_h1"}
 # A state's marker as hostkv/vllm/layout.py writes it (STATE_MARKER_PREFIX, then the rank
 # and the degree), spelled out: hostkv.vllm imports vLLM, which the test process never does.
 STATE_MARKER_PREFIX = b"hkvst\x02"
 STATE_MARKER_BYTES = 8
-
-
-def _engine_env(kind: str) -> Dict[str, str]:
-    """The environment of a ``kind`` model's engines (see IN_PROCESS)."""
-    return {} if kind in SPLIT_NAMESPACE_IN_PROCESS else IN_PROCESS
 
 
 def _prompts(rng: random.Random, n: int) -> List[List[int]]:
@@ -92,13 +86,11 @@ def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int =
                      block_size: int = BLOCK_SIZE, vllm_caches: bool = True,
                      settings: Optional[Dict] = None,
                      llm_kwargs: Optional[Dict] = None,
-                     then: Optional[Callable[[Engine, Engine, str], None]] = None,
-                     env: Dict[str, str] = IN_PROCESS) -> None:
+                     then: Optional[Callable[[Engine, Engine, str], None]] = None) -> None:
     """Engines A (tp_a) and B (tp_b) share pages both ways. block_size: the one vLLM runs
     the model with; vllm_caches: False where vLLM turns its own prefix cache off (MLA on the
     CPU); settings: more of hostkv's connector settings (kv_connector_extra_config); then:
-    more to do with A, B and the segment before they stop; env: the engines' environment
-    (_engine_env)."""
+    more to do with A, B and the segment before they stop."""
     llm_kwargs = llm_kwargs or {}
     segment = f"hostkv-test-{name}-{os.getpid()}-{random.randrange(1 << 30):x}"
     extra = {"segment": segment, "size": "64MiB", **(settings or {})}
@@ -107,8 +99,8 @@ def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int =
     engines = []
     shm_before = vllm_shm()
     try:
-        a = Engine(model, extra, str(tmp_path / "a.log"), tp=tp_a, env=env, **llm_kwargs)
-        b = Engine(model, extra, str(tmp_path / "b.log"), tp=tp_b, env=env, **llm_kwargs)
+        a = Engine(model, extra, str(tmp_path / "a.log"), tp=tp_a, env=IN_PROCESS, **llm_kwargs)
+        b = Engine(model, extra, str(tmp_path / "b.log"), tp=tp_b, env=IN_PROCESS, **llm_kwargs)
         engines = [a, b]
         for engine in engines:
             engine.ready()
@@ -194,8 +186,7 @@ def test_sliding_window_models_share_pages_with_the_hybrid_manager_on(tmp_path, 
     model = write_model(str(tmp_path / "model"), num_layers=num_layers, num_kv_heads=2,
                         kind=kind)
     _share_both_ways(tmp_path, kind, model, tp_a=tp_a, llm_kwargs={"dtype": dtype},
-                     then=_kill_b_mid_save if kind == "gemma3" else None,
-                     env=_engine_env(kind))
+                     then=_kill_b_mid_save if kind == "gemma3" else None)
 
 
 def _state_hits(prompts: List[List[int]], looked_up: List[List[int]],
@@ -347,7 +338,7 @@ def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_pat
     shm_before = vllm_shm()
     try:
         one, two, other_two = (Engine(model, extra, str(tmp_path / f"{name}.log"), tp=tp,
-                                      env=_engine_env(kind), disable_log_stats=False,
+                                      env=IN_PROCESS, disable_log_stats=False,
                                       **kwargs)
                                for name, tp in (("one", 1), ("two", 2), ("other_two", 2)))
         engines = [one, two, other_two]
@@ -420,7 +411,7 @@ def test_a_mamba2_hybrid_is_served_its_state(tmp_path, kind):
     shm_before = vllm_shm()
     try:
         a, b, two = (Engine(model, extra, str(tmp_path / f"{name}.log"), tp=tp,
-                            env=_engine_env(kind), disable_log_stats=False, **kwargs)
+                            env=IN_PROCESS, disable_log_stats=False, **kwargs)
                      for name, tp in (("a", 1), ("b", 1), ("two", 2)))
         engines = [a, b, two]
         for engine in engines:

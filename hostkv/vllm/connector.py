@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from hostkv.vllm.identity import engine_identity
+from hostkv.vllm.identity import engine_identity, hf_config_as_loaded
 from hostkv.vllm.layout import describe_layout, engine_kv, open_segment
 from hostkv.vllm.metadata import HostKVConnectorMetadata, HostKVWorkerMetadata
 from hostkv.vllm.metrics import COUNTERS, Counters, Failures, HostKVConnectorStats, HostKVPromMetrics
@@ -149,7 +149,8 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._cache.start_prefault()
             # Only the scheduler keys requests, so only it fingerprints the checkpoint.
             identity = engine_identity(vllm_config, layout, self._settings.namespace,
-                                       kv.parts_description())
+                                       kv.parts_description(),
+                                       hf_config_as_loaded(vllm_config.model_config))
             self._sched = SchedulerSide(self._cache, self._settings, kv.page_size,
                                         identity, self._failures, self._counters,
                                         tier, tp_world=kv.tp_world,

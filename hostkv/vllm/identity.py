@@ -5,7 +5,8 @@ a byte of a request's KV must be in its namespace, or the request must not use h
 
 - The engine (:func:`engine_identity`, once at the scheduler's start): the model's name and
   revision, a fingerprint of its checkpoint as it is on disk (:func:`checkpoint_fingerprint`),
-  the HF config as vLLM loaded it (``hf_overrides`` and RoPE scaling applied), ``hf_overrides``
+  the HF config as vLLM loads it (``hf_overrides`` and RoPE scaling applied; read again,
+  :func:`hf_config_as_loaded`, since model code changes the live one), ``hf_overrides``
   itself, the generation config vLLM reads (``generation_config``, the checkpoint's
   ``generation_config.json``, ``override_generation_config``: Llama 4's model code takes
   ``attn_temperature_tuning`` from it, which scales its queries), dtype, KV-cache dtype,
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from hostkv.config import KVLayout
 
 __all__ = ["RequestIdentity", "bypass_cause", "checkpoint_fingerprint", "engine_identity",
-           "fields_digest", "files_fingerprint", "multimodal_key"]
+           "fields_digest", "files_fingerprint", "hf_config_as_loaded", "multimodal_key"]
 
 logger = logging.getLogger("hostkv.vllm")
 
@@ -168,14 +169,56 @@ def _hf_config_text(hf_config: Any) -> str:
             return repr(hf_config)
 
 
+def hf_config_as_loaded(model_config: Any) -> Any:
+    """The model's HF config as vLLM's ``get_config`` gives it to ``ModelConfig``, read
+    again from its files with the same arguments and overrides.
+
+    The live ``model_config.hf_config`` is not the same in every process: model code and
+    vLLM's layers change it where the model is built (Llama 4 sets
+    ``attn_temperature_tuning``, vLLM's RoPE adds ``partial_rotary_factor`` to Falcon-H1's
+    ``rope_parameters``), and the model is built in the scheduler's process only for a
+    single-process engine. Hashing the live config would give engines of one model other
+    namespaces by process layout. What those changes are made from is in the identity
+    anyway. Falls back to the live config (logged) if vLLM's reader fails here."""
+    try:
+        from vllm.transformers_utils.config import get_config
+
+        overrides = getattr(model_config, "hf_overrides", None) or {}
+        if callable(overrides):
+            flat, function, nested = {}, overrides, {}
+        else:
+            # As ModelConfig splits them: flat values go to get_config, dicts are applied
+            # to the loaded config (nested configs updated, other dicts set).
+            flat = {k: v for k, v in overrides.items() if not isinstance(v, dict)}
+            nested = {k: v for k, v in overrides.items() if isinstance(v, dict)}
+            function = None
+        config = get_config(
+            model_config.hf_config_path or model_config.model,
+            model_config.trust_remote_code,
+            getattr(model_config, "_hf_config_revision", None) or model_config.revision,
+            model_config.code_revision, model_config.config_format,
+            hf_overrides_kw=flat, hf_overrides_fn=function,
+            token=getattr(model_config, "hf_token", None))
+        if nested:
+            model_config._apply_dict_overrides(config, nested)
+        return config
+    except Exception as error:            # noqa: BLE001 - a vLLM that reads configs otherwise
+        logger.warning("hostkv: could not read the model's HF config again (%s: %s); the "
+                       "namespace takes the live one, which model code may have changed, "
+                       "so engines of this model in other process layouts may not share "
+                       "pages (never a wrong load)", type(error).__name__, error)
+        return getattr(model_config, "hf_config", None)
+
+
 def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: str,
-                    parts: str = "") -> bytes:
+                    parts: str = "", hf_config: Any = None) -> bytes:
     """The engine's part of every namespace: every engine-wide input to a KV byte (the
     module docstring lists them), and ``parts``, what a page holds beyond the canonical
     K/V (``EngineKV.parts_description``: recurrent state, whole, or each rank's shard where
     hostkv knows no split, which names the tensor-parallel degree). Otherwise deliberately
     left out: the attention backend and the tensor-parallel degree (pages are canonical:
-    engines of any share them)."""
+    engines of any share them). ``hf_config``: the HF config to hash, the live one if None;
+    the connector passes :func:`hf_config_as_loaded`'s, the same in every process."""
     model = vllm_config.model_config
     cache = getattr(vllm_config, "cache_config", None)
     load = getattr(vllm_config, "load_config", None)
@@ -187,7 +230,8 @@ def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: st
     return fields_digest(
         _VERSION, name, revision or "",
         checkpoint_fingerprint(name, revision),
-        _hf_config_text(getattr(model, "hf_config", None)),
+        _hf_config_text(hf_config if hf_config is not None
+                        else getattr(model, "hf_config", None)),
         _stable(getattr(model, "hf_overrides", None)),
         generation,
         files_fingerprint(generation) if os.path.isdir(generation) else b"",

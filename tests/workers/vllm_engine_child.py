@@ -348,3 +348,31 @@ def open_segment_at_once(name: str, barrier: Any, results: Any, num_layers: int)
     results.put((os.getpid(), "ok"))
     barrier.wait(120)                            # all attached at the same time
     cache.close()
+
+
+def hf_config_texts(model: str, overrides: Any, results: Any) -> None:
+    """In a spawned child: for each hf_overrides in ``overrides``, (the text of the HF config
+    vLLM's ModelConfig loads, the text of hostkv's hf_config_as_loaded of that ModelConfig,
+    and the latter again after the live config was changed as model code changes it) on
+    results; an error text instead if anything raised."""
+    set_env()
+    import warnings
+
+    warnings.simplefilter("ignore")
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        from hostkv.vllm.identity import _hf_config_text, hf_config_as_loaded
+
+        texts = []
+        for hf_overrides in overrides:
+            model_config = EngineArgs(model=model, hf_overrides=hf_overrides,
+                                      skip_tokenizer_init=True).create_model_config()
+            live = _hf_config_text(model_config.hf_config)
+            loaded = _hf_config_text(hf_config_as_loaded(model_config))
+            # What Llama 4's model code does to the live config where it builds the model.
+            model_config.hf_config.attn_temperature_tuning = "set by model code"
+            texts.append((live, loaded, _hf_config_text(hf_config_as_loaded(model_config))))
+        results.put(texts)
+    except BaseException:                        # noqa: BLE001 - reported to the parent
+        results.put(traceback.format_exc())
