@@ -19,7 +19,7 @@ import os
 import random
 import threading
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
@@ -133,8 +133,10 @@ def world(tmp_path_factory):
     extra = {"segment": segment, "size": "96MiB", "async_saves": True}
     engines: Dict[str, Engine] = {}
 
-    def start(name: str, connector: bool = True, model_dir: str = model) -> Engine:
-        engine = Engine(model_dir, extra if connector else None, str(root / f"{name}.log"))
+    def start(name: str, connector: bool = True, model_dir: str = model,
+              **llm_kwargs: Any) -> Engine:
+        engine = Engine(model_dir, extra if connector else None, str(root / f"{name}.log"),
+                        **llm_kwargs)
         engines[name] = engine
         return engine
 
@@ -345,6 +347,18 @@ def test_other_layout_is_refused(world, tmp_path):
     # B, on the segment all along, still serves.
     b = world["engines"]["B"]
     assert b.generate([world["plan"].s3[0]], MAX_TOKENS)[0] == [world["expected"]["s3"][0]]
+
+
+def test_speculative_decoding_is_refused(world):
+    """An engine with speculative decoding (here n-gram drafts) is refused at start-up,
+    naming the method: a step writes draft tokens' KV before verification rejects some, so
+    a saved page could hold KV of tokens that are not its key's."""
+    engine = world["start"]("spec", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    with pytest.raises(RuntimeError):
+        engine.ready()
+    assert "hostkv: speculative decoding is not supported (method 'ngram')" in engine.log()
+    engine.stop()
 
 
 def test_two_hosts_share_a_remote_tier(world, redis_server):

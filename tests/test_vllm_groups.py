@@ -28,8 +28,9 @@ from lib.vllm_helpers import vllm_module, vllm_request  # noqa: E402
 BLOCK = 16
 
 
-def _engine_kv(groups, total_heads=2, tp=1):
-    """engine_kv over a KV-cache config of ``groups``: [(spec, layer names)]."""
+def _engine_kv(groups, total_heads=2, tp=1, **parts):
+    """engine_kv over a KV-cache config of ``groups``: [(spec, layer names)]; parts: more
+    of the vLLM config's parts (speculative_config)."""
     hv = vllm_module()
     from vllm.config import ParallelConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
@@ -39,7 +40,8 @@ def _engine_kv(groups, total_heads=2, tp=1):
                                             for spec, names in groups])
     vllm_config = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=tp),
                                   model_config=SimpleNamespace(
-                                      get_total_num_kv_heads=lambda: total_heads))
+                                      get_total_num_kv_heads=lambda: total_heads),
+                                  **parts)
     return hv.layout.engine_kv(vllm_config, config)
 
 
@@ -120,6 +122,19 @@ def test_groups_hostkv_cannot_hold_are_refused_naming_what_they_are():
                            dtype=torch.float32)
     with pytest.raises(ValueError, match="MLA only as a model's one KV-cache group"):
         _engine_kv([(mla, _names(0)), (sliding, _names(1))], total_heads=1)
+
+
+def test_speculative_decoding_is_refused_for_every_model():
+    """A dense model with speculative decoding is refused like a hybrid one: a drafter's KV
+    at a position comes from the next token too, and draft tokens' KV is written before
+    verification rejects it, so no page's bytes would be a function of its key."""
+    full, sliding = _specs()
+    for groups in ([(full, _names(0, 1))], [(sliding, _names(0)), (full, _names(1))]):
+        assert _engine_kv(groups).layout is not None
+        for method in ("eagle", "ngram", "mtp"):
+            with pytest.raises(ValueError, match=rf"speculative decoding is not supported "
+                                                 rf"\(method '{method}'\)"):
+                _engine_kv(groups, speculative_config=SimpleNamespace(method=method))
 
 
 def _group_copies(cache, kv, tensors):

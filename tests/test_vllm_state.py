@@ -188,8 +188,9 @@ def test_state_hostkv_cannot_keep_at_page_ends_is_refused_saying_why():
     with pytest.raises(ValueError, match=r"with speculative decoding \(1 speculative state "
                                          r"blocks\)"):
         _engine_kv(_qwen3_next_groups(state=_state_spec(num_speculative_blocks=1)))
-    with pytest.raises(ValueError, match=r"with speculative decoding \(0 speculative"):
-        _engine_kv(_qwen3_next_groups(), speculative_config=SimpleNamespace())
+    with pytest.raises(ValueError, match=r"speculative decoding is not supported \(method "
+                                         r"'mtp'\)"):
+        _engine_kv(_qwen3_next_groups(), speculative_config=SimpleNamespace(method="mtp"))
     with pytest.raises(ValueError, match="with use_replayssm: vLLM writes its states back"):
         _engine_kv(_qwen3_next_groups(), cache_config=SimpleNamespace(use_replayssm=True))
     # vLLM rounds a state model's block up to hold a state, to sizes hostkv's pages cannot

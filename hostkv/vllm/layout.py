@@ -370,8 +370,8 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
             chunked-local attention, MLA or recurrent state (naming it: cross attention,
             for one), a state hostkv cannot keep at page ends, K and V of other sizes,
             packed or quantized KV content, a block size that is not a power of two,
-            pipeline, decode-context or prefill-context parallelism, or KV heads that do
-            not split over the tensor-parallel ranks.
+            pipeline, decode-context or prefill-context parallelism, speculative
+            decoding, or KV heads that do not split over the tensor-parallel ranks.
     """
     parallel = vllm_config.parallel_config
     tp = int(parallel.tensor_parallel_size)
@@ -388,6 +388,14 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
         # block holds the page's tokens.
         raise ValueError("hostkv: prefill context parallelism is not supported (pcp="
                          f"{parallel.prefill_context_parallel_size})")
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is not None:
+        # A step writes the KV of draft tokens before the target model rejects some of them,
+        # and a drafter's KV (EAGLE, MTP) at a position is computed from the next token
+        # too: a page's bytes would not be a function of the tokens that key it.
+        raise ValueError(f"hostkv: speculative decoding is not supported (method "
+                         f"{getattr(speculative, 'method', None)!r}): draft tokens' KV "
+                         "and a drafter's KV depend on more than a page's tokens")
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
         raise ValueError("hostkv: vLLM's KV-cache config has no KV-cache group")
@@ -544,7 +552,8 @@ def _state_layout(vllm_config: "VllmConfig", group: object, block_size: int,
                          f"{spec.block_size} tokens, the attention layers' pages hold "
                          f"{block_size}")
     speculative = int(getattr(spec, "num_speculative_blocks", 0) or 0)
-    if speculative or getattr(vllm_config, "speculative_config", None) is not None:
+    if speculative:
+        # engine_kv refuses a speculative config; a spec built without one is refused too.
         raise ValueError(f"hostkv: {what} with speculative decoding ({speculative} "
                          "speculative state blocks): its states are not kept at page ends")
     if getattr(getattr(vllm_config, "cache_config", None), "use_replayssm", False):
