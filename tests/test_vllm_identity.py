@@ -94,6 +94,15 @@ def test_engine_identity_changes_with_each_input(tmp_path):
         "a generation config directory": identity(_vllm_config(
             model, generation_config=str(tmp_path / "copy")), layout, ""),
         "load format": identity(_vllm_config(model, load_format="dummy"), layout, ""),
+        "model implementation": identity(_vllm_config(model, model_impl="transformers"),
+                                         layout, ""),
+        # Other model code for the same weights: remote code of another revision, another
+        # class for the architecture.
+        "code_revision": identity(_vllm_config(model, code_revision="v2"), layout, ""),
+        "model_class_overrides": identity(_vllm_config(model, model_class_overrides={
+            "LlamaForCausalLM": "mine.models:Llama"}), layout, ""),
+        "disable_sliding_window": identity(_vllm_config(model, disable_sliding_window=True),
+                                           layout, ""),
         "revision": identity(_vllm_config(model, revision="v2"), layout, ""),
         "namespace": identity(_vllm_config(model), layout, "tenant"),
         "layout": identity(_vllm_config(model), hostkv.KVLayout(

@@ -11,9 +11,11 @@ a byte of a request's KV must be in its namespace, or the request must not use h
   ``generation_config.json``, ``override_generation_config``: Llama 4's model code takes
   ``attn_temperature_tuning`` from it, which scales its queries), dtype, KV-cache dtype,
   quantization, ``max_model_len`` (vLLM's LongRoPE picks its factors by it, Llama 4 its
-  temperature tuning), load format, model implementation, the page layout (with, for a
-  model with recurrent state, its layout, and the tensor-parallel degree where the state
-  is kept per degree) and the ``namespace`` setting. The segment outlives engines: a new
+  temperature tuning), load format, model implementation, the model's code (the remote
+  code's ``code_revision``, ``model_class_overrides``), ``disable_sliding_window``, the
+  page layout (with, for a model with recurrent state, its layout, and the
+  tensor-parallel degree where the state is kept per degree) and the ``namespace``
+  setting. The segment outlives engines: a new
   checkpoint at the same path must never read the old one's KV.
 - The request (:class:`RequestIdentity`): its ``cache_salt``, its LoRA adapter (name, path
   and a fingerprint of the adapter's files) and its multimodal items (each one's identifier,
@@ -243,6 +245,11 @@ def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: st
         str(getattr(model, "max_model_len", "")),
         str(getattr(load, "load_format", "")),
         str(getattr(model, "model_impl", "")),
+        # The model's code: remote code of another revision, or another class for its
+        # architecture, computes other KV from the same weights.
+        str(getattr(model, "code_revision", None) or ""),
+        _stable(getattr(model, "model_class_overrides", None)),
+        str(bool(getattr(model, "disable_sliding_window", False))),
         layout.kind, layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim,
         namespace, *((b"parts", parts) if parts else ()))
 
