@@ -10,6 +10,8 @@ the recording stand-in for CUDA).
 
 from __future__ import annotations
 
+import functools
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -137,12 +139,55 @@ def test_speculative_decoding_is_refused_for_every_model():
                 _engine_kv(groups, speculative_config=SimpleNamespace(method=method))
 
 
-def _group_copies(cache, kv, tensors):
+def _group_copies(cache, kv, tensors, asynchronous=False):
     vllm_module()
     from hostkv.vllm.groups import GroupCopies
 
     return GroupCopies(cache.pages_tensor(), kv, dict(zip(kv.layer_names, tensors)),
-                       heads=(0, kv.layout.num_kv_heads), writes=True, asynchronous=False)
+                       heads=(0, kv.layout.num_kv_heads), writes=True,
+                       asynchronous=asynchronous)
+
+
+def test_a_failed_submit_waits_for_the_copies_already_started(make_cache):
+    """When one group's copy cannot start, the error goes up only once the other groups'
+    copies are over: the caller frees the blocks and pages next, which no copy may still
+    touch."""
+    from hostkv.transfers import Transfer
+
+    full, sliding = _specs(heads=4, dim=8)
+    kv = _engine_kv([(sliding, _names(0, 2)), (full, _names(1, 3))], total_heads=4)
+    tensors = [as_vllm(r) for r in reference_kv(layers=4, heads=4, dim=8)]
+    cache = make_cache(kv.layout)
+    copies = _group_copies(cache, kv, tensors, asynchronous=True)
+    assert len(copies.engines) == 2
+    first, second = copies.engines[0][1], copies.engines[1][1]
+    started = []
+
+    def slow(submit, *args):
+        # The first group's copy, still running when the second's submit fails.
+        real = submit(*args)
+        transfer = Transfer(real.nbytes)
+        threading.Timer(0.3, lambda: (real.wait(), transfer._finish(real.error))).start()
+        started.append(transfer)
+        return transfer
+
+    def refuse(*args):
+        raise RuntimeError("copy engine gone")
+
+    for name in ("submit_save", "submit_load"):
+        started.clear()
+        setattr(first, name, functools.partial(slow, getattr(first, name)))
+        setattr(second, name, refuse)
+        with pytest.raises(RuntimeError, match="copy engine gone"):
+            if name == "submit_save":
+                copies.submit_save([[7, 2], [4, 9]], [3, 5])
+            else:
+                copies.submit_load([3, 5], [[7, 2], [4, 9]])
+        assert len(started) == 1 and started[0].done()
+        # The stand-ins hold their engine: dropped, or the pool view outlives the test.
+        del vars(first)[name], vars(second)[name]
+    copies.close()
+    del copies, first, second
 
 
 def test_each_group_copies_its_layers_from_its_own_blocks(make_cache):

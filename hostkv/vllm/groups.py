@@ -18,6 +18,7 @@ and loads nothing.
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -70,6 +71,21 @@ class GroupTransfer:
         """For a load: orders what the engine runs next after every part's copies."""
         for part in self.parts:
             part.wait_all_layers()
+
+
+def _submit_all(parts: List[Transfer], submits: Sequence) -> List[Transfer]:
+    """parts plus the transfer of each submit. If a submit raises, the transfers already
+    started are waited for before the error goes up: the caller then frees the blocks and
+    pages, which no copy may still be reading or writing."""
+    parts = list(parts)
+    try:
+        for submit in submits:
+            parts.append(submit())
+    except BaseException:
+        for part in parts:
+            part.wait()
+        raise
+    return parts
 
 
 class GroupCopies:
@@ -166,8 +182,9 @@ class GroupCopies:
                 windowed group; nothing was copied.
         """
         plans = self._plans(blocks, pages, saving=True)
-        return GroupTransfer(self._state_parts(blocks, pages, saving=True)
-                             + [engine.submit_save(b, p) for engine, b, p in plans])
+        parts = self._state_parts(blocks, pages, saving=True)
+        submits = [functools.partial(engine.submit_save, b, p) for engine, b, p in plans]
+        return GroupTransfer(_submit_all(parts, submits))
 
     def submit_load(self, pages: Sequence[int], blocks: Sequence[Sequence[int]]) -> GroupTransfer:
         """Starts copying page ``pages[i]`` into every group's block ``blocks[group][i]``,
@@ -179,8 +196,9 @@ class GroupCopies:
             ValueError: lengths that differ or an index out of range; nothing was copied.
         """
         plans = self._plans(blocks, pages, saving=False)
-        return GroupTransfer(self._state_parts(blocks, pages, saving=False)
-                             + [engine.submit_load(p, b) for engine, b, p in plans])
+        parts = self._state_parts(blocks, pages, saving=False)
+        submits = [functools.partial(engine.submit_load, p, b) for engine, b, p in plans]
+        return GroupTransfer(_submit_all(parts, submits))
 
     def copy_calls(self) -> int:
         """Copy calls every engine made so far (DMA calls on a GPU)."""
