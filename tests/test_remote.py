@@ -194,6 +194,9 @@ def test_state_layers_are_part_of_the_layout_fingerprint():
 def _corrupt(kind: str, value: bytes, other_layout_value: bytes) -> bytes:
     from hostkv.remote.codec import HEADER
     data = bytearray(value)
+    # The header's last fields: namespace u64, then the key's 16-byte digest.
+    key_at = HEADER.size - 16
+    namespace_at = key_at - 8
     if kind == "checksum":
         data[-1] ^= 0x40                                  # one bit of the KV
     elif kind == "tokens":
@@ -205,14 +208,16 @@ def _corrupt(kind: str, value: bytes, other_layout_value: bytes) -> bytes:
     elif kind == "format":
         data[4] = 99
     elif kind == "namespace":
-        data[HEADER.size - 8] ^= 1
+        data[namespace_at] ^= 1
+    elif kind == "key":
+        data[key_at] ^= 1
     elif kind == "layout":
         return other_layout_value                        # same tokens, another layout
     return bytes(data)
 
 
 @pytest.mark.parametrize("kind", ["checksum", "tokens", "truncated", "magic", "format",
-                                  "namespace", "layout"])
+                                  "namespace", "key", "layout"])
 def test_a_value_failing_any_check_is_a_counted_miss(redis_server, make_host, kind):
     import redis
     a = make_host(fast_config(redis_server.url))
@@ -223,7 +228,7 @@ def test_a_value_failing_any_check_is_a_counted_miss(redis_server, make_host, ki
     keys = chain_keys(b"t", 0, layout_fingerprint(b.cache.config), tokens, PAGE_SIZE, 5)
     other = host_config(page_bytes=PAGE_BYTES * 2)
     foreign = encode_value(layout_fingerprint(other), 0, tokens[2 * PAGE_SIZE:3 * PAGE_SIZE],
-                           bytes(PAGE_BYTES * 2))
+                           bytes(PAGE_BYTES * 2), key=keys[2])
     client.set(keys[2], _corrupt(kind, client.get(keys[2]), foreign))   # page 2 of 5
     assert b.tier.fetch(tokens, timeout=WAIT) == 2      # pages 0-1 only: the chain stops
     stats = b.tier.stats()
@@ -234,6 +239,31 @@ def test_a_value_failing_any_check_is_a_counted_miss(redis_server, make_host, ki
     b.compute(tokens, 4)
     assert b.reuse(tokens)[0] == 5 * PAGE_SIZE
     client.close()
+
+
+def test_a_value_of_another_prefix_under_a_key_is_refused(redis_server, make_host):
+    """Two prompts whose second pages hold the same tokens after different first pages: the
+    second page's value of one, handed back under the other's key (what a store, a proxy
+    or a bug that mixes up replies would do), passes the token, namespace and layout checks
+    but names another key: refused, and B computes that page itself."""
+    import redis
+    a = make_host(fast_config(redis_server.url))
+    b = make_host(fast_config(redis_server.url))
+    same = prompt(PAGE_SIZE, 5)
+    first = np.concatenate([prompt(PAGE_SIZE, 1), same, [7]]).astype(np.int32)
+    second = np.concatenate([prompt(PAGE_SIZE, 2), same, [7]]).astype(np.int32)
+    a.compute(first, 11)
+    a.compute(second, 22)
+    fingerprint = layout_fingerprint(b.cache.config)
+    first_keys = chain_keys(b"t", 0, fingerprint, first, PAGE_SIZE, 2)
+    second_keys = chain_keys(b"t", 0, fingerprint, second, PAGE_SIZE, 2)
+    client = redis.Redis(port=redis_server.port)
+    assert client.get(first_keys[1]) != client.get(second_keys[1])
+    client.set(first_keys[1], client.get(second_keys[1]))
+    client.close()
+    assert b.tier.fetch(first, timeout=WAIT) == 1       # page 0 only
+    assert b.tier.stats().invalid_pages == {"key": 1}
+    assert b.reuse(first)[0] == PAGE_SIZE
 
 
 def test_no_room_locally_is_a_counted_insert_failure(redis_server, make_host):

@@ -12,11 +12,15 @@ processes and machines, and must not collide by construction.
 Values. A value is a fixed header, the page's token ids, then its KV bytes:
 
     magic "HKVR" | format u16 | flags u16 | layout fingerprint 16 B | page_size u32 |
-    kv length u32 | crc32 of the KV bytes u32 | namespace u64 | token ids (page_size x i32 LE) | KV
+    kv length u32 | crc32 of the KV bytes u32 | namespace u64 | key digest 16 B |
+    token ids (page_size x i32 LE) | KV
 
 :func:`decode_value` checks every field against what the reader expects (format, fingerprint,
-page size, length, namespace, the exact token ids, the checksum) and says which check failed:
-a value that fails any is a miss, never loaded. A truncated value (a node lost mid-write, a
+page size, length, namespace, the key it was written under, the exact token ids, the
+checksum) and says which check failed: a value that fails any is a miss, never loaded. The
+key digest ties a value to its whole prefix, not only to its own page's tokens: a value of
+another prefix whose page holds the same tokens (repeated text, a run of image placeholders)
+that a store, a proxy or a bug hands back under this key is refused. A truncated value (a node lost mid-write, a
 partial reply) fails the length check. CRC-32 (zlib: ~6 GB/s here, vs ~1.3 GB/s for BLAKE2b)
 guards against corruption, not against an attacker who can write the server: such a writer
 could forge any value, checksum included; keep the server private (password, TLS, network).
@@ -37,13 +41,15 @@ __all__ = [
     "chain_keys",
     "decode_value",
     "encode_value",
+    "key_digest",
     "layout_fingerprint",
 ]
 
-FORMAT_VERSION = 1
+# 2: values name the key they were written under.
+FORMAT_VERSION = 2
 _MAGIC = b"HKVR"
-# magic, format, flags, fingerprint, page_size, kv length, crc32, namespace
-HEADER = struct.Struct("<4sHH16sIIIQ")
+# magic, format, flags, fingerprint, page_size, kv length, crc32, namespace, key digest
+HEADER = struct.Struct("<4sHH16sIIIQ16s")
 _DIGEST = 16
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -94,17 +100,32 @@ def chain_keys(prefix: bytes, namespace: int, fingerprint: bytes, tokens: np.nda
     return keys
 
 
-def encode_value(fingerprint: bytes, namespace: int, tokens: np.ndarray, kv: Buffer) -> bytes:
-    """One page's value: header, token ids (np.int32, page_size of them), KV bytes."""
+def key_digest(key: bytes) -> bytes:
+    """The raw chain digest a key of :func:`chain_keys` ends with.
+
+    Raises:
+        ValueError: a key that does not end with ":" and a digest's hex.
+    """
+    _, colon, tail = key.rpartition(b":")
+    if not colon or len(tail) != 2 * _DIGEST:
+        raise ValueError(f"not a hostkv remote key: {key[:80]!r}")
+    return bytes.fromhex(tail.decode())
+
+
+def encode_value(fingerprint: bytes, namespace: int, tokens: np.ndarray, kv: Buffer, *,
+                 key: bytes) -> bytes:
+    """One page's value: header, token ids (np.int32, page_size of them), KV bytes; ``key``:
+    the key it is stored under (:func:`chain_keys`), which the value names."""
     ids = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     kv_view = memoryview(kv).cast("B")
     header = HEADER.pack(_MAGIC, FORMAT_VERSION, 0, fingerprint, len(tokens), kv_view.nbytes,
-                         zlib.crc32(kv_view), namespace)
+                         zlib.crc32(kv_view), namespace, key_digest(key))
     return b"".join((header, ids, kv_view))
 
 
 def decode_value(value: Optional[Buffer], fingerprint: bytes, namespace: int,
-                 tokens: np.ndarray, page_bytes: int) -> Tuple[Optional[memoryview], str]:
+                 tokens: np.ndarray, page_bytes: int, *,
+                 key: bytes) -> Tuple[Optional[memoryview], str]:
     """Checks a value fetched for one page and returns (its KV bytes, "") or (None, reason).
 
     Args:
@@ -112,9 +133,10 @@ def decode_value(value: Optional[Buffer], fingerprint: bytes, namespace: int,
         fingerprint, namespace: What the reader expects.
         tokens: The page's expected token ids (np.int32, page_size of them).
         page_bytes: The expected KV length.
+        key: The key the value was read from.
 
     Returns:
-        reason is "missing", "truncated", "magic", "format", "layout", "namespace",
+        reason is "missing", "truncated", "magic", "format", "layout", "namespace", "key",
         "tokens" or "checksum" when the value must not be loaded.
     """
     if value is None:
@@ -124,7 +146,8 @@ def decode_value(value: Optional[Buffer], fingerprint: bytes, namespace: int,
     expected = HEADER.size + 4 * page_size + page_bytes
     if view.nbytes < HEADER.size:
         return None, "truncated"
-    magic, version, _flags, value_fp, value_ps, kv_len, crc, value_ns = HEADER.unpack_from(view)
+    (magic, version, _flags, value_fp, value_ps, kv_len, crc, value_ns,
+     value_key) = HEADER.unpack_from(view)
     if magic != _MAGIC:
         return None, "magic"
     if version != FORMAT_VERSION:
@@ -135,6 +158,8 @@ def decode_value(value: Optional[Buffer], fingerprint: bytes, namespace: int,
         return None, "truncated"
     if value_ns != namespace:
         return None, "namespace"
+    if value_key != key_digest(key):
+        return None, "key"
     stored = np.frombuffer(view, dtype="<i4", count=page_size, offset=HEADER.size)
     if not np.array_equal(stored, tokens):
         return None, "tokens"

@@ -240,7 +240,7 @@ class Fetcher:
                 break
             kv, reason = codec.decode_value(
                 value, self._fingerprint, item.namespace,
-                item.tokens[page * ps:(page + 1) * ps], self._page_bytes)
+                item.tokens[page * ps:(page + 1) * ps], self._page_bytes, key=keys[index])
             if kv is None:
                 # The chain stops at the first page not usable: later pages need it.
                 if reason == "missing":

@@ -17,7 +17,8 @@ __all__ = ["HISTOGRAM_BUCKETS", "INVALID_REASONS", "SHARED_COUNTERS", "RemoteSta
 
 HISTOGRAM_BUCKETS = 32
 # Reasons decode_value gives for a value it refuses ("missing" aside); any other is "other".
-INVALID_REASONS = ("truncated", "magic", "format", "layout", "namespace", "tokens", "checksum")
+INVALID_REASONS = ("truncated", "magic", "format", "layout", "namespace", "key", "tokens",
+                   "checksum")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,7 +142,7 @@ class StoreWriter:
                     if page < held:
                         items.append((keys[page], codec.encode_value(
                             self._fingerprint, namespace, tokens[page * ps:(page + 1) * ps],
-                            pool[hold.page_table[page]])))
+                            pool[hold.page_table[page]], key=keys[page])))
         finally:
             view.release([hold.seq_id for hold in holds], commit=False)
         return items
