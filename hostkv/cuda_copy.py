@@ -531,7 +531,9 @@ class CudaCopier:
                 event = self.cuda.new_event()
                 event.record(stream)
         except BaseException:
-            self._orphan(stream, keep)
+            # The caller releases the pages of a failed save at once, and another process
+            # may take and write one: no piece enqueued before the failure may land later.
+            self._orphan(stream, keep, host_waits=True)
             raise
         finally:
             self.copy_calls += copies
@@ -589,13 +591,18 @@ class CudaCopier:
         transfer.keep = keep
         return transfer
 
-    def _orphan(self, stream: Any, keep: List[Any], compute_waits: bool = False) -> None:
+    def _orphan(self, stream: Any, keep: List[Any], compute_waits: bool = False,
+                host_waits: bool = False) -> None:
         """After a failed submission: what was enqueued keeps its tensors until the stream
-        passes it, and (a load) the compute stream waits for it."""
+        passes it; with ``compute_waits`` (a load) the compute stream waits for it, with
+        ``host_waits`` (a save) this thread does, before the error goes up."""
         event = self.cuda.new_event()
         event.record(stream)
         if compute_waits:
             self.cuda.current_stream().wait_event(event)
+        if host_waits:
+            event.synchronize()
+            return
         self._orphans.append((event, keep))
 
     def close(self) -> None:

@@ -288,6 +288,24 @@ def test_a_load_that_fails_half_way_makes_the_forward_wait_for_what_it_enqueued(
     engine.close()
 
 
+def test_a_save_that_fails_half_way_waits_for_what_it_enqueued(make_cache):
+    # The caller releases a failed save's pages at once, and another process may write
+    # one: the pieces enqueued before the failure must be over before the error goes up.
+    page = LAYERS * 2 * TOKENS * HEADS * DIM * 4
+    engine, cuda, _ = _recorded_engine(make_cache, staging=page, cuda=RecordingCuda(fail_enqueue=2))
+    copier = engine._cuda
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        engine.submit_save([3, 1, 7], [0, 5, 2])            # 3 pieces, the second fails
+    save = copier.save_stream.name
+    dma = [i for i, e in enumerate(cuda.log) if e[0] == "dma"]
+    assert len(dma) == 1 and cuda.log[dma[0]][2] == "to_host"    # the first piece
+    fence = [e for e in cuda.log if e[0] == "record" and e[1] == save][-1]
+    assert _position(cuda.log, fence) > dma[0]
+    assert cuda.log[-1] == ("sync", "event", fence[2])      # the host waited for it
+    assert copier._orphans == []
+    engine.close()
+
+
 def test_staging_is_allocated_once_and_bounds_every_transfer(make_cache):
     page = LAYERS * 2 * TOKENS * HEADS * DIM * 4
     engine, cuda, _ = _recorded_engine(make_cache, staging=2 * page)
