@@ -72,6 +72,49 @@ def test_worker_copies_its_slice_and_nothing_once_unregistered(segment_name):
         worker.shutdown()
 
 
+def test_registering_again_lets_the_old_tensors_go_first(segment_name):
+    """KV tensors registered again without an unregister first (a restore after vLLM
+    remapped them): the copies in flight on the old tensors finish and the old copy engine
+    is closed (its thread, its CUDA registration of the pool) before the new one maps the
+    new tensors."""
+    hv = vllm_module()
+
+    from hostkv.copy_engine import VLLM
+
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    kv = hv.EngineKV(layout, BLOCK_SIZE, ("l0", "l1"), VLLM, tp_world=1, backend="test")
+    cache = hv.open_segment(hv.HostKVSettings(segment=segment_name, num_pages=8), layout,
+                            BLOCK_SIZE)
+    worker = hv.worker.WorkerSide(cache, kv, 0, hv.metrics.Failures(), hv.metrics.Counters(),
+                                  async_saves=True)
+    old = {name: torch.randn(6, 2, BLOCK_SIZE, 128) for name in ("l0", "l1")}
+    new = {name: torch.randn(6, 2, BLOCK_SIZE, 128) for name in ("l0", "l1")}
+    try:
+        worker.register_kv_caches(old)
+        first = worker.engine
+        closed = []
+        close = first.close
+        first.close = lambda: (closed.append(len(worker.inflight)), close())
+        meta = hv.HostKVConnectorMetadata(step=1, saves=[("r1", [[5]], [3])])
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        worker.register_kv_caches(new)
+        # Closed once, after the step's save was over and reported.
+        assert closed == [0] and worker.done == [(1, 0, [])]
+        assert worker.engine is not first
+        del first, close
+        meta = hv.HostKVConnectorMetadata(step=2, saves=[("r2", [[4]], [5])])
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        worker.drain()
+        pool = cache.pages_tensor()
+        assert torch.equal(pool[5, 0].permute(2, 1, 0, 3).reshape(2, BLOCK_SIZE, 128),
+                           new["l0"][4])
+        del pool
+    finally:
+        worker.shutdown()
+
+
 def test_a_worker_that_mapped_another_segment_copies_nothing(segment_name, caplog):
     """The scheduler opened the segment, then it was unlinked and made again (``python -m
     hostkv unlink``, or a replacement) before the worker opened it: the scheduler's page

@@ -97,13 +97,18 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         """Maps vLLM's per-layer KV tensors onto the pages (start-up: raises, naming the
-        backend and the shape it cannot map)."""
+        backend and the shape it cannot map); tensors registered before are let go first."""
         kv = self.kv
         unknown = sorted(set(kv_caches) - set(kv.layer_names))
         missing = [name for name in kv.layer_names if name not in kv_caches]
         if unknown or missing:
             raise ValueError(f"hostkv: vLLM registered KV caches for layers {sorted(kv_caches)}"
                              f"; its KV-cache spec names {list(kv.layer_names)}")
+        if self.engine is not None:
+            # Registered again without an unregister (vLLM's restore after a remap): the
+            # old tensors' copies finish, and the old engine lets the pool's CUDA
+            # registration go, which the new one takes.
+            self.unregister_kv_caches()
         first, stop, writes = self.heads
         # The first K/V tensor, for messages (a state layer's cache is a list of tensors).
         named = next((name for name in kv.layer_names
