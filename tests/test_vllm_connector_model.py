@@ -96,6 +96,30 @@ def test_connector_keeps_its_promise(segment_name, seed, tp, async_scheduling, a
                   f"{time.monotonic() - start:.1f} s, events {counts}")
 
 
+def test_a_worker_outside_the_tensor_parallel_group_is_refused(segment_name):
+    """A worker-role connector of a TP=2 engine made where vLLM's tensor-parallel group does
+    not exist cannot know its rank: refused, instead of copying rank 0's heads."""
+    vllm_module()
+    from lib.connector_model import Harness, Options
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    import hostkv.vllm.connector as connector_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # vLLM's deprecations, on its own objects
+        harness = Harness(Options(seed=0, steps=1, tp=2, async_scheduling=False,
+                                  async_saves=False, kv_groups="full",
+                                  num_blocks=NUM_BLOCKS["full"]), segment_name)
+    try:
+        scheduler = harness.scheduler
+        with pytest.raises(RuntimeError, match=r"outside vLLM's tensor-parallel group "
+                                               r"\(2 ranks\): its rank, and so its KV heads"):
+            connector_module.HostKVConnector(scheduler.vllm_config, KVConnectorRole.WORKER,
+                                             scheduler.kv_cache_config)
+    finally:
+        harness.close()
+
+
 def test_a_planted_bug_is_caught(new_name, monkeypatch):
     """A failed step that does not freeze its request (the old confirmation: the range
     counts once every rank answered, failed or not) commits pages a rank never wrote."""

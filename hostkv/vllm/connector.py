@@ -53,14 +53,14 @@ logger = logging.getLogger("hostkv.vllm")
 _T = TypeVar("_T")
 
 
-def _tensor_parallel_rank() -> int:
-    """This worker's tensor-parallel rank (0 outside a parallel group)."""
+def _tensor_parallel_rank() -> Optional[int]:
+    """This worker's tensor-parallel rank; None outside a parallel group."""
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
     except (AssertionError, ImportError):
-        return 0
+        return None
 
 
 class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -103,6 +103,16 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
                            "recurrent-state KV-cache groups: saves are synchronous "
                            "(async_saves off)")
             self._settings = settings = dataclasses.replace(settings, async_saves=False)
+        rank = 0
+        if role != KVConnectorRole.SCHEDULER:
+            rank = _tensor_parallel_rank()
+            if rank is None:
+                if kv.tp_world > 1:
+                    # Copying another rank's heads as rank 0's would load wrong KV.
+                    raise RuntimeError(f"hostkv: the worker's connector is made outside "
+                                       f"vLLM's tensor-parallel group ({kv.tp_world} ranks): "
+                                       "its rank, and so its KV heads, are unknown")
+                rank = 0
         layout = kv.layout
         self._failures = Failures()
         self._counters = Counters()
@@ -157,7 +167,7 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
                                         windowed_groups=kv.windowed_groups,
                                         async_loads=kv.loads_asynchronously, kv=kv)
         else:
-            self._worker = WorkerSide(self._cache, kv, _tensor_parallel_rank(),
+            self._worker = WorkerSide(self._cache, kv, rank,
                                       self._failures, self._counters,
                                       async_saves=bool(self._settings.async_saves))
 
