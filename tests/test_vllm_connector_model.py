@@ -120,6 +120,57 @@ def test_a_worker_outside_the_tensor_parallel_group_is_refused(segment_name):
         harness.close()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_preempted_and_resumed_in_one_step_stay_sequences(segment_name,
+                                                                   async_scheduling):
+    """vLLM's reset of the prefix cache with running requests (a pause with
+    ``clear_cache``) preempts every running request, and the next schedule resumes each
+    one while naming it preempted: the connector keeps the sequence it made for each
+    resumed request (it saves for it, and waits for its saves when it finishes) instead of
+    dropping it as a preempted one; the run then ends with every check passing."""
+    vllm_module()
+    from lib.connector_model import Harness, Options
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # vLLM's deprecations, on its own objects
+        harness = Harness(Options(seed=1, steps=0, async_scheduling=async_scheduling,
+                                  async_saves=True, fault_rate=0.0, token_budget=512,
+                                  num_blocks=64), segment_name)
+        try:
+            for _ in range(3):
+                harness.add_request()
+            scheduler = harness.scheduler
+            for _ in range(50):
+                harness.step()
+                while harness.queue:             # the pause lets the steps in flight end
+                    out, model_out = harness.queue.pop()
+                    scheduler.update_from_output(out, model_out)
+                # vLLM refuses the reset while it keeps a finished request's blocks for
+                # a save the workers have not reported over.
+                if scheduler.running and set(scheduler.requests) == {
+                        r.request_id for r in scheduler.running}:
+                    break
+                time.sleep(0.02)
+            running = [r.request_id for r in scheduler.running]
+            assert running and all(r in harness.sched.reqs for r in running)
+            before = {r: harness.sched.reqs[r].seq_id for r in running}
+            assert scheduler.reset_prefix_cache(reset_running_requests=True,
+                                                reset_connector=True)
+            harness.step_no += 1
+            out = scheduler.schedule()
+            harness.queue.appendleft((out, harness._execute(out)))
+            both = (set(out.preempted_req_ids)
+                    & set(out.scheduled_cached_reqs.resumed_req_ids))
+            assert both == set(running)
+            for req_id in running:
+                st = harness.sched.reqs[req_id]
+                assert st.seq_id != before[req_id] and not st.frozen
+            assert [save[0] for save in out.kv_connector_metadata.saves] == running
+            harness.finish()
+        finally:
+            harness.close()
+
+
 def test_a_planted_bug_is_caught(new_name, monkeypatch):
     """A failed step that does not freeze its request (the old confirmation: the range
     counts once every rank answered, failed or not) commits pages a rank never wrote."""

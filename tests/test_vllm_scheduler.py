@@ -172,6 +172,54 @@ def test_a_page_commits_once_every_rank_confirmed_its_save(segment_name):
         sched.shutdown()
 
 
+def test_a_reset_cache_never_reads_a_page_of_before(segment_name):
+    """vLLM resets the connector's cache with its own once new weights are loaded: the
+    engine never reads a page it could read before (its lookups and borrows go to a new
+    namespace), a live request saves nothing more (its KV so far is the old weights'), and
+    another engine on the segment, whose weights did not change, still reads the pages."""
+    hv = vllm_module()
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    # vLLM takes a reset that answers None (the base class's) for one that happened.
+    assert hv.HostKVConnector.reset_cache is not KVConnectorBase_V1.reset_cache
+    sched = _scheduler_side(hv, segment_name)
+    other = hv.scheduler.SchedulerSide(sched.cache, sched.settings, BLOCK_SIZE, b"model",
+                                       hv.metrics.Failures(), hv.metrics.Counters())
+    try:
+        rng = random.Random(5)
+        history = random_tokens(rng, 100)            # 3 full pages cached
+        _seed(sched, hv, history)
+        live = vllm_request("live", random_tokens(rng, 70))
+        assert sched.get_num_new_matched_tokens(live, 0) == (0, False)
+        sched.update_state_after_alloc(live, vllm_blocks([1, 2, 3]), 0)
+        asked = vllm_request("asked", history + [1])
+        assert sched.get_num_new_matched_tokens(asked, 0) == (96, False)
+        sched.reset_cache()
+        assert sched.reqs["live"].frozen
+        # The lookup made before the reset is forgotten: the borrow finds nothing under
+        # the new namespace, and the 96 promised tokens go to vLLM as blocks to recompute.
+        sched.update_state_after_alloc(asked, vllm_blocks([4, 5, 6, 7]), 96)
+        assert sched.pending_bad == [4, 5, 6]
+        assert sched.reqs["asked"].reused_pages == 0
+        again = vllm_request("again", history + [2])
+        assert sched.get_num_new_matched_tokens(again, 0) == (0, False)
+        assert other.get_num_new_matched_tokens(vllm_request("o", history + [3]),
+                                                0) == (96, False)
+        # The live request's next step saves nothing; its pages never commit.
+        out = SchedulerOutput.make_empty()
+        live.num_computed_tokens = 0
+        out.scheduled_new_reqs = [NewRequestData.from_request(live, ([1, 2, 3],))]
+        out.num_scheduled_tokens = {"live": 70}
+        assert sched.build_connector_meta(out).saves == []
+        for request in (live, asked):
+            sched.request_finished(request)
+        assert sched.cache.stats().active_sequences == 0
+    finally:
+        other.view.close()
+        sched.shutdown()
+
+
 def test_full_pool_fails_open(segment_name):
     """A pool too full for the request's pages: no sequence, nothing loaded or saved, the
     promised blocks go to vLLM as load errors, the failure is counted; the segment is

@@ -412,6 +412,18 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
         keeps the request's blocks itself: it needs none of these)."""
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
+    def reset_cache(self) -> bool:
+        """vLLM reset its prefix cache and asks the connector's to go too (after new
+        weights): this engine never reads a page it could read before (see
+        :meth:`SchedulerSide.reset_cache`). Waits for the connector's lock without a
+        timeout, and raises on an error: a reset that did not happen must not pass for
+        one."""
+        sched = self._sched
+        if sched is not None:
+            with sched.lock:
+                sched.reset_cache()
+        return True
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """BlockStored for pages this engine put in the cache, BlockRemoved for those it
         found gone (medium "CPU"); they wait for the next call if the lock is busy."""

@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, NamedTuple, Optional, Set, Tuple
@@ -86,6 +88,8 @@ __all__ = ["SchedulerSide"]
 
 _MAX_REMEMBERED_HASHES = 1 << 20
 _MAX_REMOTE_DONE = 1 << 16
+
+logger = logging.getLogger("hostkv.vllm")
 
 
 def _namespace(base: bytes, cache_salt: Optional[str], lora: str | bytes | None,
@@ -229,6 +233,10 @@ class SchedulerSide:
         self.freeze_late: Deque[_Req] = collections.deque()
         # Workers' reports that arrived while ``lock`` was busy, taken at the next call.
         self.reports_late: Deque[Any] = collections.deque()
+        # Requests given a new sequence since the last step was built: one vLLM also
+        # names preempted in that step was preempted and resumed in one step (its reset
+        # of the prefix cache with running requests does that), and keeps the new one.
+        self.allocated_since_build: Set[str] = set()
         self.events: List[KVCacheEvent] = []
         # Block hashes this engine stored, oldest first (a dict as an ordered set), capped:
         # a forgotten hash only means no BlockRemoved for it later.
@@ -442,6 +450,7 @@ class SchedulerSide:
         self.counters.add("borrowed_tokens", alloc.reused_tokens)
         st = _Req(req_id, request, seq_id, namespace, reused, len(tokens), block_ids)
         self.reqs[req_id] = st
+        self.allocated_since_build.add(req_id)
         load_end = min(reused, promised)
         bad_start = max(load_end, local_blocks)
         if self.state_groups and load_end > local_blocks and (
@@ -555,6 +564,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, out: "SchedulerOutput") -> HostKVConnectorMetadata:
         self._take_late()
+        resumed, self.allocated_since_build = self.allocated_since_build, set()
         step, loads, bad, recv_failed, finishing = self._take_handoff()
         try:
             # Once the handoff is taken, any failure must carry what it held (the
@@ -598,7 +608,13 @@ class SchedulerSide:
             st.scheduled_upto = end
             involved[st.req_id] = st
         for req_id in getattr(out, "preempted_req_ids", None) or ():
+            # Named even when resumed in this step: the workers finish its saves in
+            # flight, which read blocks vLLM freed, before the forward.
             meta.preempted.append(req_id)
+            if req_id in resumed:
+                # Preempted and resumed in this step: update_state_after_alloc retired its
+                # old sequence and made the one it goes on with.
+                continue
             gone = self.reqs.pop(req_id, None)
             if gone is not None:
                 # vLLM freed its blocks; it comes back through update_state_after_alloc.
@@ -708,6 +724,7 @@ class SchedulerSide:
         number like any other: the workers confirm it (which tells the scheduler that
         older steps some rank never confirmed were lost), and the scheduler waits for no
         save of it."""
+        self.allocated_since_build = set()
         step, loads, bad, recv_failed, finishing = self._take_handoff()
         return self._unplanned(step, loads, bad, recv_failed, finishing, out)
 
@@ -926,6 +943,26 @@ class SchedulerSide:
             with self.handoff:
                 self.finishing.append(req_id)
         return saving
+
+    def reset_cache(self) -> None:
+        """vLLM reset its prefix cache with the connector's (``reset_prefix_cache(
+        reset_connector=True)``, a pause with ``clear_cache``), as it does once new weights
+        are loaded in place. From now on this engine looks up and saves under namespaces
+        that no page written before has (a random epoch: no other engine is known to hold
+        the same weights), so it never reads a page of its old weights again; the pages
+        stay for other engines, whose weights did not change. Every live request freezes
+        (its KV so far may be the old weights' and what follows the new ones'), and
+        lookups made before, local or remote, are forgotten: a request asks again."""
+        self.namespace_base = fields_digest(self.namespace_base, b"reset", os.urandom(16))
+        for st in self.reqs.values():
+            st.freeze()
+        self.lookups.clear()
+        for req_id in list(self.remote_pending):
+            # Its pages arrive under the old namespace: the request goes on without them.
+            self._remote_over(req_id)
+        self.remote_pending.clear()
+        logger.info("hostkv: the prefix cache was reset (new weights?): this engine reads "
+                    "and writes pages under a new namespace from now on")
 
     def finish_later(self, request: "Request") -> bool:
         """A request that finished while this side could not look (lock busy, error):

@@ -561,6 +561,8 @@ class Harness:
             self.add_request()
         self._segment_faults()
         scheduler = self.scheduler
+        if self._maybe("reset") and rng.random() < 0.1:
+            self._reset_caches()
         if scheduler.has_requests():
             out = scheduler.schedule()
             worker_out = self._execute(out)
@@ -585,6 +587,24 @@ class Harness:
         self._release_holds()
         self.check_committed()
         self.check_null_block()
+
+    def _reset_caches(self) -> None:
+        """What EngineCore's pause with ``clear_cache`` does (after a weight update): the
+        steps in flight finish, then every running request is preempted (resumed by the
+        next schedule, which also names it preempted) and the prefix cache is reset with
+        the connector's. vLLM refuses the reset while a request it keeps for the
+        connector holds blocks; its running requests stay preempted."""
+        scheduler = self.scheduler
+        while self.queue:
+            out, model_out = self.queue.pop()
+            scheduler.update_from_output(out, model_out)
+            self._release_holds()
+            self.check_committed()
+        try:
+            scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+            self.note("reset-caches: the prefix cache and the connector's")
+        except RuntimeError as exc:
+            self.note(f"reset-refused by vLLM: {str(exc)[:60]}")
 
     def _execute(self, out: Any) -> Any:
         """The workers' part of a step, in the order vLLM 0.32's model runner calls the
