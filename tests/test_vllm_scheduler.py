@@ -220,6 +220,33 @@ def test_a_reset_cache_never_reads_a_page_of_before(segment_name):
         sched.shutdown()
 
 
+def test_a_step_some_rank_never_reported_is_forgotten_once_a_later_one_is_confirmed(
+        segment_name):
+    """A step without copies that one rank's lost report left half confirmed is dropped
+    once a later step is confirmed by every rank (each rank reports its steps in order:
+    the missing report never comes), not kept for ever."""
+    hv = vllm_module()
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    settings = hv.HostKVSettings(segment=segment_name, num_pages=16)
+    cache = hv.open_segment(settings, layout, BLOCK_SIZE)
+    sched = hv.scheduler.SchedulerSide(cache, settings, BLOCK_SIZE, b"model",
+                                       hv.metrics.Failures(), hv.metrics.Counters(),
+                                       tp_world=2)
+    try:
+        for _ in range(50):
+            step = sched.build_connector_meta(SchedulerOutput.make_empty()).step
+            # Rank 1's report of every other step is lost.
+            done = [(step, 0, [])] + ([(step, 1, [])] if step % 2 else [])
+            sched.update_connector_output(KVConnectorOutput(
+                kv_connector_worker_meta=hv.HostKVWorkerMetadata(done=done)))
+        assert len(sched.confirming) <= 1
+    finally:
+        sched.shutdown()
+
+
 def test_full_pool_fails_open(segment_name):
     """A pool too full for the request's pages: no sequence, nothing loaded or saved, the
     promised blocks go to vLLM as load errors, the failure is counted; the segment is

@@ -852,9 +852,11 @@ class SchedulerSide:
         # Each rank confirms its steps in order: an older step that some rank never
         # confirmed never will be. Its saves are lost, and the steps planned after it may
         # rest on them.
+        for older in [s for s in self.confirming if s < step]:
+            # A step without copies is in no ``steps``: its partial confirmation too.
+            del self.confirming[older]
         for lost in [s for s in self.steps if s < step]:
             self.step_loads.pop(lost, None)
-            self.confirming.pop(lost, None)
             for st in self.steps.pop(lost):
                 st.inflight.pop(lost, None)
                 st.freeze()
