@@ -349,6 +349,25 @@ def test_other_layout_is_refused(world, tmp_path):
     assert b.generate([world["plan"].s3[0]], MAX_TOKENS)[0] == [world["expected"]["s3"][0]]
 
 
+def test_a_prefix_cache_reset_never_reads_a_page_of_before(world):
+    """vLLM's reset of its prefix cache with the connector's (as after weights updated in
+    place) reaches hostkv: the engine finds nothing of what it found before, generates what
+    the engine without hostkv generates, and hits again on what it computes after."""
+    plan, expected = world["plan"], world["expected"]
+    engine = world["start"]("reset")
+    engine.ready()
+    prompt = plan.a1[1]
+    # A fresh engine: what it finds comes from hostkv (A computed the prompt).
+    outs, cached, _ = engine.generate([prompt], MAX_TOKENS)
+    assert outs == [expected["a1"][1]] and cached[0] > 0
+    assert engine.reset_prefix_cache() is True
+    outs, cached, _ = engine.generate([prompt], MAX_TOKENS)
+    assert outs == [expected["a1"][1]] and cached == [0]
+    outs, cached, _ = engine.generate([prompt], MAX_TOKENS)
+    assert outs == [expected["a1"][1]] and cached[0] > 0
+    engine.stop()
+
+
 def test_speculative_decoding_is_refused(world):
     """An engine with speculative decoding (here n-gram drafts) is refused at start-up,
     naming the method: a step writes draft tokens' KV before verification rejects some, so

@@ -166,6 +166,15 @@ class Engine:
             raise RuntimeError(f"metrics failed:\n{value}")
         return value
 
+    def reset_prefix_cache(self, timeout: float = CALL_TIMEOUT) -> bool:
+        """``LLM.reset_prefix_cache(reset_connector=True)``, as after new weights: what
+        vLLM answers."""
+        self.conn.send(("reset",))
+        kind, value = self._receive(timeout)
+        if kind != "ok":
+            raise RuntimeError(f"reset_prefix_cache failed:\n{value}")
+        return value
+
     def kill(self) -> None:
         """kill -9 of the engine's whole process group (its EngineCore included); the
         shared memory vLLM's processes had mapped is unlinked once they are gone."""

@@ -272,6 +272,13 @@ def engine_main(conn: Any, model: str, extra: Optional[Dict[str, Any]], log_path
             except BaseException:                # noqa: BLE001 - reported to the parent
                 conn.send(("error", traceback.format_exc()))
             continue
+        if message[0] == "reset":
+            # vLLM's reset of its prefix cache with the connector's (after new weights).
+            try:
+                conn.send(("ok", llm.reset_prefix_cache(reset_connector=True)))
+            except BaseException:                # noqa: BLE001 - reported to the parent
+                conn.send(("error", traceback.format_exc()))
+            continue
         _, prompts, max_tokens, salts, loras = message
         try:
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
