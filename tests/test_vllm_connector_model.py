@@ -13,7 +13,8 @@ that every block vLLM computes on holds its tokens' KV or was reported bad. Faul
 random: failed saves and loads on one rank, lost reports, evictions between lookup and
 borrow (and, for a state model, the hit saved anew there without its state), the
 connector's lock not had, segment calls raising, build_connector_meta failing,
-held asynchronous copies, aborts and preemptions. Hybrid models run too: a
+held asynchronous copies, aborts and preemptions, and resets of the caches (as after a
+weight update: the model's weights change, and a page of the old ones is wrong KV). Hybrid models run too: a
 sliding-window and a full-attention group interleaved (vLLM's HybridKVCacheCoordinator,
 a block table per group, asynchronous loads), a model of one sliding-window group, and
 Qwen3-Next's shape: recurrent-state layers (Gated DeltaNet, vLLM's MambaManager in "align"
@@ -154,8 +155,7 @@ def test_requests_preempted_and_resumed_in_one_step_stay_sequences(segment_name,
             running = [r.request_id for r in scheduler.running]
             assert running and all(r in harness.sched.reqs for r in running)
             before = {r: harness.sched.reqs[r].seq_id for r in running}
-            assert scheduler.reset_prefix_cache(reset_running_requests=True,
-                                                reset_connector=True)
+            assert harness.reset_caches()
             harness.step_no += 1
             out = scheduler.schedule()
             harness.queue.appendleft((out, harness._execute(out)))

@@ -351,8 +351,9 @@ def test_other_layout_is_refused(world, tmp_path):
 
 def test_a_prefix_cache_reset_never_reads_a_page_of_before(world):
     """vLLM's reset of its prefix cache with the connector's (as after weights updated in
-    place) reaches hostkv: the engine finds nothing of what it found before, generates what
-    the engine without hostkv generates, and hits again on what it computes after."""
+    place) reaches hostkv: the engine finds nothing of what it found before (its own
+    prefix cache is empty too), and generates what the engine without hostkv generates,
+    before and after (when its own prefix cache holds the prompt again)."""
     plan, expected = world["plan"], world["expected"]
     engine = world["start"]("reset")
     engine.ready()

@@ -195,7 +195,18 @@ def test_a_reset_cache_never_reads_a_page_of_before(segment_name):
         sched.update_state_after_alloc(live, vllm_blocks([1, 2, 3]), 0)
         asked = vllm_request("asked", history + [1])
         assert sched.get_num_new_matched_tokens(asked, 0) == (96, False)
+        announced = list(asked.block_hashes[:3])
+        sched.stored_hashes = dict.fromkeys(announced)     # as if this engine saved them
         sched.reset_cache()
+        # Blocks announced as stored (KV events) are announced removed: this engine can no
+        # longer read them.
+        from vllm.distributed.kv_events import BlockRemoved
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        removed = [e for e in sched.take_events() if isinstance(e, BlockRemoved)]
+        assert [h for e in removed for h in e.block_hashes] == [
+            maybe_convert_block_hash(h) for h in announced]
+        assert not sched.stored_hashes
         assert sched.reqs["live"].frozen
         # The lookup made before the reset is forgotten: the borrow finds nothing under
         # the new namespace, and the 96 promised tokens go to vLLM as blocks to recompute.

@@ -34,7 +34,9 @@ class RemoteStats:
         hit_pages: Pages found in the store and valid.
         miss_pages: Pages asked for and absent.
         invalid_pages: Values that failed a check, by reason ("layout", "tokens",
-            "checksum", "truncated", "namespace", "format", "magic"): never loaded.
+            "checksum", "truncated", "namespace", "key", "format", "magic"): never loaded.
+            A segment whose shared counters were made by a version without a reason
+            does not sum that reason's counts across processes.
         inserted_pages: Fetched pages now in the local segment.
         insert_failed: Fetched pages not inserted (no local pages free, or the local prefix
             they follow was evicted meanwhile).

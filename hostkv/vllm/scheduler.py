@@ -953,8 +953,10 @@ class SchedulerSide:
         that no page written before has (a random epoch: no other engine is known to hold
         the same weights), so it never reads a page of its old weights again; the pages
         stay for other engines, whose weights did not change. Every live request freezes
-        (its KV so far may be the old weights' and what follows the new ones'), and
-        lookups made before, local or remote, are forgotten: a request asks again."""
+        (its KV so far may be the old weights' and what follows the new ones'), lookups
+        made before are forgotten (a request asks again; one waiting for the remote tier
+        goes on without it), and the blocks this engine announced as stored are announced
+        removed."""
         self.namespace_base = fields_digest(self.namespace_base, b"reset", os.urandom(16))
         for st in self.reqs.values():
             st.freeze()
@@ -963,6 +965,13 @@ class SchedulerSide:
             # Its pages arrive under the old namespace: the request goes on without them.
             self._remote_over(req_id)
         self.remote_pending.clear()
+        if self.stored_hashes:
+            # Routers that follow KV events must not send this engine requests for blocks
+            # it can no longer read.
+            self.events.append(BlockRemoved(
+                block_hashes=[maybe_convert_block_hash(h) for h in self.stored_hashes],
+                medium="CPU"))
+            self.stored_hashes.clear()
         logger.info("hostkv: the prefix cache was reset (new weights?): this engine reads "
                     "and writes pages under a new namespace from now on")
 

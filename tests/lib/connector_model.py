@@ -28,7 +28,9 @@ fail whole, so vLLM never computes on one). Failures are injected at random: a r
 or load failing, a rank's step report lost, pages evicted by another handle between lookup
 and borrow (for a state model, also the hit's tokens saved anew without a state there), the
 connector's lock not had, the segment's calls raising, build_connector_meta failing, held
-asynchronous copies, aborts and preemptions.
+asynchronous copies, aborts and preemptions, and resets of vLLM's caches with the
+connector's after which the model's weights are new (every position's KV is then another,
+so a page of the old weights loaded after the reset is wrong KV).
 """
 
 from __future__ import annotations
@@ -119,10 +121,11 @@ class Options:
     kv_groups: str = "full"         # a key of GROUPS
 
 
-def prefix_hashes(tokens: List[int]) -> np.ndarray:
-    """hash(tokens[0..p]) for every position p (31 bits each)."""
+def prefix_hashes(tokens: List[int], weights: int = 0) -> np.ndarray:
+    """hash(weights, tokens[0..p]) for every position p (31 bits each): the KV of a prefix
+    is another for every version of the model's weights."""
     out = np.empty(len(tokens), dtype=np.int64)
-    h = 7
+    h = (7 + 1000033 * weights) % _HASH_MOD
     for i, t in enumerate(tokens):
         h = (h * 1000003 + int(t) + 1) % _HASH_MOD
         out[i] = h & 0x7FFFFFFF
@@ -324,6 +327,11 @@ class Harness:
         self.requests: Dict[str, Any] = {}
         self.last_sampled: Dict[str, int] = {}
         self.hashes: Dict[str, np.ndarray] = {}
+        # The model's weights, a new version at each reset of the caches (as after a
+        # weight update), and the version each of the connector's namespaces was written
+        # with: a page of one version read by a forward of another is wrong KV.
+        self.weights = 0
+        self.namespace_weights: Dict[int, int] = {self._plain_namespace(): 0}
         self.next_req = 0
         self.block_tables: Dict[str, List[List[int]]] = {}     # one table per group
         self.bad_known: Set[int] = set()
@@ -395,10 +403,17 @@ class Harness:
     def hashes_upto(self, req_id: str, n: int) -> np.ndarray:
         tokens = self.tokens_upto(req_id, n)
         have = self.hashes.get(req_id)
-        if have is None or have[0][:n] != tokens:
-            have = (tokens, prefix_hashes(tokens))
+        if have is None or have[0][:n] != tokens or have[2] != self.weights:
+            have = (tokens, prefix_hashes(tokens, self.weights), self.weights)
             self.hashes[req_id] = have
         return have[1][:n]
+
+    def _plain_namespace(self) -> int:
+        """The connector's namespace now of a request without salt, adapter or images (the
+        harness's requests)."""
+        from hostkv.vllm.scheduler import _namespace
+
+        return _namespace(self.sched.namespace_base, None, None)
 
     def note(self, what: str) -> None:
         self.log.append(f"step {self.step_no}: {what}")
@@ -526,7 +541,7 @@ class Harness:
             pages = view.page_table(1)
             pool = self.other.pages_tensor().numpy()
             try:
-                hashes = prefix_hashes(tokens.tolist())
+                hashes = prefix_hashes(tokens.tolist(), self.namespace_weights[namespace])
                 for k in range(seq.reused_tokens // BS, hit // BS):
                     page = pool[pages[k]]
                     page[...] = expected_kv(hashes[k * BS:(k + 1) * BS],
@@ -562,7 +577,7 @@ class Harness:
         self._segment_faults()
         scheduler = self.scheduler
         if self._maybe("reset") and rng.random() < 0.1:
-            self._reset_caches()
+            self.reset_caches()
         if scheduler.has_requests():
             out = scheduler.schedule()
             worker_out = self._execute(out)
@@ -588,12 +603,13 @@ class Harness:
         self.check_committed()
         self.check_null_block()
 
-    def _reset_caches(self) -> None:
+    def reset_caches(self) -> bool:
         """What EngineCore's pause with ``clear_cache`` does (after a weight update): the
         steps in flight finish, then every running request is preempted (resumed by the
         next schedule, which also names it preempted) and the prefix cache is reset with
-        the connector's. vLLM refuses the reset while a request it keeps for the
-        connector holds blocks; its running requests stay preempted."""
+        the connector's, and the model's weights change. vLLM refuses the reset while a
+        request it keeps for the connector holds blocks (False); its running requests
+        stay preempted."""
         scheduler = self.scheduler
         while self.queue:
             out, model_out = self.queue.pop()
@@ -602,9 +618,15 @@ class Harness:
             self.check_committed()
         try:
             scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+            # New weights from here on: every running request was preempted, and computes
+            # again on what it finds under the connector's new namespace.
+            self.weights += 1
+            self.namespace_weights[self._plain_namespace()] = self.weights
             self.note("reset-caches: the prefix cache and the connector's")
+            return True
         except RuntimeError as exc:
             self.note(f"reset-refused by vLLM: {str(exc)[:60]}")
+            return False
 
     def _execute(self, out: Any) -> Any:
         """The workers' part of a step, in the order vLLM 0.32's model runner calls the
@@ -983,8 +1005,8 @@ class Harness:
                     key = (namespace, tuple(tokens[:(k + 1) * BS]))
                     want = self.expected_pages.get(key)
                     if want is None:
-                        want = expected_kv(prefix_hashes(list(key[1]))[k * BS:],
-                                           self.layers)[layers]
+                        want = expected_kv(prefix_hashes(list(key[1]), self.namespace_weights[
+                            namespace])[k * BS:], self.layers)[layers]
                         self.expected_pages[key] = want
                     have = pool[page].reshape(self.layers, *want.shape[1:])[layers]
                     if not np.array_equal(have, want):
@@ -1030,7 +1052,7 @@ class Harness:
             return f"holds a partial state: markers {sorted(markers)}"
         want = self.expected_states.get(key)
         if want is None:
-            h = prefix_hashes(list(key[1]))[-1]
+            h = prefix_hashes(list(key[1]), self.namespace_weights[key[0]])[-1]
             want = [[expected_state(h, layer, rank, tp) for rank in range(tp)]
                     for layer in self.state_layers]
             self.expected_states[key] = want
