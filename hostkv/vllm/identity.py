@@ -212,6 +212,19 @@ def hf_config_as_loaded(model_config: Any) -> Any:
         return getattr(model_config, "hf_config", None)
 
 
+def _model_code(model: Any) -> Tuple[Any, ...]:
+    """The engine identity's fields for the model's code beyond its checkpoint: remote code
+    of another revision, another class for its architecture, or sliding windows turned off
+    compute other KV from the same weights. None of them set (vLLM's defaults): no field,
+    so engines keep the namespace they had before these were keyed, and their pages."""
+    code_revision = getattr(model, "code_revision", None) or ""
+    class_overrides = getattr(model, "model_class_overrides", None) or {}
+    no_window = bool(getattr(model, "disable_sliding_window", False))
+    if not (code_revision or class_overrides or no_window):
+        return ()
+    return b"model code", code_revision, _stable(class_overrides), str(no_window)
+
+
 def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: str,
                     parts: str = "", hf_config: Any = None) -> bytes:
     """The engine's part of every namespace: every engine-wide input to a KV byte (the
@@ -245,11 +258,7 @@ def engine_identity(vllm_config: "VllmConfig", layout: "KVLayout", namespace: st
         str(getattr(model, "max_model_len", "")),
         str(getattr(load, "load_format", "")),
         str(getattr(model, "model_impl", "")),
-        # The model's code: remote code of another revision, or another class for its
-        # architecture, computes other KV from the same weights.
-        str(getattr(model, "code_revision", None) or ""),
-        _stable(getattr(model, "model_class_overrides", None)),
-        str(bool(getattr(model, "disable_sliding_window", False))),
+        *_model_code(model),
         layout.kind, layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim,
         namespace, *((b"parts", parts) if parts else ()))
 
