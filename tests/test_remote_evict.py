@@ -63,6 +63,34 @@ def test_a_page_evicted_on_a_is_fetched_byte_identical_by_b(redis_server, make_h
     assert b.tier.stats().invalid_pages == {}
 
 
+def test_a_bad_value_the_tier_fetched_is_replaced_when_the_page_nears_eviction(redis_server,
+                                                                               make_host):
+    """A value that fails its checks under a page's key (here garbage): A's fetch finds it
+    (a counted miss), A computes the page itself, and when the page nears eviction the
+    writer sends it without asking (EXPIRE would find the bad value there and renew it):
+    B then fetches A's bytes."""
+    import redis
+    a = make_host(evict_config(redis_server.url, ttl_seconds=1000), **SMALL)
+    b = make_host(fast_config(redis_server.url))
+    tokens = prompt(3 * PAGE_SIZE + 1, 42)
+    key = chain_keys(b"t", 0, layout_fingerprint(a.cache.config), tokens, PAGE_SIZE, 1)[0]
+    client = redis.Redis(port=redis_server.port)
+    client.set(key, b"garbage: not a hostkv value", ex=50)
+    assert a.tier.fetch(tokens, timeout=WAIT) == 0
+    assert a.tier.stats().invalid_pages == {"truncated": 1}
+    written = a.compute(tokens, 1)
+    for seed, other in enumerate(prompts(6, seed=3)):      # pressure: A evicts it
+        a.compute(other, 10 + seed)
+    assert a.tier.flush(WAIT)
+    assert len(a.cache.match_prefix(tokens).pages) == 0
+    assert client.get(key) != b"garbage: not a hostkv value"
+    assert client.ttl(key) > 50
+    client.close()
+    assert b.tier.fetch(tokens, timeout=WAIT) == 3
+    assert b.reuse(tokens) == (3 * PAGE_SIZE, written)
+    assert b.tier.stats().invalid_pages == {}
+
+
 def test_a_page_never_near_eviction_is_not_sent(redis_server, make_host):
     # A big pool: nothing is ever near eviction, nothing is sent.
     roomy = make_host(evict_config(redis_server.url))

@@ -15,7 +15,10 @@ writer sends pages just *before* they are evicted ("write-before-evict"):
    last look found everything sent, and from the coldest page once per poll interval.
 3. Pages already known to be in the store are skipped: ones this writer sent or found there
    (remembered for ``min(ttl/2, 300 s)``) and ones the tier fetched from it. For the rest,
-   one pipeline of EXPIRE asks the store (and renews the ones it has, as write-through does).
+   one pipeline of EXPIRE asks the store (and renews the ones it has, as write-through does),
+   but for pages whose value the tier's fetch found failing a check (corrupt, foreign,
+   truncated): EXPIRE would find that value there and keep it alive, so they are sent,
+   replacing it.
 4. It holds the missing pages (``WorkerView.hold_cached_pages``: a sequence that borrows
    them without using them, so they cannot be evicted or rewritten while copied, and
    nothing that decides eviction changes: no recency refreshed, no lookup counted, no
@@ -89,6 +92,9 @@ class EvictWriter:
         self._known: "collections.OrderedDict[bytes, float]" = collections.OrderedDict()
         self._known_cap = max(1024, 4 * cfg.num_pages)
         self._known_lock = threading.Lock()
+        # Keys whose value in the store failed a check when the tier fetched it: sent, not
+        # asked about (under _known_lock; bounded like _known).
+        self._invalid: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
         self._key_memo: "collections.OrderedDict[Tuple[int, bytes], List[bytes]]" = (
             collections.OrderedDict())
         self._view = WorkerView(cache)
@@ -130,6 +136,17 @@ class EvictWriter:
                 self._known.move_to_end(key)
             while len(self._known) > self._known_cap:
                 self._known.popitem(last=False)
+
+    def note_invalid(self, keys: List[bytes]) -> None:
+        """Remembers keys whose value in the store failed a check (the tier fetched it):
+        their pages are sent when near eviction, never asked about."""
+        with self._known_lock:
+            for key in keys:
+                self._known.pop(key, None)
+                self._invalid[key] = None
+                self._invalid.move_to_end(key)
+            while len(self._invalid) > self._known_cap:
+                self._invalid.popitem(last=False)
 
     def _is_known(self, key: bytes, now: float) -> bool:
         with self._known_lock:
@@ -287,7 +304,10 @@ class EvictWriter:
             return False
         if not store.allow():
             return False             # nothing is lost: the pages are looked at again
-        asking = [keys[p] for _, _, keys, todo in jobs for p in todo]
+        with self._known_lock:
+            invalid = {keys[p] for _, _, keys, todo in jobs for p in todo
+                       if keys[p] in self._invalid}
+        asking = [keys[p] for _, _, keys, todo in jobs for p in todo if keys[p] not in invalid]
         present = store.ask(asking)
         if present is None:
             return False
@@ -316,7 +336,11 @@ class EvictWriter:
         if not not_stored:
             # Not remembered when a cluster node lost some (which is not known): the next
             # look asks again.
-            self.note_present([key for key, _ in items])
+            sent = [key for key, _ in items]
+            with self._known_lock:
+                for key in sent:
+                    self._invalid.pop(key, None)
+            self.note_present(sent)
         return True
 
     def _hold_and_encode(self, missing: List[Todo]) -> Optional[List[Tuple[bytes, bytes]]]:

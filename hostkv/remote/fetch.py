@@ -86,13 +86,16 @@ class Fetcher:
     def __init__(self, cache: HostKVCache, config: RemoteConfig, backend: RemoteBackend,
                  breaker: Breaker, counters: TierCounters, queue: WorkQueue, pool: np.ndarray,
                  view: WorkerView,
-                 on_present: Optional[Callable[[List[bytes]], None]] = None) -> None:
+                 on_present: Optional[Callable[[List[bytes]], None]] = None,
+                 on_invalid: Optional[Callable[[List[bytes]], None]] = None) -> None:
         """Prepares the thread; start() starts it.
 
         Args:
             pool: The cache's page pool (HostKVCache.pages_array()), held until close().
             view: The thread's own WorkerView on cache.
             on_present: Called with the keys of pages inserted (the store has them).
+            on_invalid: Called with the key of a value that failed a check (the store's
+                value under it must be replaced, not kept).
         """
         cfg = cache.config
         self._handle = cache
@@ -104,6 +107,7 @@ class Fetcher:
         self._pool: Optional[np.ndarray] = pool
         self._view = view
         self._on_present = on_present
+        self._on_invalid = on_invalid
         self._page_size = cfg.page_size
         self._page_bytes = cfg.page_bytes
         self._min_reuse = cfg.prefix_min_reuse_pages
@@ -249,6 +253,8 @@ class Fetcher:
                     self._counters.invalid(reason)
                     log.warning("hostkv remote tier: a value failed its %s check; "
                                 "treated as a miss", reason)
+                    if self._on_invalid is not None:
+                        self._on_invalid([keys[index]])
                 break
             kvs.append(kv)
         self._counters.add(hit_pages=len(kvs), bytes_down=sum(

@@ -121,7 +121,8 @@ class RemoteTier:
         self._fetcher = Fetcher(
             cache, config, self._backend, self._breaker, self._counters, self._queue,
             cache.pages_array(), self._fetch_view,
-            on_present=None if self._evict_writer is None else self._evict_writer.note_present)
+            on_present=None if self._evict_writer is None else self._evict_writer.note_present,
+            on_invalid=None if self._evict_writer is None else self._evict_writer.note_invalid)
         self._fetcher.start()
         if self._through is not None:
             self._through.start()
