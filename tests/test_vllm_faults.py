@@ -282,9 +282,12 @@ def test_hard_eviction_beside_failing_saves(engines):
     evicted = [0, 0]
     errors: List[BaseException] = []
 
+    attached = threading.Event()
+
     def evict() -> None:
         try:
             with hostkv.HostKVCache.attach(world["segment"]) as cache:
+                attached.set()
                 evictor_rng = random.Random(5)
                 # From the faulty engine's first allocation on (the clean engine is idle):
                 # its first requests then surely borrow and load, and the later ones' lookups
@@ -303,6 +306,7 @@ def test_hard_eviction_beside_failing_saves(engines):
                     time.sleep(0.002)
         except BaseException as exc:   # noqa: BLE001 - reported by the test
             errors.append(exc)
+            attached.set()
 
     before = _injected(world)
     before_counts = faulty.metrics()
@@ -311,6 +315,9 @@ def test_hard_eviction_beside_failing_saves(engines):
     _set_faults(world, save_rate=0.5, seed="evictions")
     evictor = threading.Thread(target=evict, name="evictor")
     evictor.start()
+    # Attached before the engine starts: on a busy machine the batch could otherwise be
+    # over before the evictor had its handle, and it would evict nothing.
+    assert attached.wait(60)
     try:
         outs, _, _ = faulty.generate(nexts, MAX_TOKENS)
     finally:
