@@ -35,12 +35,13 @@ def test_namespaces_separate_models_salts_and_loras():
     assert ns(base, None, None) == ns(base, "", None)   # no salt is the empty salt
 
 
-def _scheduler_side(hv, segment: str, num_pages: int = 64):
+def _scheduler_side(hv, segment: str, num_pages: int = 64, tp_world: int = 1):
     layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
     settings = hv.HostKVSettings(segment=segment, num_pages=num_pages)
     cache = hv.open_segment(settings, layout, BLOCK_SIZE)
     return hv.scheduler.SchedulerSide(cache, settings, BLOCK_SIZE, b"model",
-                                      hv.metrics.Failures(), hv.metrics.Counters())
+                                      hv.metrics.Failures(), hv.metrics.Counters(),
+                                      tp_world=tp_world)
 
 
 def _seed(sched, hv, tokens: Sequence[int]) -> None:
@@ -130,12 +131,8 @@ def test_a_page_commits_once_every_rank_confirmed_its_save(segment_name):
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
 
-    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
-    settings = hv.HostKVSettings(segment=segment_name, num_pages=64)
-    cache = hv.open_segment(settings, layout, BLOCK_SIZE)
-    sched = hv.scheduler.SchedulerSide(cache, settings, BLOCK_SIZE, b"model",
-                                       hv.metrics.Failures(), hv.metrics.Counters(),
-                                       tp_world=2)
+    sched = _scheduler_side(hv, segment_name, tp_world=2)
+    cache = sched.cache
     try:
         rng = random.Random(3)
         metas = []
@@ -240,12 +237,7 @@ def test_a_step_some_rank_never_reported_is_forgotten_once_a_later_one_is_confir
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
 
-    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
-    settings = hv.HostKVSettings(segment=segment_name, num_pages=16)
-    cache = hv.open_segment(settings, layout, BLOCK_SIZE)
-    sched = hv.scheduler.SchedulerSide(cache, settings, BLOCK_SIZE, b"model",
-                                       hv.metrics.Failures(), hv.metrics.Counters(),
-                                       tp_world=2)
+    sched = _scheduler_side(hv, segment_name, num_pages=16, tp_world=2)
     try:
         for _ in range(50):
             step = sched.build_connector_meta(SchedulerOutput.make_empty()).step
