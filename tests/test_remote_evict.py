@@ -9,11 +9,14 @@ dead or paused server never blocks A's allocations or evictions.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 import hostkv
 from hostkv.remote import RemoteConfig, chain_keys, layout_fingerprint
+from hostkv.remote.backend import RedisBackend
 
 from lib.redislib import redis_server  # noqa: F401  (a fixture)
 from lib.remotelib import (  # noqa: F401  (make_host is a fixture)
@@ -89,6 +92,75 @@ def test_a_bad_value_the_tier_fetched_is_replaced_when_the_page_nears_eviction(r
     assert b.tier.fetch(tokens, timeout=WAIT) == 3
     assert b.reuse(tokens) == (3 * PAGE_SIZE, written)
     assert b.tier.stats().invalid_pages == {}
+
+
+def test_only_a_good_value_clears_a_key_found_invalid(redis_server, make_host):
+    """A key whose value failed its checks stays to be sent while the store only says a
+    value is there (EXPIRE: the bad one, or not), and is cleared once a good value is known
+    (fetched, or stored by this writer)."""
+    host = make_host(evict_config(redis_server.url), **SMALL)
+    writer = host.tier._evict_writer
+    key = b"t:" + bytes(16).hex().encode()
+    writer.note_invalid([key])
+    writer._remember_present([key], valid=False)         # an EXPIRE found a value
+    assert key in writer._invalid and not writer._is_known(key, time.monotonic())
+    writer.note_present([key])                           # a good value was fetched
+    assert key not in writer._invalid and writer._is_known(key, time.monotonic())
+
+
+class _OneDeadNode(RedisBackend):
+    """A redis-server as a cluster would answer with the node of the keys in ``dead`` down:
+    asks about them get no answer, and they are not stored while the others are."""
+
+    def __init__(self, config: RemoteConfig) -> None:
+        super().__init__(config)
+        self.dead: set = set()
+        self.sent: list = []
+
+    def touch_many(self, keys, ttl_seconds):
+        answers = iter(super().touch_many([k for k in keys if k not in self.dead], ttl_seconds))
+        return [None if k in self.dead else next(answers) for k in keys]
+
+    def put_many(self, items, ttl_seconds):
+        self.sent += [k for k, _ in items]
+        live = [(k, v) for k, v in items if k not in self.dead]
+        return super().put_many(live, ttl_seconds) + len(items) - len(live)
+
+
+def test_a_bad_value_on_a_dead_node_is_sent_again_once_a_poll(redis_server, new_name):
+    """A page whose value failed its checks is sent unasked; when its node is down the
+    writer waits for its next poll before it sends it again, instead of at once (it
+    would send it to the dead node as fast as it can, and hold the segment's lock as
+    often)."""
+    import redis
+
+    from lib.remotelib import Host, host_config
+
+    config = evict_config(redis_server.url, ttl_seconds=1000, evict_poll_seconds=0.05)
+    backend = _OneDeadNode(config)
+    host = Host(new_name(), config, host_config(**SMALL), backend=backend)
+    try:
+        tokens = prompt(3 * PAGE_SIZE + 1, 42)
+        key = chain_keys(b"t", 0, layout_fingerprint(host.cache.config), tokens, PAGE_SIZE,
+                         1)[0]
+        client = redis.Redis(port=redis_server.port)
+        client.set(key, b"garbage: not a hostkv value", ex=50)
+        client.close()
+        assert host.tier.fetch(tokens, timeout=WAIT) == 0
+        backend.dead.add(key)
+        start = time.monotonic()
+        for other in [tokens] + prompts(6, seed=3):          # the host evicts it
+            seq_id = next(host._ids)
+            host.view.allocate_pages_for_sequences_with_prefix(
+                [hostkv.SequenceRequest(seq_id, other, 0)])
+            host.tier.release(host.view, [seq_id])
+            host.tier.flush(0.5)
+        polls = (time.monotonic() - start) / 0.05
+        # Sent, and at most about once a poll (rounds a flush asks for besides); a writer
+        # that sent it again at once sent it thousands of times here.
+        assert 0 < backend.sent.count(key) <= 2 * polls + 10
+    finally:
+        host.close()
 
 
 def test_a_page_never_near_eviction_is_not_sent(redis_server, make_host):

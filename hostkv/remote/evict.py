@@ -128,10 +128,20 @@ class EvictWriter:
             self._wake.notify_all()
 
     def note_present(self, keys: List[bytes]) -> None:
-        """Remembers keys the store is known to hold (the tier fetched them)."""
+        """Remembers keys whose value in the store is known to be good (the tier fetched
+        it, or this writer stored it)."""
+        self._remember_present(keys, valid=True)
+
+    def _remember_present(self, keys: List[bytes], valid: bool) -> None:
+        """Remembers keys the store holds; ``valid``: their values are known good (else the
+        store only said a value exists, which says nothing of a key found invalid)."""
         now = time.monotonic()
         with self._known_lock:
             for key in keys:
+                if valid:
+                    self._invalid.pop(key, None)
+                elif key in self._invalid:
+                    continue
                 self._known[key] = now
                 self._known.move_to_end(key)
             while len(self._known) > self._known_cap:
@@ -312,7 +322,7 @@ class EvictWriter:
         if present is None:
             return False
         there = [key for key, flag in zip(asking, present) if flag]
-        self.note_present(there)
+        self._remember_present(there, valid=False)
         self._counters.add(present_pages=len(there))
         # A page whose node did not answer (None) is not sent: that node is down; the page
         # is looked at again at the next round.
@@ -333,14 +343,12 @@ class EvictWriter:
         not_stored = store.send(items)
         if not_stored is None:
             return False
-        if not not_stored:
-            # Not remembered when a cluster node lost some (which is not known): the next
-            # look asks again.
-            sent = [key for key, _ in items]
-            with self._known_lock:
-                for key in sent:
-                    self._invalid.pop(key, None)
-            self.note_present(sent)
+        if not_stored:
+            # A cluster node lost some (which ones is not known): nothing is remembered, and
+            # the next poll asks again. Not at once: keys found invalid are sent unasked,
+            # and would go to the dead node again and again.
+            return False
+        self.note_present([key for key, _ in items])
         return True
 
     def _hold_and_encode(self, missing: List[Todo]) -> Optional[List[Tuple[bytes, bytes]]]:

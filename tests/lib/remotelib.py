@@ -4,12 +4,14 @@ engine's WorkerView and a RemoteTier, as one machine of a fleet would have."""
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
 
 import hostkv
 from hostkv.remote import RemoteConfig, RemoteTier
+from hostkv.remote.backend import RemoteBackend
 
 PAGE_SIZE = 4
 PAGE_BYTES = 256
@@ -33,10 +35,12 @@ def fast_config(url: str, **overrides) -> RemoteConfig:
 class Host:
     """One "host": its own segment, an engine's WorkerView and a RemoteTier."""
 
-    def __init__(self, name: str, remote: RemoteConfig, config: hostkv.HostKVConfig) -> None:
+    def __init__(self, name: str, remote: RemoteConfig, config: hostkv.HostKVConfig,
+                 backend: Optional[RemoteBackend] = None) -> None:
+        """backend: a store other than the one the URL names (RemoteTier's)."""
         self.cache = hostkv.HostKVCache.create(name, config)
         self.view = hostkv.WorkerView(self.cache)
-        self.tier = RemoteTier(self.cache, remote)
+        self.tier = RemoteTier(self.cache, remote, backend=backend)
         self._ids = iter(range(1, 1 << 30))
 
     def compute(self, tokens: np.ndarray, seed: int, namespace: int = 0) -> list:
