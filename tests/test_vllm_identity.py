@@ -76,8 +76,8 @@ def test_engine_identity_changes_with_each_input(tmp_path):
     layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
     base = identity(_vllm_config(model), layout, "")
     assert identity(_vllm_config(model), layout, "") == base
-    # vLLM's defaults of the model-code fields key nothing: an engine keeps the namespace
-    # (and the pages) it had before they were keyed.
+    # vLLM's defaults of the model-code fields key nothing: the same identity as a config
+    # without those settings at all.
     assert identity(_vllm_config(model, code_revision=None, model_class_overrides={},
                                  disable_sliding_window=False), layout, "") == base
     others = {

@@ -55,8 +55,11 @@ __all__ = ["RequestIdentity", "bypass_cause", "checkpoint_fingerprint", "engine_
 logger = logging.getLogger("hostkv.vllm")
 
 # The version of what goes into a namespace: a change makes every old page unreachable
-# (never misread) for engines of the new version.
-_VERSION = b"hostkv-vllm-4"
+# (never misread) for engines of the new version. 5: engines before it saved pages with
+# speculative decoding on (draft tokens' KV) and keyed no model code (code_revision,
+# model_class_overrides, disable_sliding_window), so their pages may not be the KV of
+# their key.
+_VERSION = b"hostkv-vllm-5"
 # Files whose content, not only their size and time, goes into a fingerprint: small, and
 # what decides how the weights are read.
 _CONFIG_FILES = ("config.json", "adapter_config.json", "params.json",
@@ -216,7 +219,7 @@ def _model_code(model: Any) -> Tuple[Any, ...]:
     """The engine identity's fields for the model's code beyond its checkpoint: remote code
     of another revision, another class for its architecture, or sliding windows turned off
     compute other KV from the same weights. None of them set (vLLM's defaults): no field,
-    so engines keep the namespace they had before these were keyed, and their pages."""
+    so an engine's identity does not change when vLLM adds such settings with defaults."""
     code_revision = getattr(model, "code_revision", None) or ""
     class_overrides = getattr(model, "model_class_overrides", None) or {}
     no_window = bool(getattr(model, "disable_sliding_window", False))
