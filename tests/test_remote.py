@@ -241,6 +241,24 @@ def test_a_value_failing_any_check_is_a_counted_miss(redis_server, make_host, ki
     client.close()
 
 
+def test_a_value_names_its_key_and_a_malformed_key_is_refused():
+    """encode_value writes the digest of the key it is stored under, decode_value refuses
+    it under any other key, and a key chain_keys could not have made is a ValueError."""
+    from hostkv.remote.codec import decode_value, key_digest
+
+    fingerprint = layout_fingerprint(host_config())
+    tokens = prompt(2 * PAGE_SIZE)
+    first, second = chain_keys(b"t", 0, fingerprint, tokens, PAGE_SIZE, 2)
+    assert len(key_digest(first)) == 16 and key_digest(first) != key_digest(second)
+    value = encode_value(fingerprint, 0, tokens[:PAGE_SIZE], bytes(PAGE_BYTES), key=first)
+    page = tokens[:PAGE_SIZE]
+    assert decode_value(value, fingerprint, 0, page, PAGE_BYTES, key=first)[1] == ""
+    assert decode_value(value, fingerprint, 0, page, PAGE_BYTES, key=second) == (None, "key")
+    for bad in (b"t", b"t:" + b"zz" * 16, b"t:" + first[2:-2], b"t:" + b"\xff" * 32):
+        with pytest.raises(ValueError, match="not a hostkv remote key"):
+            encode_value(fingerprint, 0, page, bytes(PAGE_BYTES), key=bad)
+
+
 def test_a_value_of_another_prefix_under_a_key_is_refused(redis_server, make_host):
     """Two prompts whose second pages hold the same tokens after different first pages: the
     second page's value of one, handed back under the other's key (what a store, a proxy

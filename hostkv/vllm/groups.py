@@ -19,7 +19,7 @@ and loads nothing.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,7 +73,8 @@ class GroupTransfer:
             part.wait_all_layers()
 
 
-def _submit_all(parts: List[Transfer], submits: Sequence) -> List[Transfer]:
+def _submit_all(parts: List[Transfer],
+                submits: Sequence[Callable[[], Transfer]]) -> List[Transfer]:
     """parts plus the transfer of each submit. If a submit raises, the transfers already
     started are waited for before the error goes up: the caller then frees the blocks and
     pages, which no copy may still be reading or writing."""
