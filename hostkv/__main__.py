@@ -229,12 +229,15 @@ def _create(args: argparse.Namespace) -> int:
         raise ValueError(f"--size {args.size} holds no page of {page_bytes} bytes")
     config = HostKVConfig(num_pages=num_pages, page_size=args.page_size,
                           page_bytes=0 if layout is not None else page_bytes,
-                          kv_layout=layout, max_processes=args.max_processes)
+                          kv_layout=layout, max_processes=args.max_processes,
+                          num_parts=args.num_parts, part_bytes=args.part_bytes)
     with HostKVCache.create(args.name, config) as cache:
         resolved = cache.config
+    parts = (f", {resolved.num_parts} window parts of {resolved.part_bytes} bytes"
+             if resolved.num_parts else "")
     print(f"created {args.name}: {resolved.num_pages} pages of {resolved.page_bytes} bytes "
           f"({resolved.num_pages * resolved.page_bytes / 2**30:.2f} GiB), "
-          f"{resolved.page_size} tokens a page")
+          f"{resolved.page_size} tokens a page{parts}")
     return 0
 
 
@@ -275,6 +278,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "what the engine's log names)")
     create.add_argument("--page-bytes", type=int, default=0,
                         help="bytes a page, instead of a KV layout")
+    create.add_argument("--num-parts", type=int, default=0,
+                        help="window parts: records of --part-bytes bytes that a page may "
+                             "hold besides its own bytes (a sliding-window layer's KV); "
+                             "default 0, none")
+    create.add_argument("--part-bytes", type=int, default=0,
+                        help="bytes a window part (with --num-parts)")
     create.add_argument("--max-processes", type=int, default=0,
                         help="lease slots (processes attached at once); default 64")
     bench = sub.add_parser("bench", help="run the benchmark", add_help=False)

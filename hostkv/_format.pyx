@@ -98,6 +98,8 @@ _CONFIG_FIELDS = (
     ("num_pages", "cfg_num_pages"),
     ("page_size", "cfg_page_size"),
     ("page_bytes", "cfg_page_bytes"),
+    ("num_parts", "cfg_num_parts"),
+    ("part_bytes", "cfg_part_bytes"),
     ("enable_prefix_reuse", "cfg_enable_prefix_reuse"),
     ("prefix_min_reuse_pages", "cfg_prefix_min_reuse_pages"),
     ("prefix_min_store_pages", "cfg_prefix_min_store_pages"),
@@ -121,6 +123,8 @@ cdef HkvConfig config_to_c(object config) except *:
                       cfg_kv_kind=KV_KINDS[layout.kind])
     c.cfg_num_pages = values["cfg_num_pages"]
     c.cfg_page_bytes = values["cfg_page_bytes"]
+    c.cfg_num_parts = values["cfg_num_parts"]
+    c.cfg_part_bytes = values["cfg_part_bytes"]
     c.cfg_page_size = values["cfg_page_size"]
     c.cfg_enable_prefix_reuse = values["cfg_enable_prefix_reuse"]
     c.cfg_prefix_min_reuse_pages = values["cfg_prefix_min_reuse_pages"]
@@ -165,12 +169,16 @@ cdef tuple config_values(const HkvConfig* cfg):
 # The checks every bounds check rests on
 
 cdef bint config_impossible(const HkvConfig* c) except -1:
-    """A config no create writes: sizes that are not positive, or a pool past 2**46 bytes."""
+    """A config no create writes: sizes that are not positive, parts without bytes (or bytes
+    without parts), or pools past 2**46 bytes."""
     return (c.cfg_num_pages <= 0 or c.cfg_num_pages >= 2**31 or c.cfg_page_size <= 0
             or c.cfg_page_bytes <= 0 or c.cfg_max_processes <= 0
             or c.cfg_undo_log_capacity <= 0 or c.cfg_radix_node_capacity < 0
             or c.cfg_sequence_page_node_capacity < 0 or c.cfg_max_sequences < 0
-            or c.cfg_num_pages * c.cfg_page_bytes >= 2**46)
+            or c.cfg_num_pages * c.cfg_page_bytes >= 2**46
+            or c.cfg_num_parts < 0 or c.cfg_num_parts >= 2**31 or c.cfg_part_bytes < 0
+            or c.cfg_part_bytes >= 2**46 or (c.cfg_num_parts == 0) != (c.cfg_part_bytes == 0)
+            or c.cfg_num_parts * c.cfg_part_bytes >= 2**46)
 
 
 cdef str shape_problem(HkvHeader* hdr, size_t size, int64_t undo_capacity):
@@ -391,6 +399,7 @@ cdef dict header_snapshot(HkvHeader* header, char* base):
         "undo_count": hdr["hdr_undo_count"],
         "stats": {k: v for k, v in dict(hdr["hdr_stats"]).items() if k != "st_reserved"},
         "radix": {k: v for k, v in dict(hdr["hdr_radix"]).items() if k != "rt_reserved"},
+        "parts": {k: v for k, v in dict(hdr["hdr_parts"]).items() if k != "pt_reserved"},
     }
 
 

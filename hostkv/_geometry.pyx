@@ -32,6 +32,7 @@ cdef int64_t radix_table_capacity(int64_t node_capacity) noexcept nogil:
 cdef int compute_regions(const HkvConfig* cfg, HkvRegions* out) except -1:
     """Lays the regions out one after another. Both create and attach call this."""
     cdef int64_t at = align_up(sizeof(HkvHeader), HKV_CACHE_LINE)
+    cdef int64_t node_parts
     memset(out, 0, sizeof(HkvRegions))
     out.reg_leases = at
     at = align_up(at + <int64_t>cfg.cfg_max_processes * sizeof(HkvLease), HKV_CACHE_LINE)
@@ -47,6 +48,12 @@ cdef int compute_regions(const HkvConfig* cfg, HkvRegions* out) except -1:
     at = align_up(at + cfg.cfg_num_pages * cfg.cfg_page_size * 4, HKV_CACHE_LINE)
     out.reg_page_next = at
     at = align_up(at + cfg.cfg_num_pages * 4, HKV_CACHE_LINE)
+    out.reg_page_part = at
+    at = align_up(at + cfg.cfg_num_pages * 4, HKV_CACHE_LINE)
+    out.reg_part_page = at
+    at = align_up(at + cfg.cfg_num_parts * 4, HKV_CACHE_LINE)
+    out.reg_part_free_stack = at
+    at = align_up(at + cfg.cfg_num_parts * 4, HKV_CACHE_LINE)
     out.reg_radix_nodes = at
     at = align_up(at + sizeof(HkvSlab) + <int64_t>cfg.cfg_radix_node_capacity * sizeof(HkvRadixNode),
                   HKV_CACHE_LINE)
@@ -54,6 +61,12 @@ cdef int compute_regions(const HkvConfig* cfg, HkvRegions* out) except -1:
     at = align_up(at + radix_table_capacity(cfg.cfg_radix_node_capacity) * 4, HKV_CACHE_LINE)
     out.reg_radix_heap = at
     at = align_up(at + <int64_t>cfg.cfg_radix_node_capacity * 4, HKV_CACHE_LINE)
+    # The part LRU's tables exist only in a segment with parts.
+    node_parts = cfg.cfg_radix_node_capacity if cfg.cfg_num_parts > 0 else 0
+    out.reg_node_parts = at
+    at = align_up(at + node_parts * sizeof(HkvNodeParts), HKV_CACHE_LINE)
+    out.reg_part_heap = at
+    at = align_up(at + node_parts * 4, HKV_CACHE_LINE)
     out.reg_sequences = at
     at = align_up(at + sizeof(HkvSlab) + <int64_t>cfg.cfg_max_sequences * sizeof(HkvSequence),
                   HKV_CACHE_LINE)
@@ -61,7 +74,12 @@ cdef int compute_regions(const HkvConfig* cfg, HkvRegions* out) except -1:
     at = align_up(at + sizeof(HkvSlab)
                   + <int64_t>cfg.cfg_sequence_page_node_capacity * sizeof(HkvSeqPage), 4096)
     out.reg_pool = at
-    out.reg_total_size = at + cfg.cfg_num_pages * cfg.cfg_page_bytes
+    # The parts follow the pages, so that the bytes engines write are one range.
+    at += cfg.cfg_num_pages * cfg.cfg_page_bytes
+    if cfg.cfg_num_parts > 0:
+        at = align_up(at, 4096)
+    out.reg_part_pool = at
+    out.reg_total_size = at + cfg.cfg_num_parts * cfg.cfg_part_bytes
     return 0
 
 
@@ -72,8 +90,10 @@ cdef int init_tables(char* base, HkvHeader* hdr, const HkvConfig* cfg,
     the header's state is READY."""
     cdef int32_t* free_stack
     cdef int32_t* page_next
+    cdef int32_t* part_stack
+    cdef HkvNodeParts* node_parts
     cdef HkvSlab* slab
-    cdef int64_t i, n = cfg.cfg_num_pages
+    cdef int64_t i, n = cfg.cfg_num_pages, num_parts = cfg.cfg_num_parts
     # Every page starts free; popping from the top hands out pages 0, 1, 2, ...
     free_stack = <int32_t*>(base + regions.reg_page_free_stack)
     for i in range(n):
@@ -82,6 +102,19 @@ cdef int init_tables(char* base, HkvHeader* hdr, const HkvConfig* cfg,
     page_next = <int32_t*>(base + regions.reg_page_next)
     for i in range(n):
         page_next[i] = -2                  # not in the tree (see _radix.pxd)
+    # No page has a part and every part is free, handed out 0, 1, 2, ... as pages are.
+    memset(base + regions.reg_page_part, 0xFF, n * 4)
+    memset(base + regions.reg_part_page, 0xFF, num_parts * 4)
+    part_stack = <int32_t*>(base + regions.reg_part_free_stack)
+    for i in range(num_parts):
+        part_stack[i] = <int32_t>(num_parts - 1 - i)
+    hdr.hdr_parts.pt_free_parts = num_parts
+    # No node holds a part, none is in the part heap.
+    node_parts = <HkvNodeParts*>(base + regions.reg_node_parts)
+    for i in range(cfg.cfg_radix_node_capacity if num_parts > 0 else 0):
+        node_parts[i].np_count = 0
+        node_parts[i].np_heap_pos = -1
+        node_parts[i].np_key = 0
     hdr.hdr_radix.rt_table_capacity = <int32_t>radix_table_capacity(cfg.cfg_radix_node_capacity)
     memset(base + regions.reg_radix_table, 0xFF, hdr.hdr_radix.rt_table_capacity * 4)
     slab = <HkvSlab*>(base + regions.reg_radix_nodes)
@@ -137,6 +170,8 @@ def layout_info():
         ("hdr_config", <size_t>&h.hdr_config),
         ("cfg_num_pages", <size_t>&h.hdr_config.cfg_num_pages),
         ("cfg_page_bytes", <size_t>&h.hdr_config.cfg_page_bytes),
+        ("cfg_num_parts", <size_t>&h.hdr_config.cfg_num_parts),
+        ("cfg_part_bytes", <size_t>&h.hdr_config.cfg_part_bytes),
         ("cfg_page_size", <size_t>&h.hdr_config.cfg_page_size),
         ("cfg_max_processes", <size_t>&h.hdr_config.cfg_max_processes),
         ("cfg_undo_log_capacity", <size_t>&h.hdr_config.cfg_undo_log_capacity),
@@ -151,12 +186,18 @@ def layout_info():
         ("reg_page_free_stack", <size_t>&h.hdr_regions.reg_page_free_stack),
         ("reg_page_tokens", <size_t>&h.hdr_regions.reg_page_tokens),
         ("reg_page_next", <size_t>&h.hdr_regions.reg_page_next),
+        ("reg_page_part", <size_t>&h.hdr_regions.reg_page_part),
+        ("reg_part_page", <size_t>&h.hdr_regions.reg_part_page),
+        ("reg_part_free_stack", <size_t>&h.hdr_regions.reg_part_free_stack),
         ("reg_radix_nodes", <size_t>&h.hdr_regions.reg_radix_nodes),
         ("reg_radix_table", <size_t>&h.hdr_regions.reg_radix_table),
         ("reg_radix_heap", <size_t>&h.hdr_regions.reg_radix_heap),
+        ("reg_node_parts", <size_t>&h.hdr_regions.reg_node_parts),
+        ("reg_part_heap", <size_t>&h.hdr_regions.reg_part_heap),
         ("reg_sequences", <size_t>&h.hdr_regions.reg_sequences),
         ("reg_sequence_pages", <size_t>&h.hdr_regions.reg_sequence_pages),
         ("reg_pool", <size_t>&h.hdr_regions.reg_pool),
+        ("reg_part_pool", <size_t>&h.hdr_regions.reg_part_pool),
         ("reg_total_size", <size_t>&h.hdr_regions.reg_total_size),
         ("hdr_state", <size_t>&h.hdr_state),
         ("hdr_creator_pid", <size_t>&h.hdr_creator_pid),
@@ -176,6 +217,11 @@ def layout_info():
         ("rt_cached_pages", <size_t>&h.hdr_radix.rt_cached_pages),
         ("rt_protected_pages", <size_t>&h.hdr_radix.rt_protected_pages),
         ("rt_evictable_leaf_pages", <size_t>&h.hdr_radix.rt_evictable_leaf_pages),
+        ("hdr_parts", <size_t>&h.hdr_parts),
+        ("pt_free_parts", <size_t>&h.hdr_parts.pt_free_parts),
+        ("pt_pages_without_part", <size_t>&h.hdr_parts.pt_pages_without_part),
+        ("pt_tree_parts", <size_t>&h.hdr_parts.pt_tree_parts),
+        ("pt_heap_size", <size_t>&h.hdr_parts.pt_heap_size),
         ("hdr_segment_id", <size_t>&h.hdr_segment_id),
         ("hdr_create_steps", <size_t>&h.hdr_create_steps),
         ("hdr_mutex", <size_t>&h.hdr_mutex),
@@ -217,6 +263,7 @@ def layout_info():
                   "HkvUndoEntry": sizeof(HkvUndoEntry), "HkvSlab": sizeof(HkvSlab),
                   "HkvRadixNode": sizeof(HkvRadixNode), "HkvSequence": sizeof(HkvSequence),
                   "HkvSeqPage": sizeof(HkvSeqPage), "HkvMetrics": sizeof(HkvMetrics),
+                  "HkvNodeParts": sizeof(HkvNodeParts),
                   "pthread_mutex_t": sizeof(pthread_mutex_t)},
         "header": header, "lease": lease, "undo": undo, "slab": slab, "radix_node": node,
         "sequence": sequence, "sequence_page": sequence_page,

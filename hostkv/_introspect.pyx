@@ -20,7 +20,7 @@ from hostkv._lock cimport check_open
 from hostkv._pages cimport check_page_index, page_refcounts
 from hostkv._radix cimport (
     END_OF_NODE, NOT_IN_TREE, Tree, heap_before, heap_entry, node_at, node_ptr, page_hash,
-    table_find, tokens_of, tree_of)
+    part_heap_before, part_heap_entry, table_find, tokens_of, tree_of)
 from hostkv._segment cimport Segment
 from hostkv._slab cimport slab_check
 
@@ -125,6 +125,57 @@ cdef int tree_check(Segment seg) except -1:
             f"tree counts: cached {t.state.rt_cached_pages} (walked {cached}), protected "
             f"{t.state.rt_protected_pages} (walked {protected}), evictable leaf pages "
             f"{t.state.rt_evictable_leaf_pages} (walked {evictable})")
+    if t.has_parts:
+        parts_check(seg, &t)
+    return 0
+
+
+cdef int parts_check(Segment seg, Tree* t) except -1:
+    """The part LRU's invariants (tree_check found the nodes' pages sound): each node counts
+    exactly its pages that have a part, the counts sum to pt_tree_parts, every unlocked node
+    with parts is in the part heap (a locked one may be parked out of it), only nodes with
+    parts are, in order, and no node's key is ahead of its last access."""
+    cdef int32_t i, j, page, count, size = t.parts.pt_heap_size
+    cdef int64_t tree_parts = 0
+    cdef HkvRadixNode* node
+    if size < 0 or size > t.node_capacity:
+        seg.corrupt(f"part heap size {size} outside [0, {t.node_capacity}]")
+    for i in range(t.node_capacity):
+        node = node_ptr(t, i)
+        np = &t.node_parts[i]
+        if node.rn_slab.sr_in_use != 1:
+            if np.np_count != 0 or np.np_heap_pos != -1:
+                seg.corrupt(f"free radix node record {i} has {np.np_count} parts or part heap "
+                            f"place {np.np_heap_pos}")
+            continue
+        count = 0
+        page = node.rn_first_page
+        for j in range(node.rn_num_pages):
+            if t.page_part[page] != -1:
+                count += 1
+            page = t.page_next[page]
+        if count != np.np_count:
+            seg.corrupt(f"radix node {i} counts {np.np_count} parts, its pages have {count}")
+        tree_parts += count
+        if np.np_key > node.rn_last_access:
+            seg.corrupt(f"radix node {i}'s part key {np.np_key} is ahead of its last access "
+                        f"{node.rn_last_access}")
+        if np.np_heap_pos != -1:
+            if np.np_heap_pos < 0 or np.np_heap_pos >= size or t.part_heap[np.np_heap_pos] != i:
+                seg.corrupt(f"radix node {i} has part heap place {np.np_heap_pos}, not its own")
+            if count == 0:
+                seg.corrupt(f"radix node {i} is in the part heap without parts")
+        elif count > 0 and node.rn_lock_count == 0:
+            seg.corrupt(f"radix node {i} has {count} parts, is unlocked and not in the part heap")
+    if tree_parts != t.parts.pt_tree_parts:
+        seg.corrupt(f"tree parts: counted {t.parts.pt_tree_parts}, walked {tree_parts}")
+    for j in range(size):
+        i = part_heap_entry(seg, t, j)
+        if t.node_parts[i].np_heap_pos != j:
+            seg.corrupt(f"part heap entry {j} is node {i}, whose place is "
+                        f"{t.node_parts[i].np_heap_pos}")
+        if j > 0 and part_heap_before(t, i, part_heap_entry(seg, t, (j - 1) // 2)):
+            seg.corrupt(f"the part heap is out of order at {j}")
     return 0
 
 

@@ -18,13 +18,32 @@
 #   reg_page_tokens     int32[num_pages * page_size]  the token ids whose KV each page holds
 #   reg_page_next       int32[num_pages]     next page of the same radix node; -1 ends a
 #                                            node, -2: the page is not in the tree
+#   reg_page_part       int32[num_pages]     the page's window part, -1 none
+#   reg_part_page       int32[num_parts]     the part's page, -1: the part is free
+#   reg_part_free_stack int32[num_parts]     free part indexes; entries [0, pt_free_parts) valid
 #   reg_radix_nodes     HkvSlab + HkvRadixNode[radix_node_capacity]  the tree's nodes
 #   reg_radix_table     int32[rt_table_capacity]  child hash table: (parent, first-page hash)
 #                                            -> node, open addressing, -1 = empty
 #   reg_radix_heap      int32[radix_node_capacity]  min-heap of evictable leaves by last access
+#   reg_node_parts      HkvNodeParts[radix_node_capacity]  each node's window-part count and
+#                                            its place in the part LRU (none without parts)
+#   reg_part_heap       int32[radix_node_capacity]  the part LRU: a min-heap of nodes holding
+#                                            parts, by (np_key, first page) (none without parts)
 #   reg_sequences       HkvSlab + HkvSequence[max_sequences]  live sequences of every process
 #   reg_sequence_pages  HkvSlab + HkvSeqPage[sequence_page_node_capacity]  their page lists
-#   reg_pool            uint8[num_pages * page_bytes]  the KV bytes; the only region engines write
+#   reg_pool            uint8[num_pages * page_bytes]  the KV bytes; with reg_part_pool the
+#                                            only regions engines write
+#   reg_part_pool       uint8[num_parts * part_bytes]  window parts' bytes, 4096-aligned right
+#                                            after the page pool, so [reg_pool, reg_total_size)
+#                                            is one range to advise or register
+#
+# Window parts (num_parts > 0) hold bytes a page may or may not have: the KV of a model's
+# sliding-window layers, which a hit needs only for the pages just before its end. A part
+# lives and dies with its page: fresh pages take one while any is free, the last reference
+# to a page frees its part, and a commit whose page the tree already holds without a part
+# hands its own page's part over (see _pages.pyx and docs/design.md, "Window parts"). The
+# tree's parts can also go on their own, least recently used node first (the part LRU in
+# _radix.pyx), when fresh pages need them.
 #
 # Field prefixes say which struct a name belongs to (as LMDB's mdb.c does). Per-process slots
 # are padded to whole cache lines so two processes never share one. tests/test_layout.py pins
@@ -43,7 +62,7 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 10u
+    #define HKV_LAYOUT_VERSION 12u
     #define HKV_STATE_LAYER_WORDS 16             /* a bitmap of 1024 page layers */
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
@@ -69,6 +88,8 @@ cdef extern from *:
     typedef struct {
         int64_t cfg_num_pages;
         int64_t cfg_page_bytes;                  /* bytes of KV per page */
+        int64_t cfg_num_parts;                   /* window parts, 0 = none */
+        int64_t cfg_part_bytes;                  /* bytes per part; 0 exactly when num_parts is */
         int32_t cfg_page_size;                   /* tokens per page, a power of two */
         int32_t cfg_enable_prefix_reuse;         /* 0 or 1 */
         int32_t cfg_prefix_min_reuse_pages;
@@ -97,12 +118,18 @@ cdef extern from *:
         int64_t reg_page_free_stack;
         int64_t reg_page_tokens;
         int64_t reg_page_next;
+        int64_t reg_page_part;
+        int64_t reg_part_page;
+        int64_t reg_part_free_stack;
         int64_t reg_radix_nodes;
         int64_t reg_radix_table;
         int64_t reg_radix_heap;
+        int64_t reg_node_parts;
+        int64_t reg_part_heap;
         int64_t reg_sequences;
         int64_t reg_sequence_pages;
         int64_t reg_pool;
+        int64_t reg_part_pool;
         int64_t reg_total_size;                  /* the whole segment; attach compares fstat */
     } HkvRegions;
 
@@ -132,6 +159,31 @@ cdef extern from *:
         int64_t rt_reserved;
     } HkvRadixState;
 
+    /* The window parts' bookkeeping (all 0 in a segment without parts). */
+    typedef struct {
+        int64_t pt_free_parts;                   /* valid entries of the part free stack */
+        int64_t pt_parts_allocated;              /* parts given to fresh pages so far */
+        int64_t pt_parts_freed;                  /* parts back on the free stack so far */
+        int64_t pt_parts_donated;                /* parts a commit handed to the tree's page */
+        int64_t pt_pages_without_part;           /* fresh pages that found no part free */
+        int64_t pt_tree_parts;                   /* parts of pages the tree holds: the sum
+                                                    of every node's np_count */
+        int64_t pt_parts_evicted;                /* tree parts the part LRU took so far */
+        int32_t pt_heap_size;                    /* nodes in the part LRU's heap */
+        int32_t pt_reserved;
+    } HkvPartState;
+
+    /* A radix node's window parts (reg_node_parts[node], beside the node's record). A node
+       with parts that no borrower locks is always in the part heap; a locked one may be
+       out of it ("parked" by an eviction that met it), and returns at its last unlock. */
+    typedef struct {
+        int32_t np_count;                        /* the node's pages that have a part */
+        int32_t np_heap_pos;                     /* index in the part heap, -1 if not in it */
+        int64_t np_key;                          /* rn_last_access when it entered the heap or
+                                                    was last re-keyed: <= rn_last_access; an
+                                                    eviction re-keys a stale one before taking it */
+    } HkvNodeParts;
+
     enum {
         HKV_STATE_INITIALISING = 1,              /* creator still reserving and writing; attach
                                                     waits. The header's magic, format, config,
@@ -159,6 +211,7 @@ cdef extern from *:
         int64_t hdr_undo_count;                  /* entries of the open mutation's undo log; 0 = none open */
         HkvStats hdr_stats;
         HkvRadixState hdr_radix;
+        HkvPartState hdr_parts;
         uint64_t hdr_segment_id;                 /* random, never 0, written at create (with the
                                                     first header): which segment of this name a
                                                     process mapped. An engine's scheduler sends
@@ -305,6 +358,7 @@ cdef extern from *:
     _Static_assert(offsetof(HkvHeader, hdr_mutex) % HKV_CACHE_LINE == 0, "mutex on its own line");
     _Static_assert(sizeof(HkvUndoEntry) == 16, "undo entries are two words");
     _Static_assert(sizeof(HkvRadixNode) == 64, "a radix node is one cache line");
+    _Static_assert(sizeof(HkvNodeParts) == 16, "four nodes' parts a cache line");
     _Static_assert(offsetof(HkvRadixNode, rn_slab) == 0, "slab records start with HkvSlabRecord");
     _Static_assert(sizeof(HkvSequence) == 64, "a sequence is one cache line");
     _Static_assert(sizeof(HkvSeqPage) == 64, "a page-list entry is one cache line");
@@ -341,6 +395,8 @@ cdef extern from *:
     ctypedef struct HkvConfig:
         int64_t cfg_num_pages
         int64_t cfg_page_bytes
+        int64_t cfg_num_parts
+        int64_t cfg_part_bytes
         int32_t cfg_page_size
         int32_t cfg_enable_prefix_reuse
         int32_t cfg_prefix_min_reuse_pages
@@ -365,12 +421,18 @@ cdef extern from *:
         int64_t reg_page_free_stack
         int64_t reg_page_tokens
         int64_t reg_page_next
+        int64_t reg_page_part
+        int64_t reg_part_page
+        int64_t reg_part_free_stack
         int64_t reg_radix_nodes
         int64_t reg_radix_table
         int64_t reg_radix_heap
+        int64_t reg_node_parts
+        int64_t reg_part_heap
         int64_t reg_sequences
         int64_t reg_sequence_pages
         int64_t reg_pool
+        int64_t reg_part_pool
         int64_t reg_total_size
 
     ctypedef struct HkvStats:
@@ -395,6 +457,22 @@ cdef extern from *:
         int64_t rt_evictable_leaf_pages
         int64_t rt_reserved
 
+    ctypedef struct HkvPartState:
+        int64_t pt_free_parts
+        int64_t pt_parts_allocated
+        int64_t pt_parts_freed
+        int64_t pt_parts_donated
+        int64_t pt_pages_without_part
+        int64_t pt_tree_parts
+        int64_t pt_parts_evicted
+        int32_t pt_heap_size
+        int32_t pt_reserved
+
+    ctypedef struct HkvNodeParts:
+        int32_t np_count
+        int32_t np_heap_pos
+        int64_t np_key
+
     ctypedef struct HkvHeader:
         uint64_t hdr_magic
         HkvFormat hdr_format
@@ -410,6 +488,7 @@ cdef extern from *:
         int64_t hdr_undo_count
         HkvStats hdr_stats
         HkvRadixState hdr_radix
+        HkvPartState hdr_parts
         uint64_t hdr_segment_id
         uint64_t hdr_create_steps
         pthread_mutex_t hdr_mutex

@@ -7,9 +7,16 @@
 # confirmed by comparing the page's token ids, so a hash collision never makes a match.
 # There are no root records: a node whose rn_parent is -1 is a top-level node of its
 # rn_namespace. Evictable nodes (unlocked leaves) sit in a min-heap by last access.
+#
+# In a segment with window parts, each node also counts its pages that have a part
+# (reg_node_parts), and the nodes with parts sit in a second min-heap, the part LRU, by
+# (np_key, first page): when fresh pages need parts, the least recently used unlocked node
+# gives up all of its parts, its pages staying cached (SGLang tombstones a node's
+# sliding-window KV likewise). Locking touches nothing of it; the eviction parks a locked
+# node it meets (out of the heap until its last unlock) and re-keys a stale one.
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from hostkv._layout cimport HkvRadixNode, HkvRadixState, HkvSlab
+from hostkv._layout cimport HkvNodeParts, HkvPartState, HkvRadixNode, HkvRadixState, HkvSlab
 from hostkv._segment cimport Segment
 from hostkv._slab cimport slab_record
 
@@ -30,6 +37,11 @@ ctypedef struct Tree:
     int64_t num_pages
     int64_t table_mask
     uint64_t hash_mask
+    bint has_parts          # the segment has window parts: the fields below are used
+    HkvNodeParts* node_parts
+    int32_t* part_heap
+    HkvPartState* parts
+    int32_t* page_part
 
 
 ctypedef struct Walk:
@@ -78,6 +90,15 @@ cdef inline uint64_t page_hash(Tree* t, const int32_t* tokens) noexcept nogil:
     return mix64(h) & t.hash_mask
 
 
+cdef inline bint part_heap_before(Tree* t, int32_t a, int32_t b) noexcept nogil:
+    # Least recently used first. A touch stamps one tick on a whole path, so ties are
+    # common; the first page breaks them (it names a node as its index does, and a model
+    # of the tree knows it).
+    cdef int64_t ka = t.node_parts[a].np_key
+    cdef int64_t kb = t.node_parts[b].np_key
+    return ka < kb or (ka == kb and node_ptr(t, a).rn_first_page < node_ptr(t, b).rn_first_page)
+
+
 cdef inline bint heap_before(Tree* t, int32_t a, int32_t b) noexcept nogil:
     cdef HkvRadixNode* na = node_ptr(t, a)
     cdef HkvRadixNode* nb = node_ptr(t, b)
@@ -106,3 +127,5 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
                          int64_t num_pages, uint64_t namespace, int32_t* out_tree_pages,
                          int32_t* out_node, int32_t below=*, bint adopt=*) except -1
 cdef int64_t tree_evict_pages(Segment seg, Tree* t, int64_t want) except -1
+cdef int64_t ensure_free_parts(Segment seg, Tree* t, int64_t need) except -1
+cdef int32_t part_heap_entry(Segment seg, Tree* t, int64_t pos) except -1

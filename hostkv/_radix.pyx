@@ -12,11 +12,13 @@ import numpy as np
 cimport numpy as cnp
 
 from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp
 
-from hostkv._layout cimport HkvHeader, HkvRadixNode, HkvSlab, HKV_HINT_SLOTS
+from hostkv._layout cimport HkvHeader, HkvNodeParts, HkvRadixNode, HkvSlab, HKV_HINT_SLOTS
 from hostkv._lock cimport check_open, log_store_i32, log_store_i64
-from hostkv._pages cimport check_page_index, page_decref, page_incref, page_refcounts
+from hostkv._pages cimport (check_page_index, page_decref, page_incref, page_refcounts, part_donate,
+                            part_free)
 from hostkv._segment cimport Segment, add_rederive_hook
 from hostkv._slab cimport slab_alloc, slab_free, slab_rederive
 from hostkv._tokens cimport check_i32
@@ -42,6 +44,11 @@ cdef Tree tree_of(Segment seg) noexcept:
     t.num_pages = hdr.hdr_config.cfg_num_pages
     t.table_mask = hdr.hdr_radix.rt_table_capacity - 1
     t.hash_mask = seg.hash_mask
+    t.has_parts = hdr.hdr_config.cfg_num_parts > 0
+    t.node_parts = <HkvNodeParts*>(seg.base + hdr.hdr_regions.reg_node_parts)
+    t.part_heap = <int32_t*>(seg.base + hdr.hdr_regions.reg_part_heap)
+    t.parts = &hdr.hdr_parts
+    t.page_part = <int32_t*>(seg.base + hdr.hdr_regions.reg_page_part)
     return t
 
 
@@ -246,6 +253,171 @@ cdef int update_evictable(Segment seg, Tree* t, int32_t index) except -1:
     return 0
 
 
+# -- the part LRU: nodes holding window parts by (np_key, first page) ---------------------------
+
+cdef int32_t part_heap_entry(Segment seg, Tree* t, int64_t pos) except -1:
+    """The part heap's entry at pos, checked as heap_entry checks the leaf heap's."""
+    cdef int32_t size = t.parts.pt_heap_size
+    cdef int32_t entry
+    if size < 0 or size > t.node_capacity or pos < 0 or pos >= size:
+        seg.corrupt(f"part heap position {pos} outside its size {size} "
+                    f"(capacity {t.node_capacity})")
+    entry = t.part_heap[pos]
+    if entry < 0 or entry >= t.node_capacity:
+        seg.corrupt(f"part heap entry {pos} is node {entry}, outside [0, {t.node_capacity})")
+    node_at(seg, t, entry)
+    return entry
+
+
+cdef int part_heap_put(Segment seg, Tree* t, int32_t pos, int32_t index) except -1:
+    if t.part_heap[pos] != index:
+        log_store_i32(seg, &t.part_heap[pos], index)
+    if t.node_parts[index].np_heap_pos != pos:
+        log_store_i32(seg, &t.node_parts[index].np_heap_pos, pos)
+    return 0
+
+
+cdef int part_heap_sift(Segment seg, Tree* t, int32_t pos) except -1:
+    """Moves the entry at pos up or down until the part heap's order holds again."""
+    cdef int32_t size = t.parts.pt_heap_size
+    cdef int32_t entry = part_heap_entry(seg, t, pos), parent, child, other
+    while pos > 0:
+        parent = (pos - 1) // 2
+        other = part_heap_entry(seg, t, parent)
+        if not part_heap_before(t, entry, other):
+            break
+        part_heap_put(seg, t, pos, other)
+        pos = parent
+    while True:
+        child = 2 * pos + 1
+        if child >= size:
+            break
+        other = part_heap_entry(seg, t, child)
+        if child + 1 < size and part_heap_before(t, part_heap_entry(seg, t, child + 1), other):
+            child += 1
+            other = t.part_heap[child]
+        if not part_heap_before(t, other, entry):
+            break
+        part_heap_put(seg, t, pos, other)
+        pos = child
+    part_heap_put(seg, t, pos, entry)
+    return 0
+
+
+cdef int part_heap_push(Segment seg, Tree* t, int32_t index) except -1:
+    """Enters a node (not in the heap) at its current recency."""
+    cdef int32_t pos = t.parts.pt_heap_size
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    if pos < 0 or pos >= t.node_capacity:
+        seg.corrupt(f"part heap size {pos} outside [0, {t.node_capacity})")
+    if t.node_parts[index].np_key != node.rn_last_access:
+        log_store_i64(seg, &t.node_parts[index].np_key, node.rn_last_access)
+    log_store_i32(seg, &t.parts.pt_heap_size, pos + 1)
+    log_store_i32(seg, &t.part_heap[pos], index)
+    part_heap_sift(seg, t, pos)
+    return 0
+
+
+cdef int part_heap_remove(Segment seg, Tree* t, int32_t index) except -1:
+    cdef int32_t pos = t.node_parts[index].np_heap_pos
+    cdef int32_t last = t.parts.pt_heap_size - 1
+    cdef int32_t moved
+    if pos < 0 or pos > last or part_heap_entry(seg, t, pos) != index:
+        seg.corrupt(f"radix node {index} has part heap position {pos}, not in the heap")
+    moved = part_heap_entry(seg, t, last)
+    log_store_i32(seg, &t.parts.pt_heap_size, last)
+    log_store_i32(seg, &t.node_parts[index].np_heap_pos, -1)
+    if pos != last:
+        log_store_i32(seg, &t.part_heap[pos], moved)
+        part_heap_sift(seg, t, pos)
+    return 0
+
+
+cdef int node_parts_gain(Segment seg, Tree* t, int32_t index, int32_t count) except -1:
+    """count more of the node's pages have a part; an unlocked node enters the heap."""
+    cdef HkvNodeParts* np = &t.node_parts[index]
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    if count <= 0:
+        return 0
+    log_store_i32(seg, &np.np_count, np.np_count + count)
+    log_store_i64(seg, &t.parts.pt_tree_parts, t.parts.pt_tree_parts + count)
+    if np.np_heap_pos < 0 and node.rn_lock_count == 0:
+        part_heap_push(seg, t, index)
+    return 0
+
+
+cdef int node_parts_lose(Segment seg, Tree* t, int32_t index, int32_t count) except -1:
+    """count of the node's parts left it (its pages left the tree); at 0 it leaves the heap."""
+    cdef HkvNodeParts* np = &t.node_parts[index]
+    if count <= 0:
+        return 0
+    if count > np.np_count:
+        seg.corrupt(f"radix node {index} loses {count} parts but counts {np.np_count}")
+    log_store_i32(seg, &np.np_count, np.np_count - count)
+    log_store_i64(seg, &t.parts.pt_tree_parts, t.parts.pt_tree_parts - count)
+    if np.np_count == 0 and np.np_heap_pos >= 0:
+        part_heap_remove(seg, t, index)
+    return 0
+
+
+cdef int32_t count_parts(Segment seg, Tree* t, int32_t page, int32_t num_pages) except -1:
+    """How many of num_pages linked pages from page have a part."""
+    cdef int32_t i, count = 0
+    for i in range(num_pages):
+        check_page_index(seg, page)
+        if t.page_part[page] != -1:
+            count += 1
+        page = t.page_next[page]
+    return count
+
+
+cdef int64_t evict_node_parts(Segment seg, Tree* t, int32_t index) except -1:
+    """Frees every part of an unlocked node's pages (the pages stay cached)."""
+    cdef HkvRadixNode* node = node_at(seg, t, index)
+    cdef int32_t page = node.rn_first_page, i, freed = 0
+    for i in range(node.rn_num_pages):
+        check_page_index(seg, page)
+        if t.page_part[page] != -1:
+            part_free(seg, page)
+            freed += 1
+        page = t.page_next[page]
+    if freed == 0 or freed != t.node_parts[index].np_count:
+        # (0: a node in the heap without parts; taking nothing would loop for ever.)
+        seg.corrupt(f"radix node {index} in the part heap counts "
+                    f"{t.node_parts[index].np_count} parts but its pages have {freed}")
+    node_parts_lose(seg, t, index, freed)
+    log_store_i64(seg, &t.parts.pt_parts_evicted, t.parts.pt_parts_evicted + freed)
+    return freed
+
+
+cdef int64_t ensure_free_parts(Segment seg, Tree* t, int64_t need) except -1:
+    """Evicts tree parts, least recently used unlocked node first (all of its parts), until
+    `need` parts are free or no unlocked node has any. Never raises for a shortage: a page
+    without a part is still a page. Returns the parts evicted.
+
+    The heap is lazy: a node a borrower locked since it entered is parked (out of the heap,
+    back at its last unlock), and one used since is re-keyed and sifted, before anything is
+    taken. So the node taken is exactly the unlocked node with parts of least (last access,
+    first page): any other one's true recency is at least its key, which is at least this
+    one's."""
+    cdef int64_t evicted = 0
+    cdef int32_t index
+    cdef HkvRadixNode* node
+    if not t.has_parts:
+        return 0
+    while t.parts.pt_free_parts < need and t.parts.pt_heap_size > 0:
+        index = part_heap_entry(seg, t, 0)
+        node = node_at(seg, t, index)
+        if node.rn_lock_count > 0:
+            part_heap_remove(seg, t, index)
+        elif t.node_parts[index].np_key < node.rn_last_access:
+            log_store_i64(seg, &t.node_parts[index].np_key, node.rn_last_access)
+            part_heap_sift(seg, t, 0)
+        else:
+            evicted += evict_node_parts(seg, t, index)
+    return evicted
+
+
 # -- paths: lock, unlock, touch ----------------------------------------------------------------
 
 cdef int tree_lock(Segment seg, Tree* t, int32_t index) except -1:
@@ -280,6 +452,9 @@ cdef int tree_unlock(Segment seg, Tree* t, int32_t index) except -1:
             log_store_i64(seg, &t.state.rt_protected_pages,
                           t.state.rt_protected_pages - node.rn_num_pages)
             update_evictable(seg, t, index)
+            if (t.has_parts and t.node_parts[index].np_count > 0
+                    and t.node_parts[index].np_heap_pos < 0):
+                part_heap_push(seg, t, index)      # parked by an eviction while locked
         index = node.rn_parent
         steps += 1
         if steps > t.node_capacity:
@@ -319,9 +494,10 @@ cdef int tree_walk(Tree* t, const int32_t* tokens, int64_t num_pages, uint64_t n
 
 cdef int tree_walk_below(Tree* t, int32_t start_node, int64_t start_pages,
                          const int32_t* tokens, int64_t num_pages, uint64_t namespace,
-                         int32_t* out_pages, Walk* walk) noexcept nogil:
+                         int32_t* out_pages, Walk* walk, int32_t* out_nodes=NULL) noexcept nogil:
     """tree_walk from the end of start_node, taken as the first start_pages pages matched
-    (-1 and 0: from the root). out_pages[:start_pages] is left as it was."""
+    (-1 and 0: from the root). out_pages[:start_pages] is left as it was; out_nodes (if not
+    NULL) receives the node of each matched page from start_pages on."""
     cdef int32_t parent = start_node, child, page, in_node
     cdef int64_t pos = start_pages, depth = 0
     cdef HkvRadixNode* node
@@ -348,6 +524,8 @@ cdef int tree_walk_below(Tree* t, int32_t start_node, int64_t start_pages,
                 break
             if out_pages != NULL:
                 out_pages[pos] = page
+            if out_nodes != NULL:
+                out_nodes[pos] = child
             pos += 1
             in_node += 1
             page = t.page_next[page]
@@ -366,10 +544,11 @@ cdef int tree_walk_below(Tree* t, int32_t start_node, int64_t start_pages,
 
 cdef int walk_or_raise(Segment seg, Tree* t, const int32_t* tokens, int64_t num_pages,
                        uint64_t namespace, int32_t* out_pages, Walk* walk,
-                       int32_t start_node=-1, int64_t start_pages=0) except -1:
+                       int32_t start_node=-1, int64_t start_pages=0,
+                       int32_t* out_nodes=NULL) except -1:
     with nogil:
         tree_walk_below(t, start_node, start_pages, tokens, num_pages, namespace, out_pages,
-                        walk)
+                        walk, out_nodes)
     if walk.error:
         seg.corrupt("a radix walk met an out-of-range index or a cycle")
     return 0
@@ -426,7 +605,40 @@ cdef int32_t split(Segment seg, Tree* t, int32_t index, int32_t head_pages) exce
     if node.rn_heap_pos >= 0:
         log_store_i64(seg, &t.state.rt_evictable_leaf_pages,
                       t.state.rt_evictable_leaf_pages - head_pages)
+    if t.has_parts:
+        split_parts(seg, t, index, head_index, head_pages)
     return head_index
+
+
+cdef int split_parts(Segment seg, Tree* t, int32_t index, int32_t head_index,
+                     int32_t head_pages) except -1:
+    """The head of a split takes the parts of its pages and the node's recency key; each
+    is in the part heap if the node was and it has parts. The node's first page changed,
+    which breaks its ties in the heap: it is sifted."""
+    cdef HkvNodeParts* np = &t.node_parts[index]
+    cdef HkvNodeParts* head = &t.node_parts[head_index]
+    cdef int32_t moved = count_parts(seg, t, node_at(seg, t, head_index).rn_first_page,
+                                     head_pages)
+    if head.np_count != 0 or head.np_heap_pos != -1:
+        seg.corrupt(f"a free radix node record {head_index} had parts or a heap place")
+    if head.np_key != np.np_key:
+        log_store_i64(seg, &head.np_key, np.np_key)
+    if moved > np.np_count:
+        seg.corrupt(f"radix node {index} counts {np.np_count} parts, its head has {moved}")
+    if moved:
+        log_store_i32(seg, &head.np_count, moved)
+        log_store_i32(seg, &np.np_count, np.np_count - moved)
+        if np.np_heap_pos >= 0:
+            # Same recency as the node: entered with the node's key, not the current tick.
+            log_store_i32(seg, &t.parts.pt_heap_size, t.parts.pt_heap_size + 1)
+            log_store_i32(seg, &t.part_heap[t.parts.pt_heap_size - 1], head_index)
+            part_heap_sift(seg, t, t.parts.pt_heap_size - 1)
+    if np.np_heap_pos >= 0:
+        if np.np_count == 0:
+            part_heap_remove(seg, t, index)
+        else:
+            part_heap_sift(seg, t, np.np_heap_pos)
+    return 0
 
 
 cdef int release_pages(Segment seg, Tree* t, int32_t page, int32_t count) except -1:
@@ -450,6 +662,9 @@ cdef int remove_leaf(Segment seg, Tree* t, int32_t index) except -1:
         seg.corrupt(f"radix node {index} covers {count} pages")
     heap_remove(seg, t, index)
     hint_evicted(seg, node.rn_key_hash)
+    if t.has_parts:
+        # Its parts go with its pages (freed, unless a sequence still holds a page).
+        node_parts_lose(seg, t, index, t.node_parts[index].np_count)
     log_store_i64(seg, &t.state.rt_evictable_leaf_pages, t.state.rt_evictable_leaf_pages - count)
     log_store_i64(seg, &t.state.rt_cached_pages, t.state.rt_cached_pages - count)
     release_pages(seg, t, node.rn_first_page, count)
@@ -472,6 +687,8 @@ cdef int trim_leaf(Segment seg, Tree* t, int32_t index, int32_t drop) except -1:
     last_kept = page_at(seg, t, node, keep - 1)
     check_page_index(seg, t.page_next[last_kept])
     hint_evicted(seg, page_hash(t, tokens_of(t, t.page_next[last_kept])))
+    if t.has_parts:
+        node_parts_lose(seg, t, index, count_parts(seg, t, t.page_next[last_kept], drop))
     release_pages(seg, t, t.page_next[last_kept], drop)
     log_store_i32(seg, &t.page_next[last_kept], END_OF_NODE)
     log_store_i32(seg, &node.rn_num_pages, keep)
@@ -588,7 +805,10 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
     below: a node the caller holds locked whose path is the first pages of tokens (a
     sequence's borrowed or committed prefix, whose KV its later pages were computed on):
     the walk starts at its end instead of comparing that prefix again, and
-    out_tree_pages[:its depth] is left as it was. -1, or a node deeper than num_pages:
+    out_tree_pages[:its depth] is left as it was.
+
+    Window parts: a page the tree adopts keeps its part; one of the leading pages the tree
+    already held hands its part to the tree's page when that has none (donate_parts). -1, or a node deeper than num_pages:
     from the root.
 
     adopt: the caller hands its own reference on each page the tree adopts over to the tree
@@ -607,6 +827,7 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
     cdef bint partial
     cdef int32_t* refcounts = page_refcounts(seg)
     cdef int64_t below_pages = 0
+    cdef int32_t* walk_nodes = NULL
     out_node[0] = -1
     if num_pages <= 0:
         return 0
@@ -614,8 +835,18 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
         below_pages = node_depth(seg, t, below)
         if below_pages > num_pages:
             below, below_pages = -1, 0
-    walk_or_raise(seg, t, tokens, num_pages, namespace, out_tree_pages, &walk, below, below_pages)
-    existing = walk.matched
+    if t.has_parts and num_pages > below_pages:
+        walk_nodes = <int32_t*>malloc(num_pages * sizeof(int32_t))
+        if walk_nodes == NULL:
+            raise MemoryError()
+    try:
+        walk_or_raise(seg, t, tokens, num_pages, namespace, out_tree_pages, &walk, below,
+                      below_pages, walk_nodes)
+        existing = walk.matched
+        if walk_nodes != NULL:
+            donate_parts(seg, t, pages, out_tree_pages, walk_nodes, below_pages, existing)
+    finally:
+        free(walk_nodes)
     partial = walk.node != -1 and walk.node_matched < node_at(seg, t, walk.node).rn_num_pages
     if existing == num_pages:
         node_index = walk.node
@@ -688,8 +919,31 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
     # Touched before it enters the heap, so that it enters it once, at its final recency.
     touch(seg, t, new_index)
     update_evictable(seg, t, new_index)
+    if t.has_parts:
+        node_parts_gain(seg, t, new_index,
+                        count_parts(seg, t, pages[existing], <int32_t>(num_pages - existing)))
     out_node[0] = new_index
     return existing
+
+
+cdef int donate_parts(Segment seg, Tree* t, const int32_t* pages, const int32_t* tree_pages,
+                      const int32_t* nodes, int64_t start, int64_t end) except -1:
+    """For each of the caller's pages in [start, end) that the tree already holds as another
+    page: if the tree's page has no window part and the caller's has one, the part moves
+    to the tree's page (its writer computed it on the same prefix; SGLang adopts an insert's
+    sliding-window KV into a node that lost its own likewise). Only a private page the
+    caller holds gives: never a page of the tree, or one the caller does not hold."""
+    cdef int32_t* refcounts = page_refcounts(seg)
+    cdef int64_t i
+    cdef int32_t page
+    for i in range(start, end):
+        page = pages[i]
+        if (page == tree_pages[i] or page < 0 or page >= t.num_pages or refcounts[page] <= 0
+                or t.page_next[page] != NOT_IN_TREE):
+            continue
+        if part_donate(seg, page, tree_pages[i]):
+            node_parts_gain(seg, t, nodes[i], 1)
+    return 0
 
 
 cdef int write_tokens(Segment seg, Tree* t, int32_t page, const int32_t* tokens) except -1:
@@ -737,7 +991,65 @@ cdef int rederive_tree(Segment seg) except -1:
     while i >= 0:
         sift_down_unlogged(&t, i)
         i -= 1
+    if t.has_parts:
+        rederive_parts(&t)
     return 0
+
+
+cdef int rederive_parts(Tree* t) except -1:
+    """Rebuilds each node's part count, pt_tree_parts and the part heap (the unlocked
+    nodes with parts, by their logged keys) from the pages' parts. A page index out of range
+    stops its node's count: check() reports it."""
+    cdef int32_t i, k, page, count, size = 0
+    cdef int64_t tree_parts = 0
+    cdef HkvRadixNode* node
+    cdef HkvNodeParts* np
+    for i in range(t.node_capacity):
+        node = node_ptr(t, i)
+        np = &t.node_parts[i]
+        np.np_heap_pos = -1
+        np.np_count = 0
+        if node.rn_slab.sr_in_use != 1:
+            continue
+        count = 0
+        page = node.rn_first_page
+        for k in range(min(node.rn_num_pages, t.num_pages)):
+            if page < 0 or page >= t.num_pages:
+                break
+            if t.page_part[page] != -1:
+                count += 1
+            page = t.page_next[page]
+        np.np_count = count
+        tree_parts += count
+        if count > 0 and node.rn_lock_count == 0:
+            t.part_heap[size] = i
+            np.np_heap_pos = size
+            size += 1
+    t.parts.pt_heap_size = size
+    t.parts.pt_tree_parts = tree_parts
+    i = size // 2 - 1
+    while i >= 0:
+        part_sift_down_unlogged(t, i)
+        i -= 1
+    return 0
+
+
+cdef void part_sift_down_unlogged(Tree* t, int32_t pos) noexcept nogil:
+    cdef int32_t size = t.parts.pt_heap_size
+    cdef int32_t entry = t.part_heap[pos], child
+    while True:
+        child = 2 * pos + 1
+        if child >= size:
+            break
+        if child + 1 < size and part_heap_before(t, t.part_heap[child + 1], t.part_heap[child]):
+            child += 1
+        if not part_heap_before(t, t.part_heap[child], entry):
+            break
+        t.part_heap[pos] = t.part_heap[child]
+        t.node_parts[t.part_heap[pos]].np_heap_pos = pos
+        pos = child
+    t.part_heap[pos] = entry
+    t.node_parts[entry].np_heap_pos = pos
 
 
 cdef void sift_down_unlogged(Tree* t, int32_t pos) noexcept nogil:
@@ -881,6 +1193,25 @@ def evict(Segment seg, int64_t num_pages):
     try:
         t = tree_of(seg)
         evicted = tree_evict_pages(seg, &t, num_pages)
+        seg.commit()
+    finally:
+        seg.end()
+    return evicted
+
+
+def evict_parts(Segment seg, int64_t want_free):
+    """Evicts window parts of cached pages, least recently used unlocked node first, until
+    want_free parts are free (or no unlocked node has any); returns how many went. What an
+    allocation does before it hands out fresh pages."""
+    cdef Tree t
+    cdef int64_t evicted
+    check_open(seg)
+    if want_free < 0:
+        raise ValueError(f"want_free must be >= 0, got {want_free}")
+    seg.begin()
+    try:
+        t = tree_of(seg)
+        evicted = ensure_free_parts(seg, &t, want_free)
         seg.commit()
     finally:
         seg.end()

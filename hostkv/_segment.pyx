@@ -1024,9 +1024,24 @@ cdef class Segment(SegmentLock):
         check_shape(self)
         return <size_t>(self.base + self.hdr.hdr_regions.reg_pool)
 
+    def pool_span(self):
+        """Bytes from the page pool's start to the segment's end: the page pool, then (with
+        window parts) padding to 4096 and the part pool. The range engines write."""
+        self._check_open()
+        check_shape(self)
+        return self.hdr.hdr_regions.reg_total_size - self.hdr.hdr_regions.reg_pool
+
+    def part_pool(self):
+        """The window parts' bytes as a buffer object (PartPool): np.asarray(memoryview(it))
+        is a writable uint8 [num_parts, part_bytes] view that keeps this segment's mapping
+        alive and counted, as views of the page pool do."""
+        self._check_open()
+        check_shape(self)
+        return PartPool(self)
+
     def advise_pool(self, int64_t start, int64_t length, int advice):
         """madvise(2) on bytes [start, start + length) of this process's mapping of the page
-        pool, widened to whole OS pages, without the GIL. Returns 0, or the errno it failed
+        pool and the part pool after it (pool_span), widened to whole OS pages, without the GIL. Returns 0, or the errno it failed
         with (the caller decides: EINVAL from an older kernel means "try another advice").
 
         Counts as a call in flight, so close() in another thread waits for it rather than
@@ -1046,7 +1061,7 @@ cdef class Segment(SegmentLock):
         if self.closing and not pthread_equal(self.closing_thread, me):
             raise ValueError("the segment is closed (another thread is closing it)")
         check_shape(self)
-        pool_bytes = self.hdr.hdr_config.cfg_num_pages * self.hdr.hdr_config.cfg_page_bytes
+        pool_bytes = self.hdr.hdr_regions.reg_total_size - self.hdr.hdr_regions.reg_pool
         if not (0 <= start <= pool_bytes and 0 <= length <= pool_bytes - start):
             raise ValueError(
                 f"range [{start}, {start} + {length}) is not in the page pool of {pool_bytes} bytes")
@@ -1086,3 +1101,43 @@ cdef class Segment(SegmentLock):
 
     def __releasebuffer__(self, Py_buffer* view):
         self.exports -= 1
+
+
+cdef class PartPool:
+    """The window parts' bytes of a segment as a writable uint8 [num_parts, part_bytes]
+    buffer (empty without parts). Each view counts as one of the segment's exports, so its
+    close() refuses to unmap under a live view, as for the page pool."""
+
+    cdef Segment segment
+    cdef Py_ssize_t shape[2]
+    cdef Py_ssize_t strides[2]
+
+    def __cinit__(self, Segment segment not None):
+        self.segment = segment
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        cdef Segment seg = self.segment
+        if seg.closed or seg.closing:
+            raise ValueError("the segment is closed")
+        check_shape(seg)
+        seg.exports += 1
+        self.shape[0] = seg.hdr.hdr_config.cfg_num_parts
+        self.shape[1] = seg.hdr.hdr_config.cfg_part_bytes
+        self.strides[0] = seg.hdr.hdr_config.cfg_part_bytes
+        self.strides[1] = 1
+        view.buf = seg.base + seg.hdr.hdr_regions.reg_part_pool
+        view.obj = self
+        view.len = seg.hdr.hdr_config.cfg_num_parts * seg.hdr.hdr_config.cfg_part_bytes
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = NULL
+        if flags & PyBUF_FORMAT:
+            view.format = b"B"
+        view.ndim = 2
+        view.shape = &self.shape[0]
+        view.strides = &self.strides[0]
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* view):
+        self.segment.exports -= 1

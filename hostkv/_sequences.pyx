@@ -21,8 +21,8 @@ from hostkv._layout cimport (
 from hostkv._lock cimport check_open, log_store_i64
 from hostkv._pages cimport pages_alloc
 from hostkv._radix cimport (
-    BORROW_MAY_EVICT, BORROW_REFRESH, Tree, node_depth, page_hash, tree_borrow, tree_evict_pages,
-    tree_insert, tree_of)
+    BORROW_MAY_EVICT, BORROW_REFRESH, Tree, ensure_free_parts, node_depth, page_hash,
+    tree_borrow, tree_evict_pages, tree_insert, tree_of)
 from hostkv._records cimport (
     extend_page_list, new_sequence, owned_by_view, owned_sequence, release_sequence,
     sequence_at, set_lock)
@@ -384,6 +384,10 @@ cdef int allocate_sequences(Segment seg, list sequences, int32_t page_size, bint
                     f"{out_of_pages_holders(seg, &t, batch_fresh)}; only {hdr.hdr_free_pages} "
                     "are free or evictable",
                     needed=batch_fresh, available=hdr.hdr_free_pages)
+            # Window parts for the fresh pages, taken from the least recently used unlocked
+            # nodes (the batch's borrowed prefixes are locked); short of them, pages go
+            # without.
+            ensure_free_parts(seg, &t, batch_fresh)
             # 3. Record the sequences and hand out their fresh pages.
             for i in range(n):
                 seq = sequences[i]
@@ -498,6 +502,7 @@ cdef cnp.ndarray step_pages(Segment seg, cnp.ndarray records, cnp.ndarray seq_id
                 f"segment {seg.name!r}: this decode step needs {n} new pages, only "
                 f"{seg.hdr.hdr_free_pages} can be freed: {out_of_pages_holders(seg, &t, n)}", needed=n,
                 available=seg.hdr.hdr_free_pages)
+        ensure_free_parts(seg, &t, n)
         pages_alloc(seg, n, i32(pages))
         for i in range(n):
             extend_page_list(seg, owned_sequence(seg, recs[i], ids[i], gens[i]), i32(pages) + i, 1)

@@ -100,6 +100,16 @@ class CacheStats:
             that fails after its first logged store counts here, though it changed nothing).
         leases_reaped: Dead processes whose references were released.
         generation: Committed mutations so far.
+        num_parts: Window parts in the segment (0: none; the rest are then 0 too).
+        free_parts: Parts no page holds.
+        parts_allocated: Parts given to fresh pages so far.
+        parts_freed: Parts returned to the free list so far.
+        parts_donated: Parts a commit moved from its own page to the tree's page of the
+            same tokens, which had none.
+        pages_without_part: Fresh pages that found no part free (in a segment with parts).
+        tree_parts: Parts of pages the tree holds.
+        parts_evicted: Tree parts taken for fresh pages so far, least recently used node
+            first (their pages stayed cached).
     """
 
     free_pages: int
@@ -120,6 +130,14 @@ class CacheStats:
     rollbacks: int
     leases_reaped: int
     generation: int
+    num_parts: int = 0
+    free_parts: int = 0
+    parts_allocated: int = 0
+    parts_freed: int = 0
+    parts_donated: int = 0
+    pages_without_part: int = 0
+    tree_parts: int = 0
+    parts_evicted: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +238,7 @@ class HostKVCache:
     def __init__(self, segment: _segment.Segment) -> None:
         """Wraps an open Segment; use create() or attach() instead."""
         self._segment = segment
+        self._pool_span = segment.pool_span()
         values, layout = segment.config_values()
         if layout is not None:
             num_layers, num_kv_heads, head_dim, dtype_code, kind_code, state_layers = layout
@@ -508,7 +527,9 @@ class HostKVCache:
 
     @property
     def _pool_bytes(self) -> int:
-        return self._config.num_pages * self._config.page_bytes
+        # The page pool and, with window parts, the part pool after it: the bytes engines
+        # write, pre-faulted and advised as one range (read at open: it never changes).
+        return self._pool_span
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -517,6 +538,7 @@ class HostKVCache:
         info = self._segment.run_locked(self._segment.header_info)
         st = info["stats"]
         radix = info["radix"]
+        parts = info["parts"]
         return CacheStats(
             free_pages=info["free_pages"],
             cached_pages=radix["rt_cached_pages"],
@@ -536,6 +558,14 @@ class HostKVCache:
             rollbacks=st["st_rollbacks"],
             leases_reaped=st["st_leases_reaped"],
             generation=info["generation"],
+            num_parts=self._config.num_parts,
+            free_parts=parts["pt_free_parts"],
+            parts_allocated=parts["pt_parts_allocated"],
+            parts_freed=parts["pt_parts_freed"],
+            parts_donated=parts["pt_parts_donated"],
+            pages_without_part=parts["pt_pages_without_part"],
+            tree_parts=parts["pt_tree_parts"],
+            parts_evicted=parts["pt_parts_evicted"],
         )
 
     def metrics(self) -> CacheMetrics:
@@ -675,6 +705,30 @@ class HostKVCache:
         # Through memoryview: np.asarray swallows an exception from the buffer protocol and
         # returns a 0-d object array instead (numpy 2.x), hiding a CorruptionError.
         return np.asarray(memoryview(self._segment))
+
+    def page_parts(self, pages: Any) -> np.ndarray:
+        """The window part of each listed page (np.int32, -1: none), read under the lock.
+
+        A page's part stays while the caller holds the page (its own page, or one of a
+        prefix it borrowed): only the page's last reference frees it. A page without a
+        part may gain one (a commit's donation), never the reverse while it is held.
+
+        Raises:
+            ValueError: a page index outside the pool.
+        """
+        return _pages.page_parts_of(self._segment, pages)
+
+    def parts_array(self) -> np.ndarray:
+        """The window parts' bytes as a writable uint8 array [num_parts, part_bytes],
+        without copying (empty, [0, 0], in a segment without parts). Like pages_array(), it
+        keeps the mapping alive: close() raises while any view exists.
+
+        Raises:
+            ValueError: the cache is closed.
+        """
+        if self._segment.closed:
+            raise ValueError("the segment is closed")
+        return np.asarray(memoryview(self._segment.part_pool()))
 
     def pages_tensor(self, dtype: Any = None, shape: Optional[Tuple[int, ...]] = None) -> Any:
         """The page pool as a torch tensor, without copying.

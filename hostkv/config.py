@@ -313,7 +313,12 @@ class HostKVConfig:
         max_processes: Lease slots, i.e. processes attached at once, at most 4096. 0
             derives 64.
         undo_log_capacity: Undo-log entries. 0 derives
-            ``16 * num_pages + 64 * max_sequences + 65536``.
+            ``16 * num_pages + 64 * max_sequences + 65536 + 8 * num_parts``.
+        num_parts: Window parts, 0 (the default) for none: records of ``part_bytes`` bytes
+            in a second pool that a page may or may not have, for the KV a hit needs only
+            near its end (a sliding-window layer's). Fresh pages take a part while one is
+            free; a page's last reference frees its part. Must be < 2**31.
+        part_bytes: Bytes per window part: > 0 exactly when ``num_parts`` is.
 
     Raises:
         ConfigError: A field has the wrong type or is out of range, ``page_bytes`` and
@@ -333,6 +338,8 @@ class HostKVConfig:
     max_sequences: int = 0
     max_processes: int = 0
     undo_log_capacity: int = 0
+    num_parts: int = 0
+    part_bytes: int = 0
 
     def __post_init__(self) -> None:
         # Types first, normalised to plain ints (object.__setattr__: the class is frozen),
@@ -341,6 +348,8 @@ class HostKVConfig:
             "num_pages",
             "page_size",
             "page_bytes",
+            "num_parts",
+            "part_bytes",
             "prefix_min_reuse_pages",
             "prefix_min_store_pages",
         ) + _DERIVED_FIELDS:
@@ -370,6 +379,17 @@ class HostKVConfig:
         if self.page_bytes < 0:
             raise ConfigError(
                 f"HostKVConfig.page_bytes must be >= 0 (0: from kv_layout), got {self.page_bytes}"
+            )
+        for field in ("num_parts", "part_bytes"):
+            if getattr(self, field) < 0:
+                raise ConfigError(
+                    f"HostKVConfig.{field} must be >= 0 (0: no window parts), "
+                    f"got {getattr(self, field)}"
+                )
+        if (self.num_parts == 0) != (self.part_bytes == 0):
+            raise ConfigError(
+                "HostKVConfig.num_parts and part_bytes must both be 0 (no window parts) or "
+                f"both positive, got num_parts={self.num_parts}, part_bytes={self.part_bytes}"
             )
         for field in ("prefix_min_reuse_pages", "prefix_min_store_pages"):
             if getattr(self, field) < 1:
@@ -407,7 +427,7 @@ class HostKVConfig:
                 "(page_bytes is 0 and kv_layout is None)"
             )
 
-        for field in ("num_pages",) + _DERIVED_FIELDS:
+        for field in ("num_pages", "num_parts") + _DERIVED_FIELDS:
             value = getattr(self, field)
             if value >= _INT32_LIMIT:
                 raise ConfigError(
@@ -424,6 +444,12 @@ class HostKVConfig:
             raise ConfigError(
                 f"HostKVConfig.num_pages * page_bytes must be at most 2**46 bytes, got "
                 f"{self.num_pages} * {self.page_bytes} = {pool_bytes}"
+            )
+        part_pool_bytes = self.num_parts * self.part_bytes
+        if part_pool_bytes > _MAX_POOL_BYTES:
+            raise ConfigError(
+                f"HostKVConfig.num_parts * part_bytes must be at most 2**46 bytes, got "
+                f"{self.num_parts} * {self.part_bytes} = {part_pool_bytes}"
             )
 
     @property
@@ -443,12 +469,16 @@ class HostKVConfig:
           is in one sequence's page list at most, a record lists twelve, and each sequence's
           last record may be part full, so every page of the pool fits.
         - ``max_processes``: 64.
-        - ``undo_log_capacity``: ``16 * num_pages + 64 * max_sequences + 65536`` (with
-          max_sequences resolved first): every store to shared state during a mutation is
-          logged before it is made. Measured (layout 7): a batch allocation logs about 1
-          entry per page and 17 per sequence, a release with commit about 1.2 per page and
-          44 per sequence, one without commit about 4 per page (each page it frees), so a
-          batch of every page and every sequence fits, with room for eviction.
+        - ``undo_log_capacity``: ``16 * num_pages + 64 * max_sequences + 65536 + 8 *
+          num_parts`` (with max_sequences resolved first): every store to shared state
+          during a mutation is logged before it is made. Measured (layout 7): a batch
+          allocation logs about 1 entry per page and 17 per sequence, a release with
+          commit about 1.2 per page and 44 per sequence, one without commit about 4 per
+          page (each page it frees), so a batch of every page and every sequence fits,
+          with room for eviction. Window parts
+          add ``8 * num_parts``: a part costs 2 stores to hand out, 4 to donate, 5 to free
+          or evict, and an allocation may evict every part of the tree, with the part
+          heap's stores besides.
 
         ``HOSTKV_ENABLE_PREFIX_REUSE``, when set to ``0``, ``1``, ``false`` or ``true``
         (any case), overrides ``enable_prefix_reuse``; empty counts as unset.
@@ -471,7 +501,8 @@ class HostKVConfig:
         # A page is in one sequence's list at most, twelve to a record, and each sequence's
         # last record may be part full.
         derived["sequence_page_node_capacity"] = -(-self.num_pages // 12) + max_sequences
-        derived["undo_log_capacity"] = 16 * self.num_pages + 64 * max_sequences + 65536
+        derived["undo_log_capacity"] = (16 * self.num_pages + 64 * max_sequences + 65536
+                                        + 8 * self.num_parts)
         changes: dict = {}
         for field, value in derived.items():
             if getattr(self, field) != 0:

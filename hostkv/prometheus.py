@@ -43,6 +43,9 @@ _STAT_GAUGES = {
     "active_sequences": "Live sequences across all processes.",
     "active_processes": "Attached processes (live leases).",
     "tree_nodes": "Radix-tree node records in use.",
+    "num_parts": "Window parts in the segment (0: none).",
+    "free_parts": "Window parts no page holds.",
+    "tree_parts": "Window parts of pages the radix tree holds.",
 }
 
 # A remote tier's gauges (the summed ones of every process; a RemoteStats has the last two).

@@ -316,6 +316,7 @@ def test_field_order():
         "num_pages", "page_size", "page_bytes", "kv_layout", "enable_prefix_reuse",
         "prefix_min_reuse_pages", "prefix_min_store_pages", "radix_node_capacity",
         "sequence_page_node_capacity", "max_sequences", "max_processes", "undo_log_capacity",
+        "num_parts", "part_bytes",
     ]
     assert [f.name for f in dataclasses.fields(KVLayout)] == [
         "num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "state_layers"]

@@ -57,9 +57,12 @@ def _prepare_pages(cache):
     return held
 
 
-@pytest.fixture
-def crash_cache(segment_name):
-    cache = hostkv.HostKVCache.create(segment_name, small_config(num_pages=16, max_processes=4))
+@pytest.fixture(params=[0, 5], ids=["no-parts", "parts"])
+def crash_cache(segment_name, request):
+    # With 5 window parts for 16 pages, allocations run short of parts and frees return them.
+    parts = dict(num_parts=request.param, part_bytes=16 if request.param else 0)
+    cache = hostkv.HostKVCache.create(segment_name,
+                                      small_config(num_pages=16, max_processes=4, **parts))
     yield cache
     cache.close()
 

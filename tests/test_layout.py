@@ -18,10 +18,10 @@ from conftest import small_config
 
 # A layout change must bump HKV_LAYOUT_VERSION (hostkv/_layout.pxd), then update these.
 EXPECTED_LAYOUT = {
-    "layout_version": 10,
+    "layout_version": 12,
     "magic": 0x3130564B54534F48,  # "HOSTKV01" read as a little-endian u64
     "sizes": {
-        "HkvHeader": 640,
+        "HkvHeader": 768,
         "HkvLease": 128,
         "HkvUndoEntry": 16,
         "HkvSlab": 16,
@@ -30,6 +30,7 @@ EXPECTED_LAYOUT = {
         "HkvSeqPage": 64,
         "HkvMetrics": 101056,
         "pthread_mutex_t": 40,
+        "HkvNodeParts": 16,
     },
     "header": {
         "hdr_magic": 0,
@@ -40,48 +41,61 @@ EXPECTED_LAYOUT = {
         "hdr_config": 56,
         "cfg_num_pages": 56,
         "cfg_page_bytes": 64,
-        "cfg_page_size": 72,
-        "cfg_max_processes": 100,
-        "cfg_undo_log_capacity": 104,
-        "cfg_kv_dtype_code": 120,
-        "cfg_kv_kind": 124,
-        "cfg_kv_state_layers": 128,
-        "hdr_regions": 256,
-        "reg_leases": 256,
-        "reg_metrics": 264,
-        "reg_undo": 272,
-        "reg_page_refcounts": 280,
-        "reg_page_free_stack": 288,
-        "reg_page_tokens": 296,
-        "reg_page_next": 304,
-        "reg_radix_nodes": 312,
-        "reg_radix_table": 320,
-        "reg_radix_heap": 328,
-        "reg_sequences": 336,
-        "reg_sequence_pages": 344,
-        "reg_pool": 352,
-        "reg_total_size": 360,
-        "hdr_state": 368,
-        "hdr_creator_pid": 372,
-        "hdr_generation": 376,
-        "hdr_reserved_bytes": 384,
-        "hdr_free_pages": 392,
-        "hdr_active_leases": 400,
-        "hdr_undo_start": 404,
-        "hdr_undo_count": 408,
-        "hdr_stats": 416,
-        "st_recoveries": 432,
-        "st_evicted_pages": 480,
-        "hdr_radix": 512,
-        "rt_tick": 512,
-        "rt_table_capacity": 520,
-        "rt_heap_size": 524,
-        "rt_cached_pages": 528,
-        "rt_protected_pages": 536,
-        "rt_evictable_leaf_pages": 544,
-        "hdr_segment_id": 560,
-        "hdr_create_steps": 568,
-        "hdr_mutex": 576,
+        "cfg_num_parts": 72,
+        "cfg_part_bytes": 80,
+        "cfg_page_size": 88,
+        "cfg_max_processes": 116,
+        "cfg_undo_log_capacity": 120,
+        "cfg_kv_dtype_code": 136,
+        "cfg_kv_kind": 140,
+        "cfg_kv_state_layers": 144,
+        "hdr_regions": 272,
+        "reg_leases": 272,
+        "reg_metrics": 280,
+        "reg_undo": 288,
+        "reg_page_refcounts": 296,
+        "reg_page_free_stack": 304,
+        "reg_page_tokens": 312,
+        "reg_page_next": 320,
+        "reg_page_part": 328,
+        "reg_part_page": 336,
+        "reg_part_free_stack": 344,
+        "reg_radix_nodes": 352,
+        "reg_radix_table": 360,
+        "reg_radix_heap": 368,
+        "reg_node_parts": 376,
+        "reg_part_heap": 384,
+        "reg_sequences": 392,
+        "reg_sequence_pages": 400,
+        "reg_pool": 408,
+        "reg_part_pool": 416,
+        "reg_total_size": 424,
+        "hdr_state": 432,
+        "hdr_creator_pid": 436,
+        "hdr_generation": 440,
+        "hdr_reserved_bytes": 448,
+        "hdr_free_pages": 456,
+        "hdr_active_leases": 464,
+        "hdr_undo_start": 468,
+        "hdr_undo_count": 472,
+        "hdr_stats": 480,
+        "st_recoveries": 496,
+        "st_evicted_pages": 544,
+        "hdr_radix": 576,
+        "rt_tick": 576,
+        "rt_table_capacity": 584,
+        "rt_heap_size": 588,
+        "rt_cached_pages": 592,
+        "rt_protected_pages": 600,
+        "rt_evictable_leaf_pages": 608,
+        "hdr_parts": 624,
+        "pt_free_parts": 624,
+        "pt_pages_without_part": 656,
+        "pt_tree_parts": 664,
+        "pt_heap_size": 680,
+        "hdr_segment_id": 688,
+        "hdr_create_steps": 696,
+        "hdr_mutex": 704,
     },
     "lease": {
         "ls_mutex": 0,
@@ -198,8 +212,20 @@ def _check_regions(c: hostkv.HostKVCache) -> None:
             >= regions["reg_undo"] + cfg.undo_log_capacity * info["sizes"]["HkvUndoEntry"])
     assert regions["reg_page_free_stack"] >= regions["reg_page_refcounts"] + 4 * cfg.num_pages
     assert regions["reg_page_tokens"] >= regions["reg_page_free_stack"] + 4 * cfg.num_pages
-    assert regions["reg_pool"] >= regions["reg_page_tokens"] + 4 * cfg.num_pages * cfg.page_size
-    assert regions["reg_total_size"] == regions["reg_pool"] + cfg.num_pages * cfg.page_bytes
+    assert regions["reg_page_next"] >= regions["reg_page_tokens"] + 4 * cfg.num_pages * cfg.page_size
+    assert regions["reg_page_part"] >= regions["reg_page_next"] + 4 * cfg.num_pages
+    assert regions["reg_part_page"] >= regions["reg_page_part"] + 4 * cfg.num_pages
+    assert regions["reg_part_free_stack"] >= regions["reg_part_page"] + 4 * cfg.num_parts
+    assert regions["reg_radix_nodes"] >= regions["reg_part_free_stack"] + 4 * cfg.num_parts
+    assert regions["reg_pool"] >= regions["reg_radix_nodes"]
+    if cfg.num_parts:
+        # The part pool follows the page pool, 4096-aligned, and ends the segment.
+        assert regions["reg_part_pool"] % PAGE == 0
+        assert regions["reg_part_pool"] >= regions["reg_pool"] + cfg.num_pages * cfg.page_bytes
+        assert regions["reg_part_pool"] - regions["reg_pool"] < cfg.num_pages * cfg.page_bytes + PAGE
+    else:
+        assert regions["reg_part_pool"] == regions["reg_pool"] + cfg.num_pages * cfg.page_bytes
+    assert regions["reg_total_size"] == regions["reg_part_pool"] + cfg.num_parts * cfg.part_bytes
     assert os.stat("/dev/shm/" + c.name).st_size == regions["reg_total_size"]
     # The page pool view starts at reg_pool: 4096-aligned in this process's address space too.
     assert c._segment.pool_address() % PAGE == 0
@@ -216,3 +242,16 @@ def test_region_offsets_are_aligned_for_odd_sizes(new_name):
                        sequence_page_node_capacity=7, max_sequences=3)
     with hostkv.HostKVCache.create(new_name(), cfg) as c:
         _check_regions(c)
+
+
+def test_region_offsets_with_window_parts(new_name):
+    # Odd sizes again, with parts: the part pool's start is padded to 4096, the tables' are
+    # cache-line aligned.
+    cfg = small_config(num_pages=37, page_size=2, page_bytes=72, num_parts=5, part_bytes=24,
+                       max_processes=3, undo_log_capacity=259, radix_node_capacity=3,
+                       sequence_page_node_capacity=7, max_sequences=3)
+    with hostkv.HostKVCache.create(new_name(), cfg) as c:
+        _check_regions(c)
+        regions = c._segment.header_info()["regions"]
+        for key in ("reg_page_part", "reg_part_page", "reg_part_free_stack"):
+            assert regions[key] % CACHE_LINE == 0, (key, regions[key])

@@ -25,10 +25,12 @@ def tree_in_snapshots(monkeypatch):
     monkeypatch.setitem(crashlib.EXTRA_STATE, "lru", crashlib.lru_state)   # last-access stamps
 
 
-@pytest.fixture
-def tree_cache(segment_name):
+@pytest.fixture(params=[0, 6], ids=["no-parts", "parts"])
+def tree_cache(segment_name, request):
+    # With 6 window parts for 40 pages, inserts cache pages with and without parts.
+    parts = dict(num_parts=request.param, part_bytes=16 if request.param else 0)
     cache = hostkv.HostKVCache.create(
-        segment_name, small_config(num_pages=40, page_size=PAGE, radix_node_capacity=6))
+        segment_name, small_config(num_pages=40, page_size=PAGE, radix_node_capacity=6, **parts))
     yield cache
     cache.close()
 
@@ -126,6 +128,41 @@ def test_evict_whole_and_trim_crash_at_every_step(tree_cache):
         expect_after=lambda b, a: None if a.free_pages == b.free_pages + 5 else "5 pages not freed")
     assert steps > 20
     assert tree_cache.stats().cached_pages == cached - 5
+
+
+def test_insert_donating_parts_crash_at_every_step(segment_name):
+    """The tree holds pages without window parts (cached while parts ran out); an insert of
+    the same tokens in pages that have parts hands theirs to the tree's pages, and adopts its
+    new pages with their parts. Crashed at every step, nothing of it may remain."""
+    cache = hostkv.HostKVCache.create(
+        segment_name, small_config(num_pages=40, page_size=PAGE, radix_node_capacity=6,
+                                   num_parts=4, part_bytes=16))
+    try:
+        seg = cache._segment
+        hog = _pages.alloc_pages(seg, 4)             # every part, for now
+        held_insert(cache, tokens(1, 2, 3))          # cached without parts
+        _pages.free_pages(seg, hog)
+        toks = tokens(1, 2, 3, 4)
+        pages = _pages.alloc_pages(seg, 4)           # each with a part
+        assert (cache.page_parts(pages) != -1).all()
+        tree_pages = _radix.match(seg, toks, 0)
+        assert (cache.page_parts(tree_pages) == -1).all()
+
+        def donated(before, after):
+            page_part = np.frombuffer(after.parts[0], np.int32)
+            if not ((page_part[tree_pages] != -1).all() and (page_part[pages[:3]] == -1).all()
+                    and page_part[pages[3]] != -1):
+                return f"parts after the insert: {page_part.tolist()}"
+            return None
+
+        steps = crash_every_step(cache, insert_op, (toks, pages), expect_after=donated)
+        assert steps > 15
+        assert cache.stats().parts_donated == 3
+        _pages.free_pages(seg, pages)               # the donors' and the adopted page's own refs
+        cache.check()
+        assert cache.stats().free_parts == 0        # three donated parts and the adopted one
+    finally:
+        cache.close()
 
 
 @pytest.mark.parametrize("mode", ["keyboard_interrupt", "memory_error"])

@@ -34,6 +34,10 @@ from lib.reference_model import ModelCapacityError, RadixModel
 
 PAGE_SIZE = 2
 NUM_PAGES = 48
+# Window parts for a quarter of the pages: inserts take them from the least recently used
+# unlocked node or run short of them, so pages without a part reach the tree and later
+# inserts of the same tokens donate theirs.
+NUM_PARTS = 12
 NODE_CAPACITY = 8
 NAMESPACES = (0, 1, 2**64 - 1)
 # Two patterns share their first token (so a page differs only past its first id), one uses
@@ -74,7 +78,8 @@ class Twin:
 
     def __init__(self, name: str, hash_mask=None, note=lambda what: None) -> None:
         config = hostkv.HostKVConfig(num_pages=NUM_PAGES, page_size=PAGE_SIZE, page_bytes=16,
-                                     radix_node_capacity=NODE_CAPACITY, max_processes=4)
+                                     radix_node_capacity=NODE_CAPACITY, max_processes=4,
+                                     num_parts=NUM_PARTS, part_bytes=8)
         self.name = name
         self.note = note
         self.cache = hostkv.HostKVCache.create(name, config)
@@ -84,6 +89,13 @@ class Twin:
         self.model = RadixModel(PAGE_SIZE, NODE_CAPACITY)
         self.held = []      # (compiled node, model node) of each lock not yet undone
         self.inserted = []  # (namespace, tokens) of every insert so far: prefixes to reuse
+        # The window parts' model: which pages hold one (which part is the core's choice),
+        # and the counters. A fresh batch's last pages take the free parts; a freed page's
+        # part is free again; an insert moves a part from the caller's page to the tree's
+        # page of the same tokens when only the caller's has one.
+        self.with_part = set()
+        self.parts_allocated = self.parts_freed = self.parts_donated = self.parts_evicted = 0
+        self.pages_without_part = 0
 
     def close(self) -> None:
         try:
@@ -97,6 +109,7 @@ class Twin:
         got = self.cache.evict(num_pages)
         released = self.model.evict_pages(num_pages)
         assert got == len(released), f"evict({num_pages}): tree {got}, model {released}"
+        self.drop_parts(released)
         # The test holds no references: every page the tree let go is free now.
         rc = self.seg.run_locked(_pages.refcounts, self.seg)
         assert all(rc[p] == 0 for p in released), (released, rc[released])
@@ -112,8 +125,14 @@ class Twin:
             if self.cache.stats().free_pages < n:
                 self.note("insert: skipped, pages all borrowed")
                 return
+        self.evict_parts(n)
         pages = _pages.alloc_pages(self.seg, n)
+        give = min(n, NUM_PARTS - len(self.with_part))
+        self.with_part.update(pages[n - give:].tolist())
+        self.parts_allocated += give
+        self.pages_without_part += n - give
         self.inserted.append((namespace, tokens[:n * PAGE_SIZE]))
+        adopted = 0
         try:
             try:
                 got = _radix.insert(self.seg, as_array(tokens), pages, namespace)
@@ -136,8 +155,45 @@ class Twin:
             assert tree_pages.tolist() == want[1]
             assert tree_pages[existing:].tolist() == pages[existing:].tolist()
             assert (node == -1) == (want[2] is None)
+            adopted = n - existing
+            for own, cached in zip(pages[:existing].tolist(), tree_pages[:existing].tolist()):
+                if own != cached and own in self.with_part and cached not in self.with_part:
+                    self.with_part.remove(own)
+                    self.with_part.add(cached)
+                    self.parts_donated += 1
+                    self.note("insert: a part donated")
         finally:
             _pages.free_pages(self.seg, pages)
+            # The pages the tree did not adopt went back with the test's reference.
+            self.drop_parts(pages[:n - adopted].tolist())
+
+    def evict_parts(self, need: int) -> None:
+        """Frees parts for `need` fresh pages as an allocation does, in both: the model
+        takes every part of the unlocked node with parts of least (last access, first
+        page), until enough are free."""
+        got = _radix.evict_parts(self.seg, need)
+        want = 0
+        while NUM_PARTS - len(self.with_part) < need:
+            candidates = [node for node in self.model.live
+                          if node.lock == 0 and self.with_part.intersection(node.pages)]
+            if not candidates:
+                break
+            victim = min(candidates, key=lambda node: (node.last_access, node.pages[0]))
+            taken = self.with_part.intersection(victim.pages)
+            self.with_part -= taken
+            want += len(taken)
+            self.note("parts: a node's parts evicted")
+            if any(node.lock for node in self.model.live if self.with_part.intersection(node.pages)):
+                self.note("parts: evicted past a locked node")
+        assert got == want, f"evict_parts({need}): tree {got}, model {want}"
+        self.parts_evicted += want
+        self.parts_freed += want
+
+    def drop_parts(self, freed) -> None:
+        for page in list(freed):
+            if page in self.with_part:
+                self.with_part.remove(page)
+                self.parts_freed += 1
 
     def match(self, tokens, namespace) -> None:
         got = _radix.match(self.seg, as_array(tokens), namespace)
@@ -186,6 +242,15 @@ class Twin:
         assert (s.inserted_pages, s.evicted_pages) == (m.inserted, m.evicted)
         # The test holds no pages between steps: every used page is the tree's.
         assert s.free_pages == NUM_PAGES - s.cached_pages
+        # Borrows and inserts evict leaves for node records too: a page that left the tree
+        # (the test holds none) went free, its part with it.
+        self.drop_parts(self.with_part - self.model.cached_page_set)
+        page_part = self.seg.run_locked(_pages.part_links, self.seg)[0]
+        assert set(np.nonzero(page_part != -1)[0].tolist()) == self.with_part
+        assert (s.free_parts, s.tree_parts, s.parts_allocated, s.parts_freed, s.parts_donated,
+                s.pages_without_part, s.parts_evicted) == (
+            NUM_PARTS - len(self.with_part), len(self.with_part), self.parts_allocated,
+            self.parts_freed, self.parts_donated, self.pages_without_part, self.parts_evicted)
 
 
 def unique_name() -> str:
@@ -329,3 +394,6 @@ def test_seeded_walk_agrees_with_model(segment_name, hash_mask):
     assert seen["insert: CapacityError"] > 0, seen
     assert seen["borrow: stopped at a node boundary, no record for a split"] > 0, seen
     assert seen["insert: some pages existed"] > 0 and seen["borrow: hit"] > 0, seen
+    assert seen["insert: a part donated"] > 0, seen
+    assert seen["parts: a node's parts evicted"] > 0, seen
+    assert seen["parts: evicted past a locked node"] > 0, seen

@@ -39,10 +39,13 @@ def sequence_snapshots(monkeypatch):
     monkeypatch.setitem(crashlib.EXTRA_STATE, "lru", crashlib.lru_state)
 
 
-@pytest.fixture
-def view_cache(segment_name):
+@pytest.fixture(params=[0, 6], ids=["no-parts", "parts"])
+def view_cache(segment_name, request):
+    # With 6 window parts for 24 pages, batches run short of parts, and commits donate parts
+    # to cached pages that have none.
+    parts = dict(num_parts=request.param, part_bytes=16 if request.param else 0)
     cache = hostkv.HostKVCache.create(
-        segment_name, small_config(num_pages=24, page_size=PAGE, radix_node_capacity=8))
+        segment_name, small_config(num_pages=24, page_size=PAGE, radix_node_capacity=8, **parts))
     # Cache the system prompt once, from a sequence of this process.
     with hostkv.WorkerView(cache) as view:
         view.allocate_pages_for_sequences_with_prefix([hostkv.SequenceRequest(0, SYSTEM + [1])])
@@ -315,6 +318,47 @@ def test_commit_without_a_node_record_crash_at_every_step(segment_name):
         steps = crash_every_step(cache, commit_without_record, setup=one_locked_node,
                                  unreaped=True)
         assert steps > 5
+    finally:
+        cache.close()
+
+
+def test_release_donating_parts_crash_at_every_step(segment_name):
+    """A prompt cached while window parts ran out (its pages have none), then computed again
+    by a sequence whose pages have parts (too short a match to borrow): its release with
+    commit finds the pages cached and hands its parts to them, freeing its own pages.
+    Crashed at every step, the state is as setup left it; completed, the cached pages have
+    parts."""
+    cache = hostkv.HostKVCache.create(
+        segment_name, small_config(num_pages=24, page_size=PAGE, radix_node_capacity=8,
+                                   num_parts=5, part_bytes=16, prefix_min_reuse_pages=4))
+    prompt = list(range(500, 513))          # three full pages and one token
+    try:
+        with hostkv.WorkerView(cache) as view:
+            hog = view.allocate_pages_for_sequences_with_prefix(
+                [hostkv.SequenceRequest(9, list(range(900, 920)))])[0]
+            first = view.allocate_pages_for_sequences_with_prefix(
+                [hostkv.SequenceRequest(1, prompt)])[0]
+            assert (cache.page_parts(hog.page_table) != -1).all()
+            assert (cache.page_parts(first.page_table) == -1).all()
+            view.release([9], commit=False)
+            view.release([1], commit=True)  # cached, without parts
+        cached = cache.match_prefix(prompt).pages
+        assert len(cached) == 3 and (cache.page_parts(cached) == -1).all()
+
+        def computed_again(cache):
+            view = hostkv.WorkerView(cache)
+            second = view.allocate_pages_for_sequences_with_prefix(
+                [hostkv.SequenceRequest(2, prompt)])[0]
+            assert second.reused_tokens == 0
+            assert (cache.page_parts(second.page_table) != -1).all()
+            return view
+
+        steps = crash_every_step(cache, lambda cache, view: view.release([2], commit=True),
+                                 setup=computed_again, unreaped=True)
+        assert steps > 5
+        cache.check()
+        assert (cache.page_parts(cached) != -1).all()
+        assert cache.stats().free_parts == 2        # the donor's partial page freed its own
     finally:
         cache.close()
 

@@ -39,10 +39,14 @@ class Snapshot:
     pages_allocated: int
     pages_freed: int
     extra: tuple = ()
+    # Window parts: each page's part (-1 none), the free count and the counters. Which part
+    # a page has is compared too: recovery restores links, never reassigns them.
+    parts: tuple = ()
 
     def differences(self, other: "Snapshot") -> str:
         out = []
-        for field in ("free_pages", "live_leases", "pages_allocated", "pages_freed", "extra"):
+        for field in ("free_pages", "live_leases", "pages_allocated", "pages_freed", "extra",
+                      "parts"):
             if getattr(self, field) != getattr(other, field):
                 out.append(f"{field}: {getattr(self, field)!r} != {getattr(other, field)!r}")
         if self.refcounts != other.refcounts:
@@ -80,9 +84,21 @@ def snapshot(cache: hostkv.HostKVCache) -> Snapshot:
             pages_allocated=info["stats"]["st_pages_allocated"] if OPTIONS["counters"] else 0,
             pages_freed=info["stats"]["st_pages_freed"] if OPTIONS["counters"] else 0,
             extra=extra,
+            parts=part_state(seg, info),
         )
 
     return seg.run_locked(capture)
+
+
+def part_state(seg, info) -> tuple:
+    """The window parts' semantic state (call with the lock held): each page's part, the
+    free count, and the counters (those only with OPTIONS["counters"])."""
+    page_part, _ = _pages.part_links(seg)
+    parts = info["parts"]
+    counters = (parts["pt_parts_allocated"], parts["pt_parts_freed"], parts["pt_parts_donated"],
+                parts["pt_pages_without_part"], parts["pt_parts_evicted"]
+                ) if OPTIONS["counters"] else ()
+    return (page_part.tobytes(), parts["pt_free_parts"], parts["pt_tree_parts"], counters)
 
 
 def lru_state(seg) -> tuple:

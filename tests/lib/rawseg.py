@@ -65,7 +65,8 @@ class RawSegment:
 def regions(info: dict) -> List[Tuple[str, int, int]]:
     """(name, start, end) of every metadata region, in address order, from a header_info()
     dict: the header, then each region up to the next; the last one ends at reg_pool."""
-    offsets = {k: v for k, v in info["regions"].items() if k not in ("reg_pool", "reg_total_size")}
+    offsets = {k: v for k, v in info["regions"].items()
+               if k not in ("reg_pool", "reg_part_pool", "reg_total_size")}
     ordered = sorted(offsets.items(), key=lambda kv: kv[1])
     out = [("header", 0, ordered[0][1])]
     for i, (key, start) in enumerate(ordered):

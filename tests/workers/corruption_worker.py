@@ -40,9 +40,11 @@ NS2 = 7
 
 
 def config() -> hostkv.HostKVConfig:
+    # Window parts for a quarter of the pages: their tables are metadata to corrupt too.
     return hostkv.HostKVConfig(num_pages=48, page_size=PAGE, page_bytes=64,
                                radix_node_capacity=16, sequence_page_node_capacity=96,
-                               max_sequences=16, max_processes=4, undo_log_capacity=4096)
+                               max_sequences=16, max_processes=4, undo_log_capacity=4096,
+                               num_parts=12, part_bytes=16)
 
 
 def build(name: str, rng: random.Random):
