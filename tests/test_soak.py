@@ -6,6 +6,11 @@ Afterwards (every worker stopped) one reap must reclaim everything the dead held
 sequence, no borrowed page, every page free or cached, every invariant exact, and the tree
 still serves a committed prefix.
 
+The segment has window parts for a quarter of its pages. Workers write a pattern derived
+from the namespace and the tokens into the part of each prompt page they compute, and check
+it in the part of every page a hit serves them; afterwards every cached prompt page's part
+must still hold its pattern, and every part must be free or a cached page's.
+
 By default it runs about 45 s and needs at least 20 kills; HOSTKV_LONG=1 runs until 1000
 kills. Run with -s to see the counts.
 """
@@ -18,9 +23,10 @@ import random
 import signal
 import time
 
+import numpy as np
 import pytest
 
-from hostkv import HostKVCache, SequenceRequest as R, WorkerView
+from hostkv import HostKVCache, SequenceRequest as R, WorkerView, _introspect
 
 from conftest import report_counts
 from workers import soak_worker
@@ -128,7 +134,10 @@ def test_random_kill_9_soak(segment_name, workers, record_property):
                    f"{elapsed:.0f} s; {stats.recoveries} recoveries of dead lock holders, "
                    f"{stats.leases_reaped} dead processes reaped ({reaped} by the final reap); "
                    f"{stats.cached_pages} pages cached, {stats.hit_tokens} of "
-                   f"{stats.lookup_tokens} prompt tokens reused")
+                   f"{stats.lookup_tokens} prompt tokens reused; window parts: "
+                   f"{stats.tree_parts} of {stats.num_parts} cached, {stats.parts_evicted} "
+                   f"evicted, {stats.parts_donated} donated, {stats.pages_without_part} pages "
+                   "went without")
         report_counts(summary)
         record_property("soak_summary", summary)
 
@@ -143,6 +152,24 @@ def test_random_kill_9_soak(segment_name, workers, record_property):
             assert stats.recoveries > 0, summary
         # The traffic really shared prefixes across processes.
         assert stats.inserted_pages > 0 and stats.hit_tokens > 0, summary
+
+        # The window parts: none leaked (every part is free or a cached page's), the part
+        # LRU ran, and every cached prompt page's part holds its pattern.
+        assert stats.free_parts + stats.tree_parts == stats.num_parts, summary
+        assert stats.parts_evicted > 0 and stats.pages_without_part > 0, summary
+        contents = cache._segment.run_locked(_introspect.tree_contents, cache._segment)
+        parts = cache.parts_array()
+        checked = 0
+        for namespace, tokens, pages, _ in contents:
+            page_parts = cache.page_parts(np.asarray(pages, dtype=np.int32))
+            for i, part in enumerate(page_parts.tolist()):
+                if part == -1 or max(tokens[:(i + 1) * 4]) >= 60_000:
+                    continue            # no part, or a decode page (its part is never read)
+                want = soak_worker.part_pattern(namespace, tokens[:(i + 1) * 4])
+                assert bytes(parts[part]) == want, (namespace, i, pages[i], part)
+                checked += 1
+        assert checked > 0, summary
+        del parts
 
         # The tree is still usable: a committed prefix is reused by a fresh allocation.
         prompt = soak_worker.PREFIXES[-1]

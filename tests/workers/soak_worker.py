@@ -11,9 +11,12 @@ than running out of pages or records.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import sys
 import traceback
+
+import numpy as np
 
 import hostkv
 from hostkv import CapacityError, HostKVCache, OutOfPagesError, SequenceRequest, WorkerView
@@ -26,8 +29,46 @@ MAX_LIVE = 6
 
 
 def config() -> hostkv.HostKVConfig:
+    # Window parts for a quarter of the pages: allocations take them from the part LRU or
+    # go without, commits donate them, evictions and releases free them, under kill -9.
     return hostkv.HostKVConfig(num_pages=512, page_size=PAGE, page_bytes=64,
-                               radix_node_capacity=128, max_sequences=128, max_processes=10)
+                               radix_node_capacity=128, max_sequences=128, max_processes=10,
+                               num_parts=128, part_bytes=PART_BYTES)
+
+
+PART_BYTES = 16
+
+
+def part_pattern(namespace: int, tokens) -> bytes:
+    """What a part must hold for the page that ends tokens: the bytes its writer puts in, a
+    digest of the namespace and every token up to the page's end (the KV a part would hold
+    depends on exactly these)."""
+    digest = hashlib.blake2b(repr((namespace, list(tokens))).encode(), digest_size=PART_BYTES)
+    return digest.digest()
+
+
+def write_and_verify_parts(cache, parts, allocations, requests) -> None:
+    """For each new sequence: every borrowed page that has a part must hold its pattern (a
+    wrong part served to a hit fails the worker); every own full prompt page that has a part
+    gets its pattern written, before anything can commit it. Prompts never reach decode
+    tokens, so only prompt pages' parts are ever read back."""
+    for alloc, request in zip(allocations, requests):
+        tokens = list(request.tokens)
+        table = alloc.page_table
+        page_parts = cache.page_parts(table)
+        reused = alloc.reused_tokens // PAGE
+        for i in range(len(tokens) // PAGE):
+            part = int(page_parts[i])
+            if part == -1:
+                continue
+            want = part_pattern(request.namespace, tokens[:(i + 1) * PAGE])
+            if i < reused:
+                got = bytes(parts[part])
+                assert got == want, (
+                    f"page {table[i]} (prompt page {i}, namespace {request.namespace}) was "
+                    f"served with part {part} holding {got.hex()}, not {want.hex()}")
+            else:
+                parts[part] = np.frombuffer(want, dtype=np.uint8)
 
 
 def _prompt(rng: random.Random) -> list:
@@ -41,6 +82,7 @@ def _prompt(rng: random.Random) -> list:
 def run(name: str, seed: int, ops, armed: bool) -> None:
     rng = random.Random(seed)
     cache = HostKVCache.attach(name)
+    parts = cache.parts_array()
     view = WorkerView(cache)
     next_id = 0
     while True:
@@ -54,7 +96,8 @@ def run(name: str, seed: int, ops, armed: bool) -> None:
                 for _ in range(rng.randint(1, 3)):
                     batch.append(SequenceRequest(next_id, _prompt(rng), rng.choice(NAMESPACES)))
                     next_id += 1
-                view.allocate_pages_for_sequences_with_prefix(batch)
+                allocations = view.allocate_pages_for_sequences_with_prefix(batch)
+                write_and_verify_parts(cache, parts, allocations, batch)
             elif action < 0.65 and live:
                 chosen = rng.sample(live, rng.randint(1, len(live)))
                 for _ in range(rng.randint(1, 5)):
@@ -71,8 +114,10 @@ def run(name: str, seed: int, ops, armed: bool) -> None:
                 view = WorkerView(cache)
             elif action < 0.95:
                 view.close()
+                del parts
                 cache.close()
                 cache = HostKVCache.attach(name)
+                parts = cache.parts_array()
                 view = WorkerView(cache)
             elif action < 0.96:
                 cache.check()
