@@ -119,3 +119,16 @@ def test_the_gpu_copy_section_on_a_device(tmp_path):
         assert 0 < step["gbytes_per_s"][name]["median"] <= step["gbytes_per_s"][name]["best"]
     assert step["matmul"]["ms_alone"] > 0 and step["matmul"]["slowdown"] > 0
     assert "save / pinned d2h" in stdout and "matmul bf16" in stdout
+
+
+def test_the_window_parts_section_alone(tmp_path):
+    """Both segments replay the same workload (same hits); the one with parts really ran
+    short of them, so the part LRU was on the timed path."""
+    stdout, report = run_bench(tmp_path, "--section", "window-parts")
+    assert set(report) == BASE_KEYS | {"window_parts"}
+    assert [row["workload"] for row in report["window_parts"]] == ["shared-prompt", "multi-turn"]
+    for row in report["window_parts"]:
+        assert row["num_parts"] == max(1, row["num_pages"] // 8)
+        assert row["parts"]["evicted"] > 0 and row["ratio"] > 0
+        assert row["hit_rate_with"] == row["hit_rate_without"] > 0
+    assert "window parts:" in stdout

@@ -23,7 +23,9 @@ Sections of the report:
 * gpu copy: on a CUDA device only, a step's save and load through `CopyEngine` with the pool
   registered for DMA, against a pinned `cudaMemcpyAsync` of as many bytes, and a large
   matmul timed alone and with saves beside it;
-* tree: the workloads as match-then-insert straight on the compiled tree (no WorkerView).
+* tree: the workloads as match-then-insert straight on the compiled tree (no WorkerView);
+* window parts: the engine flow on a segment with a window part for every eighth page (the
+  part LRU at work) against one without, taking turns: what parts cost per request.
 
 `--section NAME` (repeatable) runs only the sections named: see SECTIONS.
 
@@ -54,6 +56,7 @@ from hostkv.bench.engines import HashChainEngine, ReferenceEngine, ViewEngine, r
 from hostkv.bench.eviction import EVICT_CHUNK_PAGES, eviction_by_demand, eviction_cost
 from hostkv.bench.gpu import GPU_OPS, gpu_copy_step
 from hostkv.bench.machine import _load_reference_model, compare_ceiling, machine_info
+from hostkv.bench.parts import PARTS_ROUNDS, window_parts
 from hostkv.bench.processes import (PROCESS_COUNTS, cpu_rate, process_scaling, process_specs,
                                     run_processes)
 from hostkv.bench.report import format_table
@@ -73,13 +76,13 @@ __all__ = [
     "no_sharing", "pool_faults", "process_scaling", "process_specs", "replay", "run",
     "run_engine_compiled", "run_engine_hash_chain", "run_engine_reference", "run_processes",
     "run_tree_compiled", "run_tree_reference", "shared_prompts", "short_prompts", "tree_row",
-    "workload_specs",
+    "window_parts", "workload_specs",
 ]
 
 
 # The sections `--section` names, in the order they run and print.
 SECTIONS = ("engine", "eviction", "decode", "processes", "data-path", "pool-faults",
-            "copy-engine", "gpu-copy", "tree")
+            "copy-engine", "gpu-copy", "tree", "window-parts")
 
 
 def run(quick: bool = False, seed: int = 0, sections: Optional[Sequence[str]] = None
@@ -100,7 +103,7 @@ def run(quick: bool = False, seed: int = 0, sections: Optional[Sequence[str]] = 
     model_module = _load_reference_model()
     # Each workload is seeded by its own name: building only those needed builds the same ones.
     workloads = ({spec.name: spec.build() for spec in workload_specs(quick, seed)}
-                 if chosen & {"engine", "eviction", "tree"} else {})
+                 if chosen & {"engine", "eviction", "tree", "window-parts"} else {})
     kv = data_path(quick, seed) if "data-path" in chosen else None
     ceilings: Dict[str, float] = {}
     if chosen & {"engine", "tree"}:
@@ -141,6 +144,8 @@ def run(quick: bool = False, seed: int = 0, sections: Optional[Sequence[str]] = 
     if "tree" in chosen:
         report["tree"] = [tree_row(workloads[n], model_module, ceilings)
                           for n in ("shared-prompt", "multi-turn")]
+    if "window-parts" in chosen:
+        report["window_parts"] = window_parts(workloads, 1 if quick else PARTS_ROUNDS)
     return report
 
 

@@ -15,13 +15,14 @@ from hostkv.worker_view import WorkerView
 ENGINE_ROUNDS = 3               # turns each engine-section peer takes (its fastest is kept)
 
 
-def run_engine_compiled(workload: Workload, num_pages: int, as_lists: bool = False
-                        ) -> Dict[str, Any]:
+def run_engine_compiled(workload: Workload, num_pages: int, as_lists: bool = False,
+                        **config: Any) -> Dict[str, Any]:
     """Replays the workload through a WorkerView on a fresh segment; as_lists hands the
-    prompts over as Python lists (vLLM's and SGLang's own format), converted untimed."""
+    prompts over as Python lists (vLLM's and SGLang's own format), converted untimed;
+    config: more HostKVConfig fields (window parts)."""
     requests = ([tokens.tolist() for tokens in workload.requests] if as_lists
                 else workload.requests)
-    cache = _create(num_pages, len(workload.requests))
+    cache = _create(num_pages, len(workload.requests), **config)
     try:
         with WorkerView(cache) as view:
             before = lock_metrics(cache)
@@ -37,6 +38,9 @@ def run_engine_compiled(workload: Workload, num_pages: int, as_lists: bool = Fal
     figures = _figures(workload.tokens, len(workload.requests), elapsed, reused,
                        stats.evicted_pages)
     figures["call_latency"] = latency_summary(latencies)
+    if stats.num_parts:
+        figures["parts"] = {"evicted": stats.parts_evicted, "donated": stats.parts_donated,
+                            "pages_without": stats.pages_without_part}
     if before is not None and after is not None:
         figures["lock"] = lock_summary(before, after)
         figures["lock_held_fraction"] = figures["lock"]["hold_total_ns"] / (elapsed * 1e9)

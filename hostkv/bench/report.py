@@ -277,6 +277,21 @@ def _format_gpu_copy(gc: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _format_window_parts(rows: List[Dict[str, Any]]) -> List[str]:
+    lines = ["window parts: the engine flow with a part for every eighth page (the part LRU "
+             "at work) against none, taking turns",
+             f"  {'workload':<14} {'pages':>6} {'parts':>6} {'us/req without':>15} "
+             f"{'us/req with':>12} {'ratio':>6} {'evicted':>8} {'donated':>8} {'without':>8}"]
+    for row in rows:
+        parts = row["parts"]
+        lines.append(
+            f"  {row['workload']:<14} {row['num_pages']:>6} {row['num_parts']:>6} "
+            f"{row['us_per_request_without']:>15.1f} {row['us_per_request_with']:>12.1f} "
+            f"{row['ratio']:>6.2f} {parts['evicted']:>8} {parts['donated']:>8} "
+            f"{parts['pages_without']:>8}")
+    return lines
+
+
 def format_table(report: Dict[str, Any]) -> str:
     """The report as plain-text tables: the sections it holds, in the order they run, one
     blank line between them."""
@@ -291,6 +306,7 @@ def format_table(report: Dict[str, Any]) -> str:
         ("gpu_copy", lambda r: _format_gpu_copy(r["gpu_copy"])),
         ("tree", lambda r: _format_runs("tree: match then insert straight on _radix (no "
                                         "WorkerView)", r["tree"], engine=False)),
+        ("window_parts", lambda r: _format_window_parts(r["window_parts"])),
     ]
     blocks = [_format_header(report)]
     blocks += [formatter(report) for key, formatter in formatters if key in report]
