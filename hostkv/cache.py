@@ -367,7 +367,7 @@ class HostKVCache:
             name: The segment's name.
             config: The config of a segment this call creates.
             compatible: Whether an existing segment's config will do (default: the same
-                KV layout, page size and page bytes).
+                KV layout, page size, page bytes and window parts).
             may_replace: Called with the reason (an IncompatibleSegmentError) and the
                 found config (None where unreadable) before replacing; False or raising
                 refuses. Default: replace.
@@ -385,7 +385,9 @@ class HostKVCache:
             def compatible(found: HostKVConfig) -> bool:
                 return (found.kv_layout == resolved.kv_layout
                         and found.page_size == resolved.page_size
-                        and found.page_bytes == resolved.page_bytes)
+                        and found.page_bytes == resolved.page_bytes
+                        and found.num_parts == resolved.num_parts
+                        and found.part_bytes == resolved.part_bytes)
         delay = 0.001
         for _ in range(attempts):
             try:

@@ -10,6 +10,8 @@ run with parts as well.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,29 @@ def test_the_part_pool_is_writable_and_after_the_page_pool(parts_cache):
         parts_cache.close()
     del parts
     parts_cache.close()
+
+
+def test_open_takes_other_parts_for_another_config(parts_cache):
+    """HostKVCache.open's default compatibility compares the parts: a segment with parts is
+    not one without (a writer that fills no parts would commit pages with parts unwritten)."""
+    plain = dataclasses.replace(parts_cache.config, num_parts=0, part_bytes=0)
+    refusals = []
+
+    def refuse(reason, found):
+        refusals.append(found)
+        return False
+
+    with pytest.raises(hostkv.IncompatibleSegmentError):
+        hostkv.HostKVCache.open(parts_cache.name, plain, may_replace=refuse)
+    assert refusals[0].num_parts == 4
+    with hostkv.HostKVCache.open(parts_cache.name, parts_cache.config) as same:
+        assert same.config.num_parts == 4
+
+
+def test_the_remote_tier_refuses_a_segment_with_parts(parts_cache):
+    from hostkv.remote import RemoteTier
+    with pytest.raises(ConfigError, match="does not carry window parts yet"):
+        RemoteTier(parts_cache, "redis://127.0.0.1:1")
 
 
 def test_page_parts_refuses_a_page_outside_the_pool(parts_cache):

@@ -176,3 +176,20 @@ def test_parallelism_that_splits_a_page_is_refused_at_start_up():
              r"prefill context parallelism is not supported \(pcp=2\)")]:
         with pytest.raises(ValueError, match=message):
             engine_kv(**parallel)
+
+
+def test_a_segment_with_window_parts_is_another_layout_to_the_connector(segment_name):
+    """The connector writes no window parts yet, and a committed page vouches for its part:
+    a segment of the same layout with parts is refused by name, never used."""
+    hv = vllm_module()
+    layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    config = hostkv.HostKVConfig(num_pages=8, page_size=BLOCK_SIZE, kv_layout=layout,
+                                 num_parts=4, part_bytes=64)
+    hostkv.HostKVCache.create(segment_name, config).close()
+    with pytest.raises(hostkv.IncompatibleSegmentError,
+                       match=r"holds pages of 2 layers .* with 4 window parts of 64 bytes, but "
+                             r"this engine's KV cache is .*replace_incompatible is false"):
+        hv.open_segment(hv.HostKVSettings(segment=segment_name, replace_incompatible=False),
+                        layout, BLOCK_SIZE)
+    with hv.open_segment(hv.HostKVSettings(segment=segment_name), layout, BLOCK_SIZE) as cache:
+        assert cache.config.num_parts == 0      # replaced by one of its own

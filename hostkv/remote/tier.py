@@ -76,8 +76,8 @@ class RemoteTier:
                 RemoteBackend); the URL still identifies it in messages.
 
         Raises:
-            ConfigError: a bad config, prefix reuse disabled on the segment, or redis-py
-                missing. Connecting is lazy: an unreachable store is not an error here.
+            ConfigError: a bad config, prefix reuse disabled on the segment, a segment with
+                window parts, or redis-py missing. Connecting is lazy: an unreachable store is not an error here.
         """
         if isinstance(config, str):
             config = RemoteConfig(config)
@@ -87,6 +87,12 @@ class RemoteTier:
             raise ConfigError(f"cache must be a HostKVCache, got {type(cache).__name__}")
         if not cache.config.enable_prefix_reuse:
             raise ConfigError("the remote tier needs a segment with enable_prefix_reuse=True")
+        if cache.config.num_parts:
+            # Its values carry a page's bytes only: a fetched page would be committed with
+            # a part nobody wrote.
+            raise ConfigError(
+                f"the remote tier does not carry window parts yet; segment {cache.name!r} "
+                f"has {cache.config.num_parts} of {cache.config.part_bytes} bytes")
         self._config = config
         self._page_size = cache.config.page_size
         self._backend = backend if backend is not None else backend_for(config)

@@ -750,6 +750,9 @@ def open_segment(settings: HostKVSettings, layout: KVLayout, page_size: int) -> 
     name = settings.segment
 
     def what(reason: IncompatibleSegmentError, found: Optional[HostKVConfig]) -> str:
+        if found is not None and found.num_parts:
+            return (f"pages of {describe_layout(found.kv_layout, found.page_size)} with "
+                    f"{found.num_parts} window parts of {found.part_bytes} bytes")
         if found is not None:
             return f"pages of {describe_layout(found.kv_layout, found.page_size)}"
         if isinstance(reason, SegmentFormatError):
@@ -780,7 +783,10 @@ def open_segment(settings: HostKVSettings, layout: KVLayout, page_size: int) -> 
     try:
         cache = HostKVCache.open(
             name, config,
-            compatible=lambda found: found.kv_layout == layout and found.page_size == page_size,
+            # Window parts: the connector writes none yet, and a committed page vouches
+            # for its part, so a segment with parts is another layout to it.
+            compatible=lambda found: (found.kv_layout == layout and found.page_size == page_size
+                                      and found.num_parts == 0),
             may_replace=may_replace, lock_timeout=settings.lock_timeout,
             ready_timeout=settings.ready_timeout)
     except SegmentInUseError:
