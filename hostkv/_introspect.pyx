@@ -181,6 +181,25 @@ cdef int parts_check(Segment seg, Tree* t) except -1:
 
 # -- dumps -----------------------------------------------------------------------------------------
 
+def part_lru_state(Segment seg):
+    """Every node with window parts as (first page, parts, age of its LRU key in ticks): a
+    set, for tests (crash snapshots compare it). Call with the lock held."""
+    cdef Tree t
+    cdef int32_t i
+    cdef HkvRadixNode* node
+    check_open(seg)
+    t = tree_of(seg)
+    out = set()
+    if not t.has_parts:
+        return out
+    for i in range(t.node_capacity):
+        node = node_ptr(&t, i)
+        if node.rn_slab.sr_in_use == 1 and t.node_parts[i].np_count > 0:
+            out.add((node.rn_first_page, t.node_parts[i].np_count,
+                     t.state.rt_tick - t.node_parts[i].np_key))
+    return out
+
+
 def tree_contents(Segment seg):
     """Every cached node as (namespace, tokens of its whole path, pages of its whole path,
     lock count): a set, for tests and inspect. Call with the lock held."""

@@ -288,9 +288,9 @@ def _page_array(Segment seg, pages):
 def page_parts_of(Segment seg, pages):
     """Each listed page's window part (np.int32, -1: none), read under the lock.
 
-    A part of a page the caller holds (its own, or one of a prefix it borrowed) stays until
-    the caller lets go of the page: only the page's last reference frees it, and a donation
-    only gives a part to a page that had none.
+    A private page's part stays until its holder commits or frees the page; a cached page's
+    part stays while a borrower has the page's node locked (the part LRU skips locked nodes,
+    and a donation only gives a part to a page that had none). See HostKVCache.page_parts.
     """
     cdef cnp.ndarray arr = _page_array(seg, pages)
     cdef cnp.ndarray out = np.full(arr.shape[0], -1, dtype=np.int32)

@@ -306,12 +306,18 @@ cdef int part_heap_sift(Segment seg, Tree* t, int32_t pos) except -1:
 
 cdef int part_heap_push(Segment seg, Tree* t, int32_t index) except -1:
     """Enters a node (not in the heap) at its current recency."""
+    return part_heap_push_keyed(seg, t, index, node_at(seg, t, index).rn_last_access)
+
+
+cdef int part_heap_push_keyed(Segment seg, Tree* t, int32_t index, int64_t key) except -1:
+    """Enters a node (not in the heap) with the given recency key."""
     cdef int32_t pos = t.parts.pt_heap_size
-    cdef HkvRadixNode* node = node_at(seg, t, index)
     if pos < 0 or pos >= t.node_capacity:
         seg.corrupt(f"part heap size {pos} outside [0, {t.node_capacity})")
-    if t.node_parts[index].np_key != node.rn_last_access:
-        log_store_i64(seg, &t.node_parts[index].np_key, node.rn_last_access)
+    if t.node_parts[index].np_heap_pos != -1:
+        seg.corrupt(f"radix node {index} entered the part heap twice")
+    if t.node_parts[index].np_key != key:
+        log_store_i64(seg, &t.node_parts[index].np_key, key)
     log_store_i32(seg, &t.parts.pt_heap_size, pos + 1)
     log_store_i32(seg, &t.part_heap[pos], index)
     part_heap_sift(seg, t, pos)
@@ -363,6 +369,8 @@ cdef int node_parts_lose(Segment seg, Tree* t, int32_t index, int32_t count) exc
 cdef int32_t count_parts(Segment seg, Tree* t, int32_t page, int32_t num_pages) except -1:
     """How many of num_pages linked pages from page have a part."""
     cdef int32_t i, count = 0
+    if num_pages < 0 or num_pages > t.num_pages:
+        seg.corrupt(f"a run of {num_pages} pages in a pool of {t.num_pages}")
     for i in range(num_pages):
         check_page_index(seg, page)
         if t.page_part[page] != -1:
@@ -375,6 +383,8 @@ cdef int64_t evict_node_parts(Segment seg, Tree* t, int32_t index) except -1:
     """Frees every part of an unlocked node's pages (the pages stay cached)."""
     cdef HkvRadixNode* node = node_at(seg, t, index)
     cdef int32_t page = node.rn_first_page, i, freed = 0
+    if node.rn_num_pages < 1 or node.rn_num_pages > t.num_pages:
+        seg.corrupt(f"radix node {index} covers {node.rn_num_pages} pages")
     for i in range(node.rn_num_pages):
         check_page_index(seg, page)
         if t.page_part[page] != -1:
@@ -630,9 +640,7 @@ cdef int split_parts(Segment seg, Tree* t, int32_t index, int32_t head_index,
         log_store_i32(seg, &np.np_count, np.np_count - moved)
         if np.np_heap_pos >= 0:
             # Same recency as the node: entered with the node's key, not the current tick.
-            log_store_i32(seg, &t.parts.pt_heap_size, t.parts.pt_heap_size + 1)
-            log_store_i32(seg, &t.part_heap[t.parts.pt_heap_size - 1], head_index)
-            part_heap_sift(seg, t, t.parts.pt_heap_size - 1)
+            part_heap_push_keyed(seg, t, head_index, np.np_key)
     if np.np_heap_pos >= 0:
         if np.np_count == 0:
             part_heap_remove(seg, t, index)

@@ -711,9 +711,11 @@ class HostKVCache:
     def page_parts(self, pages: Any) -> np.ndarray:
         """The window part of each listed page (np.int32, -1: none), read under the lock.
 
-        A page's part stays while the caller holds the page (its own page, or one of a
-        prefix it borrowed): only the page's last reference frees it. A page without a
-        part may gain one (a commit's donation), never the reverse while it is held.
+        What pins a part: a live sequence's own pages keep theirs until it commits them
+        (a commit may hand a part to the tree's page of the same tokens) or lets them go;
+        the pages of a prefix it borrowed or holds (locked from the borrow to its release)
+        keep theirs and may only gain one. A tree page nobody has locked may lose its part
+        to the part LRU at any allocation, whatever page references exist.
 
         Raises:
             ValueError: a page index outside the pool.

@@ -283,6 +283,12 @@ def _env_prefix_reuse() -> Optional[bool]:
     )
 
 
+def _undo_per_part(radix_node_capacity: int) -> int:
+    """Undo-log entries a window part may cost one mutation: its eviction from a one-page
+    node, with the part heap's removal (2 stores a level), and its hand-out."""
+    return 12 + 2 * max(1, radix_node_capacity).bit_length()
+
+
 @dataclasses.dataclass(frozen=True)
 class HostKVConfig:
     """The configuration of one segment.
@@ -313,7 +319,8 @@ class HostKVConfig:
         max_processes: Lease slots, i.e. processes attached at once, at most 4096. 0
             derives 64.
         undo_log_capacity: Undo-log entries. 0 derives
-            ``16 * num_pages + 64 * max_sequences + 65536 + 8 * num_parts``.
+            ``16 * num_pages + 64 * max_sequences + 65536 + (12 + 2 *
+            bits(radix_node_capacity)) * num_parts``.
         num_parts: Window parts, 0 (the default) for none: records of ``part_bytes`` bytes
             in a second pool that a page may or may not have, for the KV a hit needs only
             near its end (a sliding-window layer's). Fresh pages take a part while one is
@@ -469,16 +476,17 @@ class HostKVConfig:
           is in one sequence's page list at most, a record lists twelve, and each sequence's
           last record may be part full, so every page of the pool fits.
         - ``max_processes``: 64.
-        - ``undo_log_capacity``: ``16 * num_pages + 64 * max_sequences + 65536 + 8 *
-          num_parts`` (with max_sequences resolved first): every store to shared state
+        - ``undo_log_capacity``: ``16 * num_pages + 64 * max_sequences + 65536 + (12 + 2 *
+          bits(radix_node_capacity)) * num_parts`` (with max_sequences and
+          radix_node_capacity resolved first; bits is int.bit_length): every store to shared state
           during a mutation is logged before it is made. Measured (layout 7): a batch
           allocation logs about 1 entry per page and 17 per sequence, a release with
           commit about 1.2 per page and 44 per sequence, one without commit about 4 per
           page (each page it frees), so a batch of every page and every sequence fits,
-          with room for eviction. Window parts
-          add ``8 * num_parts``: a part costs 2 stores to hand out, 4 to donate, 5 to free
-          or evict, and an allocation may evict every part of the tree, with the part
-          heap's stores besides.
+          with room for eviction. Window parts add their worst case: one allocation may
+          evict every part of the tree, one node at a time (5 stores for the part, 3 for
+          the node's count and the totals, then a removal from the part heap, which sifts
+          an entry down: up to 2 stores a level), and then hand each out (2 stores).
 
         ``HOSTKV_ENABLE_PREFIX_REUSE``, when set to ``0``, ``1``, ``false`` or ``true``
         (any case), overrides ``enable_prefix_reuse``; empty counts as unset.
@@ -501,8 +509,9 @@ class HostKVConfig:
         # A page is in one sequence's list at most, twelve to a record, and each sequence's
         # last record may be part full.
         derived["sequence_page_node_capacity"] = -(-self.num_pages // 12) + max_sequences
+        node_capacity = self.radix_node_capacity or derived["radix_node_capacity"]
         derived["undo_log_capacity"] = (16 * self.num_pages + 64 * max_sequences + 65536
-                                        + 8 * self.num_parts)
+                                        + _undo_per_part(node_capacity) * self.num_parts)
         changes: dict = {}
         for field, value in derived.items():
             if getattr(self, field) != 0:

@@ -52,7 +52,8 @@ def test_config_refuses_bad_parts(fields, message):
 def test_the_undo_log_grows_with_the_parts():
     plain = small_config().apply_runtime_defaults()
     with_parts = small_config(num_parts=1000, part_bytes=8).apply_runtime_defaults()
-    assert with_parts.undo_log_capacity == plain.undo_log_capacity + 8 * 1000
+    # 4096 node records (derived for a small pool): 13 bits, 12 + 2 * 13 entries a part.
+    assert with_parts.undo_log_capacity == plain.undo_log_capacity + (12 + 2 * 13) * 1000
 
 
 def test_attach_sees_the_parts(parts_cache):
@@ -143,6 +144,13 @@ def test_a_commit_never_takes_a_part_from_a_page_it_does_not_own(parts_cache):
     _radix.insert(seg, tokens(1, 2), with_parts, 0)
     assert (parts_cache.page_parts(with_parts) != -1).all()
     assert (parts_cache.page_parts(partless) == -1).all()
+    # Naming free pages as its own: a free page has no part to give (nor gets one).
+    free = np.array([p for p in range(16) if p not in set(hog.tolist()) | set(partless.tolist())
+                     | set(with_parts.tolist())][:2], dtype=np.int32)
+    assert (_pages.refcounts(seg)[free] == 0).all()
+    _radix.insert(seg, tokens(1, 2), free, 0)
+    assert (parts_cache.page_parts(partless) == -1).all()
+    assert (parts_cache.page_parts(free) == -1).all()
     assert parts_cache.stats().parts_donated == 0
     parts_cache.check(exact_references=False)
 
@@ -362,6 +370,52 @@ def test_unlock_of_a_parked_node_crash_at_every_step(lru_cache, tree_in_snapshot
     assert _radix.evict_parts(seg, 2) == 2       # back in the LRU, and taken
 
 
+def test_split_of_a_parked_node_crash_at_every_step(lru_cache, tree_in_snapshots):
+    """A node the part LRU parked (locked when met) split by a shorter borrow: both halves
+    stay out of the heap while locked, and go back in at their last unlock."""
+    from lib.crashlib import crash_every_step
+    seg = lru_cache._segment
+    whole = cached(lru_cache, 1, 2, 3, 4)
+    other = cached(lru_cache, 5, 6)
+    _, node = _radix.borrow(seg, tokens(1, 2, 3, 4), 0)
+    assert _radix.evict_parts(seg, 4) == 2        # parks (1..4), takes (5, 6)'s
+    assert has_parts(lru_cache, other) == [False, False]
+    steps = crash_every_step(lru_cache, lambda cache, toks: _radix.borrow(cache._segment, toks, 0),
+                             tokens(1, 2, 9))
+    assert steps > 10
+    lru_cache.check(exact_references=False)
+    assert _radix.evict_parts(seg, 6) == 0        # every node with parts is locked
+    _radix.unlock(seg, node)
+    lru_cache.check(exact_references=False)
+
+
+def test_donation_to_a_locked_node_crash_at_every_step(lru_cache, tree_in_snapshots):
+    """The tree's pages without parts are borrowed (locked) when a commit donates parts to
+    them: the node counts them but stays out of the heap until its unlock, and the
+    borrower's pages only gain parts."""
+    from lib.crashlib import crash_every_step
+    seg = lru_cache._segment
+    hog = _pages.alloc_pages(seg, 6)
+    partless = cached(lru_cache, 1, 2)
+    _pages.free_pages(seg, hog)
+    _, node = _radix.borrow(seg, tokens(1, 2), 0)
+    donors = _pages.alloc_pages(seg, 3)
+
+    def donated(before, after):
+        page_part = np.frombuffer(after.parts[0], np.int32)
+        return None if (page_part[partless] != -1).all() else f"parts: {page_part.tolist()}"
+
+    steps = crash_every_step(lru_cache, lambda cache, ctx: _radix.insert(cache._segment, *ctx, 0),
+                             (tokens(1, 2, 3), donors), expect_after=donated)
+    assert steps > 10
+    lru_cache.check(exact_references=False)
+    assert _radix.evict_parts(seg, 6) == 1        # (3)'s, not the locked node's two
+    _radix.unlock(seg, node)
+    assert _radix.evict_parts(seg, 6) == 2        # in the LRU again after its unlock
+    _pages.free_pages(seg, donors)
+    lru_cache.check()
+
+
 @pytest.mark.parametrize("mode", ["keyboard_interrupt", "memory_error"])
 def test_exceptions_mid_part_eviction_roll_back(lru_cache, tree_in_snapshots, mode):
     from lib.crashlib import raise_every_step
@@ -376,23 +430,59 @@ def test_exceptions_mid_part_eviction_roll_back(lru_cache, tree_in_snapshots, mo
 
 
 def test_the_default_undo_log_fits_an_allocation_that_evicts_every_part(segment_name):
-    """The worst case for the log: 256 one-page nodes, each with a part, all unlocked, then
-    one batch whose fresh pages need more parts than there are: every node gives its part,
-    one heap removal each."""
-    config = hostkv.HostKVConfig(num_pages=1024, page_size=PAGE, page_bytes=16, num_parts=258,
-                                 part_bytes=16, max_sequences=8, max_processes=4,
-                                 radix_node_capacity=600)
+    """The worst case for the log, at a size where the parts' share of it dominates: 131,072
+    one-page nodes, each with a part, all unlocked, then one batch whose fresh pages need
+    every part: each node gives its part, with a removal from a heap 17 levels deep. (A
+    budget of 8 entries a part raised CapacityError here.)"""
+    num_pages, num_parts = 262_144, 131_072
+    config = hostkv.HostKVConfig(num_pages=num_pages, page_size=PAGE, page_bytes=16,
+                                 num_parts=num_parts, part_bytes=16, max_sequences=8,
+                                 max_processes=4)
     with hostkv.HostKVCache.create(segment_name, config) as cache:
+        seg = cache._segment
+        for i in range(num_parts):
+            pages = _pages.alloc_pages(seg, 1)
+            _radix.insert(seg, np.full(PAGE, i, dtype=np.int32), pages, 0)
+            _pages.free_pages(seg, pages)
+        s = cache.stats()
+        assert (s.tree_parts, s.free_parts, s.tree_nodes) == (num_parts, 0, num_parts)
         with hostkv.WorkerView(cache) as view:
-            for i in range(256):
-                view.allocate_pages_for_sequences_with_prefix(
-                    [hostkv.SequenceRequest(i, [i + 1] * PAGE + [0])])
-                view.release([i])
-            s = cache.stats()
-            assert (s.tree_parts, s.free_parts, s.tree_nodes) == (256, 2, 256)
             view.allocate_pages_for_sequences_with_prefix(
-                [hostkv.SequenceRequest(999, list(range(10_000, 10_000 + 511 * PAGE)))])
+                [hostkv.SequenceRequest(1, [num_parts + 1] * (num_parts * PAGE))])
             s = cache.stats()
-            assert (s.parts_evicted, s.tree_parts, s.pages_without_part) == (256, 0, 511 - 258)
-            view.release([999], commit=False)
+            assert (s.parts_evicted, s.tree_parts, s.pages_without_part) == (num_parts, 0, 0)
+            view.release([1], commit=False)
         cache.check()
+
+
+@pytest.mark.parametrize("damage", ["part heap size", "node page count"])
+def test_a_damaged_part_lru_is_corruption_not_a_crash(lru_cache, damage):
+    """Each in a child process, so that a crash would show as a signal: a split with a
+    part heap size far past the table, and a part eviction of a node whose page count is
+    past the pool, both report CorruptionError."""
+    from conftest import run_in_fork
+    seg = lru_cache._segment
+    cached(lru_cache, 1, 2, 3)
+    regions = seg.header_info()["regions"]
+    if damage == "part heap size":
+        offset, value, op = LAYOUT["header"]["pt_heap_size"], 200_000_000, \
+            lambda: _radix.borrow(seg, tokens(1, 2), 0)          # a split of a node in the heap
+    else:
+        with RawSegment(lru_cache.name) as raw:
+            node = int.from_bytes(raw.read(regions["reg_part_heap"],
+                                           regions["reg_part_heap"] + 4), "little")
+        record = (regions["reg_radix_nodes"] + LAYOUT["sizes"]["HkvSlab"]
+                  + node * LAYOUT["sizes"]["HkvRadixNode"])
+        offset, value, op = record + LAYOUT["radix_node"]["rn_num_pages"], 2**31 - 1, \
+            lambda: _radix.evict_parts(seg, 6)
+    with RawSegment(lru_cache.name) as raw:
+        raw.map[offset:offset + 4] = value.to_bytes(4, "little")
+
+    def body():
+        try:
+            op()
+        except hostkv.CorruptionError:
+            return 0
+        return 1
+
+    assert run_in_fork(body) == 0

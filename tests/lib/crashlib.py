@@ -98,7 +98,11 @@ def part_state(seg, info) -> tuple:
     counters = (parts["pt_parts_allocated"], parts["pt_parts_freed"], parts["pt_parts_donated"],
                 parts["pt_pages_without_part"], parts["pt_parts_evicted"]
                 ) if OPTIONS["counters"] else ()
-    return (page_part.tobytes(), parts["pt_free_parts"], parts["pt_tree_parts"], counters)
+    # The part LRU's logged state too: each node's count and key (as an age, so that
+    # rounds whose setup moved the clock alike compare equal). Heap places are not
+    # compared: recovery rebuilds the heap, and a locked node may be in it or parked.
+    lru = frozenset(_introspect.part_lru_state(seg))
+    return (page_part.tobytes(), parts["pt_free_parts"], parts["pt_tree_parts"], counters, lru)
 
 
 def lru_state(seg) -> tuple:
