@@ -254,6 +254,10 @@ cdef int update_evictable(Segment seg, Tree* t, int32_t index) except -1:
 
 
 # -- the part LRU: nodes holding window parts by (np_key, first page) ---------------------------
+#
+# The leaf heap's code over another array, size, position field and order. They are kept
+# apart rather than made generic: the leaf heap is on every allocation's path, and a generic
+# heap would pay an indirect call per comparison there.
 
 cdef int32_t part_heap_entry(Segment seg, Tree* t, int64_t pos) except -1:
     """The part heap's entry at pos, checked as heap_entry checks the leaf heap's."""

@@ -1077,27 +1077,9 @@ cdef class Segment(SegmentLock):
     def __getbuffer__(self, Py_buffer* view, int flags):
         # The page pool as a writable uint8 [num_pages, page_bytes] buffer: numpy and torch
         # views keep this object alive and counted, so close() can refuse to unmap under them.
-        if self.closed or self.closing:
-            raise ValueError("the segment is closed")
-        check_shape(self)
-        self.exports += 1
-        view.buf = self.base + self.hdr.hdr_regions.reg_pool
-        view.obj = self
-        view.len = self.hdr.hdr_config.cfg_num_pages * self.hdr.hdr_config.cfg_page_bytes
-        view.readonly = 0
-        view.itemsize = 1
-        view.format = NULL
-        if flags & PyBUF_FORMAT:
-            view.format = b"B"
-        view.ndim = 2
-        view.shape = <Py_ssize_t*>&self._pool_shape[0]
-        view.strides = <Py_ssize_t*>&self._pool_strides[0]
-        view.suboffsets = NULL
-        view.internal = NULL
-        self._pool_shape[0] = self.hdr.hdr_config.cfg_num_pages
-        self._pool_shape[1] = self.hdr.hdr_config.cfg_page_bytes
-        self._pool_strides[0] = self.hdr.hdr_config.cfg_page_bytes
-        self._pool_strides[1] = 1
+        export_rows(self, view, flags, self, self.hdr.hdr_regions.reg_pool,
+                    self.hdr.hdr_config.cfg_num_pages, self.hdr.hdr_config.cfg_page_bytes,
+                    <Py_ssize_t*>&self._pool_shape[0], <Py_ssize_t*>&self._pool_strides[0])
 
     def __releasebuffer__(self, Py_buffer* view):
         self.exports -= 1
@@ -1117,27 +1099,38 @@ cdef class PartPool:
 
     def __getbuffer__(self, Py_buffer* view, int flags):
         cdef Segment seg = self.segment
-        if seg.closed or seg.closing:
-            raise ValueError("the segment is closed")
-        check_shape(seg)
-        seg.exports += 1
-        self.shape[0] = seg.hdr.hdr_config.cfg_num_parts
-        self.shape[1] = seg.hdr.hdr_config.cfg_part_bytes
-        self.strides[0] = seg.hdr.hdr_config.cfg_part_bytes
-        self.strides[1] = 1
-        view.buf = seg.base + seg.hdr.hdr_regions.reg_part_pool
-        view.obj = self
-        view.len = seg.hdr.hdr_config.cfg_num_parts * seg.hdr.hdr_config.cfg_part_bytes
-        view.readonly = 0
-        view.itemsize = 1
-        view.format = NULL
-        if flags & PyBUF_FORMAT:
-            view.format = b"B"
-        view.ndim = 2
-        view.shape = &self.shape[0]
-        view.strides = &self.strides[0]
-        view.suboffsets = NULL
-        view.internal = NULL
+        export_rows(seg, view, flags, self, seg.hdr.hdr_regions.reg_part_pool,
+                    seg.hdr.hdr_config.cfg_num_parts, seg.hdr.hdr_config.cfg_part_bytes,
+                    &self.shape[0], &self.strides[0])
 
     def __releasebuffer__(self, Py_buffer* view):
         self.segment.exports -= 1
+
+
+cdef int export_rows(Segment seg, Py_buffer* view, int flags, object owner, int64_t offset,
+                     int64_t rows, int64_t row_bytes, Py_ssize_t* shape,
+                     Py_ssize_t* strides) except -1:
+    """Fills view with the writable uint8 [rows, row_bytes] bytes at offset in the segment,
+    owned by owner (whose __releasebuffer__ gives the export back), and counts the export."""
+    if seg.closed or seg.closing:
+        raise ValueError("the segment is closed")
+    check_shape(seg)
+    seg.exports += 1
+    shape[0] = rows
+    shape[1] = row_bytes
+    strides[0] = row_bytes
+    strides[1] = 1
+    view.buf = seg.base + offset
+    view.obj = owner
+    view.len = rows * row_bytes
+    view.readonly = 0
+    view.itemsize = 1
+    view.format = NULL
+    if flags & PyBUF_FORMAT:
+        view.format = b"B"
+    view.ndim = 2
+    view.shape = shape
+    view.strides = strides
+    view.suboffsets = NULL
+    view.internal = NULL
+    return 0
