@@ -104,6 +104,27 @@ def test_create_a_segment_with_recurrent_state_layers(new_name):
             hostkv.HostKVCache.attach(refused)
 
 
+def test_create_a_segment_with_window_parts(new_name):
+    name = new_name()
+    done = run_cli("create", name, "--num-pages", "64", "--page-bytes", "256", "--page-size",
+                   "4", "--num-parts", "8", "--part-bytes", "128")
+    assert done.returncode == 0, done.stderr
+    assert "64 pages of 256 bytes" in done.stdout and "8 window parts of 128 bytes" in done.stdout
+    with hostkv.HostKVCache.attach(name) as cache:
+        assert (cache.config.num_parts, cache.config.part_bytes) == (8, 128)
+        assert cache.parts_array().shape == (8, 128)
+    stats = run_cli("stats", name)
+    assert stats.returncode == 0, stats.stderr
+    assert any(line.split() == ["num_parts", "8"] for line in stats.stdout.splitlines())
+    assert any(line.split() == ["free_parts", "8"] for line in stats.stdout.splitlines())
+    prometheus = run_cli("stats", name, "--prometheus")
+    assert "# TYPE hostkv_free_parts gauge" in prometheus.stdout
+    assert "hostkv_parts_evicted_total" in prometheus.stdout
+    refused = run_cli("create", new_name(), "--num-pages", "8", "--page-bytes", "64",
+                      "--num-parts", "4")
+    assert refused.returncode != 0 and "must both be 0" in refused.stderr
+
+
 def test_parse_size():
     assert parse_size(4096) == 4096
     assert parse_size("4GiB") == 4 << 30
