@@ -1077,9 +1077,8 @@ cdef class Segment(SegmentLock):
     def __getbuffer__(self, Py_buffer* view, int flags):
         # The page pool as a writable uint8 [num_pages, page_bytes] buffer: numpy and torch
         # views keep this object alive and counted, so close() can refuse to unmap under them.
-        export_rows(self, view, flags, self, self.hdr.hdr_regions.reg_pool,
-                    self.hdr.hdr_config.cfg_num_pages, self.hdr.hdr_config.cfg_page_bytes,
-                    <Py_ssize_t*>&self._pool_shape[0], <Py_ssize_t*>&self._pool_strides[0])
+        export_rows(self, view, flags, self, False, <Py_ssize_t*>&self._pool_shape[0],
+                    <Py_ssize_t*>&self._pool_strides[0])
 
     def __releasebuffer__(self, Py_buffer* view):
         self.exports -= 1
@@ -1099,22 +1098,29 @@ cdef class PartPool:
 
     def __getbuffer__(self, Py_buffer* view, int flags):
         cdef Segment seg = self.segment
-        export_rows(seg, view, flags, self, seg.hdr.hdr_regions.reg_part_pool,
-                    seg.hdr.hdr_config.cfg_num_parts, seg.hdr.hdr_config.cfg_part_bytes,
-                    &self.shape[0], &self.strides[0])
+        export_rows(seg, view, flags, self, True, &self.shape[0], &self.strides[0])
 
     def __releasebuffer__(self, Py_buffer* view):
         self.segment.exports -= 1
 
 
-cdef int export_rows(Segment seg, Py_buffer* view, int flags, object owner, int64_t offset,
-                     int64_t rows, int64_t row_bytes, Py_ssize_t* shape,
-                     Py_ssize_t* strides) except -1:
-    """Fills view with the writable uint8 [rows, row_bytes] bytes at offset in the segment,
-    owned by owner (whose __releasebuffer__ gives the export back), and counts the export."""
+cdef int export_rows(Segment seg, Py_buffer* view, int flags, object owner, bint parts,
+                     Py_ssize_t* shape, Py_ssize_t* strides) except -1:
+    """Fills view with the page pool (or, with parts, the part pool) as writable uint8
+    [rows, row bytes], owned by owner (whose __releasebuffer__ gives the export back), and
+    counts the export. The header is read only once the segment is known to be mapped."""
+    cdef int64_t offset, rows, row_bytes
     if seg.closed or seg.closing:
         raise ValueError("the segment is closed")
     check_shape(seg)
+    if parts:
+        offset = seg.hdr.hdr_regions.reg_part_pool
+        rows = seg.hdr.hdr_config.cfg_num_parts
+        row_bytes = seg.hdr.hdr_config.cfg_part_bytes
+    else:
+        offset = seg.hdr.hdr_regions.reg_pool
+        rows = seg.hdr.hdr_config.cfg_num_pages
+        row_bytes = seg.hdr.hdr_config.cfg_page_bytes
     seg.exports += 1
     shape[0] = rows
     shape[1] = row_bytes

@@ -285,8 +285,10 @@ def _env_prefix_reuse() -> Optional[bool]:
 
 def _undo_per_part(radix_node_capacity: int) -> int:
     """Undo-log entries a window part may cost one mutation: its eviction from a one-page
-    node, with the part heap's removal (2 stores a level), and its hand-out."""
-    return 12 + 2 * max(1, radix_node_capacity).bit_length()
+    node used since it entered the part heap (a re-key and its sift, then the removal and
+    its sift: 2 stores a level each), and its hand-out. Measured: 68 a part for 16,384
+    such nodes (budget 76), 80 for 131,072 (budget 88)."""
+    return 16 + 4 * max(1, radix_node_capacity).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +321,7 @@ class HostKVConfig:
         max_processes: Lease slots, i.e. processes attached at once, at most 4096. 0
             derives 64.
         undo_log_capacity: Undo-log entries. 0 derives
-            ``16 * num_pages + 64 * max_sequences + 65536 + (12 + 2 *
+            ``16 * num_pages + 64 * max_sequences + 65536 + (16 + 4 *
             bits(radix_node_capacity)) * num_parts``.
         num_parts: Window parts, 0 (the default) for none: records of ``part_bytes`` bytes
             in a second pool that a page may or may not have, for the KV a hit needs only
@@ -476,7 +478,7 @@ class HostKVConfig:
           is in one sequence's page list at most, a record lists twelve, and each sequence's
           last record may be part full, so every page of the pool fits.
         - ``max_processes``: 64.
-        - ``undo_log_capacity``: ``16 * num_pages + 64 * max_sequences + 65536 + (12 + 2 *
+        - ``undo_log_capacity``: ``16 * num_pages + 64 * max_sequences + 65536 + (16 + 4 *
           bits(radix_node_capacity)) * num_parts`` (with max_sequences and
           radix_node_capacity resolved first; bits is int.bit_length): every store to shared state
           during a mutation is logged before it is made. Measured (layout 7): a batch
@@ -484,9 +486,10 @@ class HostKVConfig:
           commit about 1.2 per page and 44 per sequence, one without commit about 4 per
           page (each page it frees), so a batch of every page and every sequence fits,
           with room for eviction. Window parts add their worst case: one allocation may
-          evict every part of the tree, one node at a time (5 stores for the part, 3 for
-          the node's count and the totals, then a removal from the part heap, which sifts
-          an entry down: up to 2 stores a level), and then hand each out (2 stores).
+          evict every part of the tree, one node at a time (5 stores for the part, 4 for
+          the node's count and the totals, a re-key of a node used since it entered the
+          part heap and a removal from it, each sifting an entry: up to 2 stores a level
+          each), and then hand each out (2 stores).
 
         ``HOSTKV_ENABLE_PREFIX_REUSE``, when set to ``0``, ``1``, ``false`` or ``true``
         (any case), overrides ``enable_prefix_reuse``; empty counts as unset.

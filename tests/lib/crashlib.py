@@ -98,10 +98,13 @@ def part_state(seg, info) -> tuple:
     counters = (parts["pt_parts_allocated"], parts["pt_parts_freed"], parts["pt_parts_donated"],
                 parts["pt_pages_without_part"], parts["pt_parts_evicted"]
                 ) if OPTIONS["counters"] else ()
-    # The part LRU's logged state too: each node's count and key (as an age, so that
-    # rounds whose setup moved the clock alike compare equal). Heap places are not
-    # compared: recovery rebuilds the heap, and a locked node may be in it or parked.
-    lru = frozenset(_introspect.part_lru_state(seg))
+    # Each node's part count too. Its LRU key is not compared: the key is lazy (an eviction
+    # re-keys a stale one to the node's last access before taking anything, so the order
+    # parts go in is the tree's recency, which lru_state compares), and recovery may park
+    # or re-key a locked node where a clean run would not; check() requires every key to
+    # be at most its node's last access.
+    lru = frozenset((first_page, count) for first_page, count, _
+                    in _introspect.part_lru_state(seg))
     return (page_part.tobytes(), parts["pt_free_parts"], parts["pt_tree_parts"], counters, lru)
 
 
