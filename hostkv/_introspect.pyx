@@ -20,7 +20,7 @@ from hostkv._lock cimport check_open
 from hostkv._pages cimport check_page_index, page_refcounts
 from hostkv._radix cimport (
     END_OF_NODE, NOT_IN_TREE, Tree, heap_before, heap_entry, node_at, node_ptr, page_hash,
-    part_heap_before, part_heap_entry, table_find, tokens_of, tree_of)
+    part_heap_before, table_find, tokens_of, tree_of)
 from hostkv._segment cimport Segment
 from hostkv._slab cimport slab_check
 
@@ -170,11 +170,11 @@ cdef int parts_check(Segment seg, Tree* t) except -1:
     if tree_parts != t.parts.pt_tree_parts:
         seg.corrupt(f"tree parts: counted {t.parts.pt_tree_parts}, walked {tree_parts}")
     for j in range(size):
-        i = part_heap_entry(seg, t, j)
+        i = heap_entry(seg, t, j, True)
         if t.node_parts[i].np_heap_pos != j:
             seg.corrupt(f"part heap entry {j} is node {i}, whose place is "
                         f"{t.node_parts[i].np_heap_pos}")
-        if j > 0 and part_heap_before(t, i, part_heap_entry(seg, t, (j - 1) // 2)):
+        if j > 0 and part_heap_before(t, i, heap_entry(seg, t, (j - 1) // 2, True)):
             seg.corrupt(f"the part heap is out of order at {j}")
     return 0
 

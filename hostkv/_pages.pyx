@@ -345,34 +345,43 @@ def refcounts(Segment seg):
 def check_pages(Segment seg):
     """Checks the pool's invariants; call with the lock held. Raises CorruptionError."""
     cdef int32_t* refcounts
-    cdef int32_t* stack
-    cdef int64_t n, free_pages
-    cdef int64_t i, zero = 0
-    cdef int32_t page
+    cdef int64_t i, n
     check_open(seg)
     refcounts = page_refcounts(seg)
-    stack = page_free_stack(seg)
     n = seg.hdr.hdr_config.cfg_num_pages
-    free_pages = seg.hdr.hdr_free_pages
-    if free_pages < 0 or free_pages > n:
-        seg.corrupt(f"free page count {free_pages} outside [0, {n}]")
-    seen = np.zeros(n, dtype=np.uint8)
-    for i in range(free_pages):
-        page = stack[i]
-        check_page_index(seg, page)
-        if seen[page]:
-            seg.corrupt(f"page {page} is on the free stack twice")
-        seen[page] = 1
-        if refcounts[page] != 0:
-            seg.corrupt(f"page {page} is on the free stack with refcount {refcounts[page]}")
     for i in range(n):
         if refcounts[i] < 0:
             seg.corrupt(f"page {i} has refcount {refcounts[i]}")
-        if refcounts[i] == 0:
-            zero += 1
-    if zero != free_pages:
-        seg.corrupt(f"{zero} pages have refcount 0 but {free_pages} are on the free stack")
+    check_free_stack(seg, "page", page_free_stack(seg), seg.hdr.hdr_free_pages, n, refcounts, 0,
+                     "refcount")
     check_parts(seg)
+
+
+cdef int check_free_stack(Segment seg, str what, const int32_t* stack, int64_t count,
+                          int64_t capacity, const int32_t* state, int32_t free_state,
+                          str state_name) except -1:
+    """A free stack's invariants: its count in [0, capacity], its entries in range, each
+    listed once, each free (state[entry] == free_state), and every free entry listed."""
+    cdef int64_t i, free_entries = 0
+    cdef int32_t entry
+    if count < 0 or count > capacity:
+        seg.corrupt(f"free {what} count {count} outside [0, {capacity}]")
+    seen = np.zeros(capacity, dtype=np.uint8)
+    for i in range(count):
+        entry = stack[i]
+        if entry < 0 or entry >= capacity:
+            seg.corrupt(f"{what} index {entry} outside [0, {capacity})")
+        if seen[entry]:
+            seg.corrupt(f"{what} {entry} is on the free stack twice")
+        seen[entry] = 1
+        if state[entry] != free_state:
+            seg.corrupt(f"{what} {entry} is on the free stack with {state_name} {state[entry]}")
+    for i in range(capacity):
+        if state[i] == free_state:
+            free_entries += 1
+    if free_entries != count:
+        seg.corrupt(f"{free_entries} {what}s are free but {count} are on the free stack")
+    return 0
 
 
 cdef int check_parts(Segment seg) except -1:
@@ -381,11 +390,9 @@ cdef int check_parts(Segment seg) except -1:
     cdef int32_t* refcounts = page_refcounts(seg)
     cdef int32_t* page_part = page_parts(seg)
     cdef int32_t* part_page = part_pages(seg)
-    cdef int32_t* stack = part_free_stack(seg)
     cdef int64_t n = seg.hdr.hdr_config.cfg_num_pages
     cdef int64_t num_parts = seg.hdr.hdr_config.cfg_num_parts
-    cdef int64_t free_parts = seg.hdr.hdr_parts.pt_free_parts
-    cdef int64_t i, unowned = 0
+    cdef int64_t i
     cdef int32_t part, page
     for i in range(n):
         part = page_part[i]
@@ -396,25 +403,13 @@ cdef int check_parts(Segment seg) except -1:
             seg.corrupt(f"page {i} names part {part}, which names page {part_page[part]}")
         if refcounts[i] == 0:
             seg.corrupt(f"free page {i} keeps part {part}")
-    if free_parts < 0 or free_parts > num_parts:
-        seg.corrupt(f"free part count {free_parts} outside [0, {num_parts}]")
-    seen = np.zeros(num_parts, dtype=np.uint8)
-    for i in range(free_parts):
-        part = stack[i]
-        check_part_index(seg, part)
-        if seen[part]:
-            seg.corrupt(f"part {part} is on the free stack twice")
-        seen[part] = 1
-        if part_page[part] != -1:
-            seg.corrupt(f"part {part} is on the free stack but belongs to page {part_page[part]}")
     for i in range(num_parts):
         page = part_page[i]
         if page == -1:
-            unowned += 1
             continue
         check_page_index(seg, page)
         if page_part[page] != i:
             seg.corrupt(f"part {i} names page {page}, which names part {page_part[page]}")
-    if unowned != free_parts:
-        seg.corrupt(f"{unowned} parts belong to no page but {free_parts} are on the free stack")
+    check_free_stack(seg, "part", part_free_stack(seg), seg.hdr.hdr_parts.pt_free_parts,
+                     num_parts, part_page, -1, "page")
     return 0

@@ -57,7 +57,7 @@ cdef Tree tree_of(Segment seg) noexcept
 cdef HkvRadixNode* node_at(Segment seg, Tree* t, int64_t index) except NULL
 cdef int32_t table_find(Tree* t, int32_t parent, uint64_t namespace,
                         const int32_t* first_tokens) noexcept nogil
-cdef int32_t heap_entry(Segment seg, Tree* t, int64_t pos) except -1
+cdef int32_t heap_entry(Segment seg, Tree* t, int64_t pos, bint parts=*) except -1
 
 
 # The small accessors every reader of the tree inlines (_radix, and _introspect's walks).
@@ -106,6 +106,27 @@ cdef inline bint heap_before(Tree* t, int32_t a, int32_t b) noexcept nogil:
         na.rn_last_access == nb.rn_last_access and a < b)
 
 
+# The tree's two heaps share one implementation (_radix.pyx, "the heaps"), told apart by a
+# flag: parts=False is the eviction heap of unlocked leaves, parts=True the part LRU. Each
+# accessor below is a branch on that flag, not an indirect call.
+
+cdef inline int32_t* heap_slots(Tree* t, bint parts) noexcept nogil:
+    return t.part_heap if parts else t.heap
+
+
+cdef inline int32_t* heap_size(Tree* t, bint parts) noexcept nogil:
+    return &t.parts.pt_heap_size if parts else &t.state.rt_heap_size
+
+
+cdef inline int32_t* heap_place(Tree* t, bint parts, int32_t index) noexcept nogil:
+    """Where a node's position in the heap is kept (-1: not in it)."""
+    return &t.node_parts[index].np_heap_pos if parts else &node_ptr(t, index).rn_heap_pos
+
+
+cdef inline bint heap_order(Tree* t, bint parts, int32_t a, int32_t b) noexcept nogil:
+    return part_heap_before(t, a, b) if parts else heap_before(t, a, b)
+
+
 # -- the operations ------------------------------------------------------------------------------
 
 cdef int tree_walk(Tree* t, const int32_t* tokens, int64_t num_pages, uint64_t namespace,
@@ -128,4 +149,3 @@ cdef int64_t tree_insert(Segment seg, Tree* t, const int32_t* tokens, const int3
                          int32_t* out_node, int32_t below=*, bint adopt=*) except -1
 cdef int64_t tree_evict_pages(Segment seg, Tree* t, int64_t want) except -1
 cdef int64_t ensure_free_parts(Segment seg, Tree* t, int64_t need) except -1
-cdef int32_t part_heap_entry(Segment seg, Tree* t, int64_t pos) except -1

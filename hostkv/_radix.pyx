@@ -159,82 +159,91 @@ cdef int table_remove(Segment seg, Tree* t, int32_t index) except -1:
     return 0
 
 
-# -- the eviction heap: evictable leaves by (last access, index) --------------------------------
+# -- the heaps: the eviction heap of unlocked leaves by (last access, index), and the part LRU
+# of nodes holding window parts by (np_key, first page); `parts` says which (see _radix.pxd)
 
-cdef int heap_put(Segment seg, Tree* t, int32_t pos, int32_t index) except -1:
-    cdef HkvRadixNode* node = node_at(seg, t, index)
+cdef str heap_name(bint parts):
+    return "part heap" if parts else "eviction heap"
+
+
+cdef int heap_put(Segment seg, Tree* t, int32_t pos, int32_t index, bint parts=False) except -1:
+    cdef int32_t* slots = heap_slots(t, parts)
+    cdef int32_t* place
+    node_at(seg, t, index)
+    place = heap_place(t, parts, index)
     # An entry a sift leaves where it was is already there: no stores to log.
-    if t.heap[pos] != index:
-        log_store_i32(seg, &t.heap[pos], index)
-    if node.rn_heap_pos != pos:
-        log_store_i32(seg, &node.rn_heap_pos, pos)
+    if slots[pos] != index:
+        log_store_i32(seg, &slots[pos], index)
+    if place[0] != pos:
+        log_store_i32(seg, place, pos)
     return 0
 
 
-cdef int32_t heap_entry(Segment seg, Tree* t, int64_t pos) except -1:
+cdef int32_t heap_entry(Segment seg, Tree* t, int64_t pos, bint parts=False) except -1:
     """The heap's entry at pos: the position checked against the heap's size, the size
     against the capacity and the entry against the node table (all read from the segment)."""
-    cdef int32_t size = t.state.rt_heap_size
+    cdef int32_t size = heap_size(t, parts)[0]
     cdef int32_t entry
     if size < 0 or size > t.node_capacity or pos < 0 or pos >= size:
-        seg.corrupt(f"eviction heap position {pos} outside its size {size} "
+        seg.corrupt(f"{heap_name(parts)} position {pos} outside its size {size} "
                     f"(capacity {t.node_capacity})")
-    entry = t.heap[pos]
+    entry = heap_slots(t, parts)[pos]
     if entry < 0 or entry >= t.node_capacity:
-        seg.corrupt(f"eviction heap entry {pos} is node {entry}, outside [0, {t.node_capacity})")
+        seg.corrupt(f"{heap_name(parts)} entry {pos} is node {entry}, outside "
+                    f"[0, {t.node_capacity})")
     return entry
 
 
-cdef int heap_sift(Segment seg, Tree* t, int32_t pos) except -1:
+cdef int heap_sift(Segment seg, Tree* t, int32_t pos, bint parts=False) except -1:
     """Moves the entry at pos up or down until the heap order holds again."""
-    cdef int32_t size = t.state.rt_heap_size
-    cdef int32_t entry = heap_entry(seg, t, pos), parent, child, other
+    cdef int32_t size = heap_size(t, parts)[0]
+    cdef int32_t entry = heap_entry(seg, t, pos, parts), parent, child, other
     while pos > 0:
         parent = (pos - 1) // 2
-        other = heap_entry(seg, t, parent)
-        if not heap_before(t, entry, other):
+        other = heap_entry(seg, t, parent, parts)
+        if not heap_order(t, parts, entry, other):
             break
-        heap_put(seg, t, pos, other)
+        heap_put(seg, t, pos, other, parts)
         pos = parent
     while True:
         child = 2 * pos + 1
         if child >= size:
             break
-        other = heap_entry(seg, t, child)
-        if child + 1 < size and heap_before(t, heap_entry(seg, t, child + 1), other):
+        other = heap_entry(seg, t, child, parts)
+        if child + 1 < size and heap_order(t, parts, heap_entry(seg, t, child + 1, parts), other):
             child += 1
-            other = t.heap[child]
-        if not heap_before(t, other, entry):
+            other = heap_slots(t, parts)[child]
+        if not heap_order(t, parts, other, entry):
             break
-        heap_put(seg, t, pos, other)
+        heap_put(seg, t, pos, other, parts)
         pos = child
-    heap_put(seg, t, pos, entry)
+    heap_put(seg, t, pos, entry, parts)
     return 0
 
 
-cdef int heap_push(Segment seg, Tree* t, int32_t index) except -1:
-    cdef int32_t pos = t.state.rt_heap_size
+cdef int heap_push(Segment seg, Tree* t, int32_t index, bint parts=False) except -1:
+    cdef int32_t pos = heap_size(t, parts)[0]
     if pos < 0 or pos >= t.node_capacity:
-        seg.corrupt(f"eviction heap size {pos} outside [0, {t.node_capacity})")
-    log_store_i32(seg, &t.state.rt_heap_size, pos + 1)
-    log_store_i32(seg, &t.heap[pos], index)
-    heap_sift(seg, t, pos)
+        seg.corrupt(f"{heap_name(parts)} size {pos} outside [0, {t.node_capacity})")
+    log_store_i32(seg, heap_size(t, parts), pos + 1)
+    log_store_i32(seg, &heap_slots(t, parts)[pos], index)
+    heap_sift(seg, t, pos, parts)
     return 0
 
 
-cdef int heap_remove(Segment seg, Tree* t, int32_t index) except -1:
-    cdef HkvRadixNode* node = node_at(seg, t, index)
-    cdef int32_t pos = node.rn_heap_pos
-    cdef int32_t last = t.state.rt_heap_size - 1
-    cdef int32_t moved
-    if pos < 0 or pos > last or heap_entry(seg, t, pos) != index:
-        seg.corrupt(f"radix node {index} has heap position {pos}, not in the heap")
-    moved = heap_entry(seg, t, last)
-    log_store_i32(seg, &t.state.rt_heap_size, last)
-    log_store_i32(seg, &node.rn_heap_pos, -1)
+cdef int heap_remove(Segment seg, Tree* t, int32_t index, bint parts=False) except -1:
+    cdef int32_t pos, moved
+    cdef int32_t last = heap_size(t, parts)[0] - 1
+    node_at(seg, t, index)
+    pos = heap_place(t, parts, index)[0]
+    if pos < 0 or pos > last or heap_entry(seg, t, pos, parts) != index:
+        seg.corrupt(f"radix node {index} has {heap_name(parts)} position {pos}, not in the heap")
+    moved = heap_entry(seg, t, last, parts)
+    log_store_i32(seg, heap_size(t, parts), last)
+    log_store_i32(seg, heap_place(t, parts, index), -1)
     if pos != last:
-        log_store_i32(seg, &t.heap[pos], moved)
-        heap_sift(seg, t, pos)
+        log_store_i32(seg, &heap_slots(t, parts)[pos], moved)
+        heap_sift(seg, t, pos, parts)
     return 0
 
 
@@ -253,93 +262,21 @@ cdef int update_evictable(Segment seg, Tree* t, int32_t index) except -1:
     return 0
 
 
-# -- the part LRU: nodes holding window parts by (np_key, first page) ---------------------------
-#
-# The leaf heap's code over another array, size, position field and order. They are kept
-# apart rather than made generic: the leaf heap is on every allocation's path, and a generic
-# heap would pay an indirect call per comparison there.
-
-cdef int32_t part_heap_entry(Segment seg, Tree* t, int64_t pos) except -1:
-    """The part heap's entry at pos, checked as heap_entry checks the leaf heap's."""
-    cdef int32_t size = t.parts.pt_heap_size
-    cdef int32_t entry
-    if size < 0 or size > t.node_capacity or pos < 0 or pos >= size:
-        seg.corrupt(f"part heap position {pos} outside its size {size} "
-                    f"(capacity {t.node_capacity})")
-    entry = t.part_heap[pos]
-    if entry < 0 or entry >= t.node_capacity:
-        seg.corrupt(f"part heap entry {pos} is node {entry}, outside [0, {t.node_capacity})")
-    node_at(seg, t, entry)
-    return entry
-
-
-cdef int part_heap_put(Segment seg, Tree* t, int32_t pos, int32_t index) except -1:
-    if t.part_heap[pos] != index:
-        log_store_i32(seg, &t.part_heap[pos], index)
-    if t.node_parts[index].np_heap_pos != pos:
-        log_store_i32(seg, &t.node_parts[index].np_heap_pos, pos)
-    return 0
-
-
-cdef int part_heap_sift(Segment seg, Tree* t, int32_t pos) except -1:
-    """Moves the entry at pos up or down until the part heap's order holds again."""
-    cdef int32_t size = t.parts.pt_heap_size
-    cdef int32_t entry = part_heap_entry(seg, t, pos), parent, child, other
-    while pos > 0:
-        parent = (pos - 1) // 2
-        other = part_heap_entry(seg, t, parent)
-        if not part_heap_before(t, entry, other):
-            break
-        part_heap_put(seg, t, pos, other)
-        pos = parent
-    while True:
-        child = 2 * pos + 1
-        if child >= size:
-            break
-        other = part_heap_entry(seg, t, child)
-        if child + 1 < size and part_heap_before(t, part_heap_entry(seg, t, child + 1), other):
-            child += 1
-            other = t.part_heap[child]
-        if not part_heap_before(t, other, entry):
-            break
-        part_heap_put(seg, t, pos, other)
-        pos = child
-    part_heap_put(seg, t, pos, entry)
-    return 0
-
+# -- the part LRU: nodes holding window parts, in the heap with parts=True ----------------------
 
 cdef int part_heap_push(Segment seg, Tree* t, int32_t index) except -1:
-    """Enters a node (not in the heap) at its current recency."""
+    """Enters a node (not in the part heap) at its current recency."""
     return part_heap_push_keyed(seg, t, index, node_at(seg, t, index).rn_last_access)
 
 
 cdef int part_heap_push_keyed(Segment seg, Tree* t, int32_t index, int64_t key) except -1:
-    """Enters a node (not in the heap) with the given recency key."""
-    cdef int32_t pos = t.parts.pt_heap_size
-    if pos < 0 or pos >= t.node_capacity:
-        seg.corrupt(f"part heap size {pos} outside [0, {t.node_capacity})")
+    """Enters a node (not in the part heap) with the given recency key."""
+    node_at(seg, t, index)
     if t.node_parts[index].np_heap_pos != -1:
         seg.corrupt(f"radix node {index} entered the part heap twice")
     if t.node_parts[index].np_key != key:
         log_store_i64(seg, &t.node_parts[index].np_key, key)
-    log_store_i32(seg, &t.parts.pt_heap_size, pos + 1)
-    log_store_i32(seg, &t.part_heap[pos], index)
-    part_heap_sift(seg, t, pos)
-    return 0
-
-
-cdef int part_heap_remove(Segment seg, Tree* t, int32_t index) except -1:
-    cdef int32_t pos = t.node_parts[index].np_heap_pos
-    cdef int32_t last = t.parts.pt_heap_size - 1
-    cdef int32_t moved
-    if pos < 0 or pos > last or part_heap_entry(seg, t, pos) != index:
-        seg.corrupt(f"radix node {index} has part heap position {pos}, not in the heap")
-    moved = part_heap_entry(seg, t, last)
-    log_store_i32(seg, &t.parts.pt_heap_size, last)
-    log_store_i32(seg, &t.node_parts[index].np_heap_pos, -1)
-    if pos != last:
-        log_store_i32(seg, &t.part_heap[pos], moved)
-        part_heap_sift(seg, t, pos)
+    heap_push(seg, t, index, True)
     return 0
 
 
@@ -366,7 +303,7 @@ cdef int node_parts_lose(Segment seg, Tree* t, int32_t index, int32_t count) exc
     log_store_i32(seg, &np.np_count, np.np_count - count)
     log_store_i64(seg, &t.parts.pt_tree_parts, t.parts.pt_tree_parts - count)
     if np.np_count == 0 and np.np_heap_pos >= 0:
-        part_heap_remove(seg, t, index)
+        heap_remove(seg, t, index, True)
     return 0
 
 
@@ -420,13 +357,13 @@ cdef int64_t ensure_free_parts(Segment seg, Tree* t, int64_t need) except -1:
     if not t.has_parts:
         return 0
     while t.parts.pt_free_parts < need and t.parts.pt_heap_size > 0:
-        index = part_heap_entry(seg, t, 0)
+        index = heap_entry(seg, t, 0, True)
         node = node_at(seg, t, index)
         if node.rn_lock_count > 0:
-            part_heap_remove(seg, t, index)
+            heap_remove(seg, t, index, True)
         elif t.node_parts[index].np_key < node.rn_last_access:
             log_store_i64(seg, &t.node_parts[index].np_key, node.rn_last_access)
-            part_heap_sift(seg, t, 0)
+            heap_sift(seg, t, 0, True)
         else:
             evicted += evict_node_parts(seg, t, index)
     return evicted
@@ -647,9 +584,9 @@ cdef int split_parts(Segment seg, Tree* t, int32_t index, int32_t head_index,
             part_heap_push_keyed(seg, t, head_index, np.np_key)
     if np.np_heap_pos >= 0:
         if np.np_count == 0:
-            part_heap_remove(seg, t, index)
+            heap_remove(seg, t, index, True)
         else:
-            part_heap_sift(seg, t, np.np_heap_pos)
+            heap_sift(seg, t, np.np_heap_pos, True)
     return 0
 
 
@@ -1041,45 +978,28 @@ cdef int rederive_parts(Tree* t) except -1:
     t.parts.pt_tree_parts = tree_parts
     i = size // 2 - 1
     while i >= 0:
-        part_sift_down_unlogged(t, i)
+        sift_down_unlogged(t, i, True)
         i -= 1
     return 0
 
 
-cdef void part_sift_down_unlogged(Tree* t, int32_t pos) noexcept nogil:
-    cdef int32_t size = t.parts.pt_heap_size
-    cdef int32_t entry = t.part_heap[pos], child
+cdef void sift_down_unlogged(Tree* t, int32_t pos, bint parts=False) noexcept nogil:
+    cdef int32_t size = heap_size(t, parts)[0]
+    cdef int32_t* slots = heap_slots(t, parts)
+    cdef int32_t entry = slots[pos], child
     while True:
         child = 2 * pos + 1
         if child >= size:
             break
-        if child + 1 < size and part_heap_before(t, t.part_heap[child + 1], t.part_heap[child]):
+        if child + 1 < size and heap_order(t, parts, slots[child + 1], slots[child]):
             child += 1
-        if not part_heap_before(t, t.part_heap[child], entry):
+        if not heap_order(t, parts, slots[child], entry):
             break
-        t.part_heap[pos] = t.part_heap[child]
-        t.node_parts[t.part_heap[pos]].np_heap_pos = pos
+        slots[pos] = slots[child]
+        heap_place(t, parts, slots[pos])[0] = pos
         pos = child
-    t.part_heap[pos] = entry
-    t.node_parts[entry].np_heap_pos = pos
-
-
-cdef void sift_down_unlogged(Tree* t, int32_t pos) noexcept nogil:
-    cdef int32_t size = t.state.rt_heap_size
-    cdef int32_t entry = t.heap[pos], child
-    while True:
-        child = 2 * pos + 1
-        if child >= size:
-            break
-        if child + 1 < size and heap_before(t, t.heap[child + 1], t.heap[child]):
-            child += 1
-        if not heap_before(t, t.heap[child], entry):
-            break
-        t.heap[pos] = t.heap[child]
-        node_ptr(t, t.heap[pos]).rn_heap_pos = pos
-        pos = child
-    t.heap[pos] = entry
-    node_ptr(t, entry).rn_heap_pos = pos
+    slots[pos] = entry
+    heap_place(t, parts, entry)[0] = pos
 
 
 add_rederive_hook(rederive_tree)

@@ -543,3 +543,27 @@ def test_a_buffer_asked_of_a_closed_segment_is_refused(segment_name):
         return 0
 
     assert run_in_fork(body) == 0
+
+
+def test_a_forked_child_uses_the_parts_through_the_inherited_handle(parts_cache):
+    """After fork the child's handle (re-registered with its own lease) allocates, writes
+    its pages' parts and commits; the parent reads them under the cached prefix."""
+    from conftest import run_in_fork
+    prompt = tokens(1, 2).tolist() + [0]
+
+    def child():
+        with hostkv.WorkerView(parts_cache) as view:
+            alloc = view.allocate_pages_for_sequences_with_prefix(
+                [hostkv.SequenceRequest(1, prompt)])[0]
+            parts = parts_cache.page_parts(alloc.page_table)
+            assert (parts != -1).all()
+            parts_cache.parts_array()[parts[:2]] = 7
+            view.release([1])
+        return 0
+
+    assert run_in_fork(child) == 0
+    parts_cache.reap()
+    cached = parts_cache.match_prefix(prompt).pages
+    assert len(cached) == 2
+    assert (parts_cache.parts_array()[parts_cache.page_parts(cached)] == 7).all()
+    parts_cache.check()

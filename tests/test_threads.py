@@ -58,10 +58,13 @@ def _observer(fn, stop, errors, what, calls):
         errors.append((what, repr(exc)))
 
 
-def test_threads_with_own_views_serialise_on_the_segment_lock(segment_name):
+@pytest.mark.parametrize("num_parts", [0, 32], ids=["no-parts", "parts"])
+def test_threads_with_own_views_serialise_on_the_segment_lock(segment_name, num_parts):
     # The "locked" flag once belonged to the handle, so every thread but the holder got
-    # RuntimeError("not re-entrant") on nearly every call.
-    cfg = small_config(num_pages=256, max_sequences=64, page_size=PAGE)
+    # RuntimeError("not re-entrant") on nearly every call. With window parts (a part for
+    # every eighth page), the threads' allocations take them from each other's nodes.
+    cfg = small_config(num_pages=256, max_sequences=64, page_size=PAGE, num_parts=num_parts,
+                       part_bytes=16 if num_parts else 0)
     with HostKVCache.create(segment_name, cfg) as cache:
         errors: list = []
         counts: dict = {}
@@ -71,6 +74,9 @@ def test_threads_with_own_views_serialise_on_the_segment_lock(segment_name):
             threading.Thread(target=_observer, args=(cache.stats, stop, errors, "stats", calls)),
             threading.Thread(target=_observer,
                              args=(lambda: cache.check(), stop, errors, "check", calls)),
+            threading.Thread(target=_observer,
+                             args=(lambda: cache.page_parts(range(cfg.num_pages)), stop, errors,
+                                   "page_parts", calls)),
         ]
         engines = [threading.Thread(target=_engine, args=(cache, i, ROUNDS, errors, counts))
                    for i in range(ENGINE_THREADS)]
@@ -101,6 +107,10 @@ def test_threads_with_own_views_serialise_on_the_segment_lock(segment_name):
         assert stats.rollbacks == 0 and stats.recoveries == 0
         # The shared prefix was reused across threads.
         assert stats.hit_tokens > 0
+        # No part leaked: each is free or a cached page's.
+        assert stats.free_parts + stats.tree_parts == num_parts
+        if num_parts:
+            assert stats.parts_evicted > 0 and calls.get("page_parts", 0) > 0
 
 
 def test_the_holding_thread_may_not_lock_again(cache):
