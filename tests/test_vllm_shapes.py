@@ -50,6 +50,19 @@ if importlib.util.find_spec("vllm") is None:
 MAX_TOKENS = 16
 # EngineCore in the engine's own process (the module's docstring says why).
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _victim_engine(model: str, extra: Dict[str, Any], log_path: str, tp: int,
+                   **llm_kwargs: Any) -> Engine:
+    """An engine whose rank 1 can be told to kill itself mid-save
+    (:func:`_kill_a_rank_mid_save`): hostkv's connector through workers.faulty_connector,
+    no fault armed until the file ``engine.fault_control`` says so."""
+    control = log_path + ".faults.json"
+    engine = Engine(model, {**extra, "fault_control": control}, log_path, tp=tp,
+                    env=IN_PROCESS, connector=("FaultyHostKVConnector",
+                                               "workers.faulty_connector"), **llm_kwargs)
+    engine.fault_control = control
+    return engine
 # A state's marker as hostkv/vllm/layout.py writes it (STATE_MARKER_PREFIX, then the rank
 # and the degree), spelled out: hostkv.vllm imports vLLM, which the test process never does.
 STATE_MARKER_PREFIX = b"hkvst\x02"
@@ -100,7 +113,11 @@ def _share_both_ways(tmp_path, name: str, model: str, tp_a: int = 1, tp_b: int =
     shm_before = vllm_shm()
     try:
         a = Engine(model, extra, str(tmp_path / "a.log"), tp=tp_a, env=IN_PROCESS, **llm_kwargs)
-        b = Engine(model, extra, str(tmp_path / "b.log"), tp=tp_b, env=IN_PROCESS, **llm_kwargs)
+        if then is None:
+            b = Engine(model, extra, str(tmp_path / "b.log"), tp=tp_b, env=IN_PROCESS,
+                       **llm_kwargs)
+        else:
+            b = _victim_engine(model, extra, str(tmp_path / "b.log"), tp_b, **llm_kwargs)
         engines = [a, b]
         for engine in engines:
             engine.ready()
@@ -337,10 +354,11 @@ def test_a_model_with_recurrent_state_is_served_its_state_with_its_pages(tmp_pat
     engines = []
     shm_before = vllm_shm()
     try:
-        one, two, other_two = (Engine(model, extra, str(tmp_path / f"{name}.log"), tp=tp,
-                                      env=IN_PROCESS, disable_log_stats=False,
-                                      **kwargs)
-                               for name, tp in (("one", 1), ("two", 2), ("other_two", 2)))
+        one, other_two = (Engine(model, extra, str(tmp_path / f"{name}.log"), tp=tp,
+                                 env=IN_PROCESS, disable_log_stats=False, **kwargs)
+                          for name, tp in (("one", 1), ("other_two", 2)))
+        two = _victim_engine(model, extra, str(tmp_path / "two.log"), 2,
+                             disable_log_stats=False, **kwargs)
         engines = [one, two, other_two]
         for engine in engines:
             engine.ready()
@@ -459,6 +477,15 @@ def _worker_pid(engine: Engine, rank: int) -> int:
     raise AssertionError(f"no VLLM::Worker_TP{rank} in the engine's process group")
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _kill_b_mid_save(a: Engine, b: Engine, segment: str) -> None:
     """B (TP=2) loses rank 1 mid-save: A reads nothing half-written (_kill_a_rank_mid_save)."""
     _kill_a_rank_mid_save(b, a, segment, _prompts(random.Random(11), 3))
@@ -467,31 +494,34 @@ def _kill_b_mid_save(a: Engine, b: Engine, segment: str) -> None:
 def _kill_a_rank_mid_save(victim: Engine, survivor: Engine, segment: str,
                           prompts: List[List[int]], block_size: int = BLOCK_SIZE,
                           hits: Optional[List[int]] = None) -> None:
-    """kill -9 of rank 1 of ``victim`` (TP=2) while it decodes ``prompts`` (pages reserved,
-    saves in flight), then the whole engine: ``survivor`` reuses what the segment holds and
+    """kill -9 of rank 1 of ``victim`` (TP=2, started by :func:`_victim_engine`) while it
+    decodes ``prompts`` (pages reserved, saves in flight), then the whole engine: ``survivor`` reuses what the segment holds and
     must generate what it computes for the same prompts, and the segment checks clean once
     the dead engine's leases are swept. hits: what the survivor finds of the prompts
     (default: each whole prompt but its last token, in whole blocks)."""
-    import signal
+    import json
     import time
 
+    # Rank 1 kills itself, right after it submits a save, once some of the prompts' pages
+    # are committed (workers.faulty_connector): a test process watching the segment
+    # cannot catch that point, since on a loaded 2-core machine it may get no CPU for the
+    # seconds the engine's threads take to decode all 1000 tokens.
+    rank1 = _worker_pid(victim, 1)
     with hostkv.HostKVCache.attach(segment, lease=False) as observer:
         base = observer.stats().cached_pages
-        victim.submit(prompts, 1000)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            stats = observer.stats()
-            if stats.active_sequences >= len(prompts) and stats.cached_pages > base:
-                break
-            time.sleep(0.005)
-        else:
-            pytest.fail("the TP=2 engine never committed a page")
-        allocated = stats.pages_allocated
-        while time.monotonic() < deadline:           # into the decode: pages reserved
-            if observer.stats().pages_allocated > allocated:
-                break
-            time.sleep(0.005)
-    os.kill(_worker_pid(victim, 1), signal.SIGKILL)
+    with open(victim.fault_control + ".tmp", "w") as f:
+        json.dump({"kill_mid_save": {"cached_pages_above": base,
+                                     "sequences": len(prompts)}}, f)
+    os.replace(victim.fault_control + ".tmp", victim.fault_control)
+    victim.submit(prompts, 1000)
+    deadline = time.monotonic() + 300
+    while _alive(rank1):
+        if victim.conn.poll(0):
+            pytest.fail(f"the TP=2 engine answered before its rank 1 killed itself mid-save: "
+                        f"{victim.conn.recv()[0]}")
+        if time.monotonic() > deadline:
+            pytest.fail("the TP=2 engine's rank 1 never reached a save after a commit")
+        time.sleep(0.01)
     victim.kill()                                    # vLLM gives up the engine; all of it
     outs, cached, _ = survivor.generate(prompts, MAX_TOKENS)
     # The prompts' pages were committed.

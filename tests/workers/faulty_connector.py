@@ -26,6 +26,11 @@ real ones would, through the two ways a copy fails in ``hostkv/vllm/worker.py``:
                       a new "seed", start the random choices afresh, so one engine serves
                       batches under several fault settings, each reproducible alone (an
                       engine start costs 30-90 s on the CI machine)
+                      A "kill_mid_save" key {"cached_pages_above": N, "sequences": S}
+                      makes the rank kill -9 itself right after it submits a save, once
+                      the segment caches more than N pages and has S live sequences: a
+                      rank lost mid-save (with ``async_saves``, its save still in flight)
+                      at a point no outside observer has to catch
     fault_counts      a path: each faulty rank writes what it injected to PATH.rank<R>
                       (JSON: "saves", "save_faults", "saves_failed_late", and the same
                       for loads), so a test can tell that faults happened, and a trace of
@@ -44,6 +49,7 @@ import dataclasses
 import json
 import os
 import random
+import signal
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hostkv.transfers import Transfer
@@ -92,6 +98,7 @@ class _Faults:
         self.save_rate = float(options.get("fault_save_rate", 0.0))
         self.load_rate = float(options.get("fault_load_rate", 0.0))
         self.async_saves: Optional[bool] = None
+        self.kill_mid_save: Optional[Dict[str, int]] = None
         self.control = options.get("fault_control")
         self.counts_path = options.get("fault_counts")
         self.seed = options.get("fault_seed", 0)
@@ -128,6 +135,7 @@ class _Faults:
         self.load_rate = float(values.get("load_rate", self.load_rate))
         if "async_saves" in values:
             self.async_saves = bool(values["async_saves"])
+        self.kill_mid_save = values.get("kill_mid_save")
 
     def loads_missed(self, done: int) -> List[str]:
         """The requests of the step's loads whose pages lie past the first ``done``."""
@@ -158,9 +166,21 @@ class _Faults:
 class _FaultyCopies:
     """A CopyEngine whose saves and loads fail at the faults' rates; the rest delegates."""
 
-    def __init__(self, engine: Any, faults: _Faults) -> None:
+    def __init__(self, engine: Any, faults: _Faults, cache: Any) -> None:
         self._engine = engine
         self._faults = faults
+        self._cache = cache
+
+    def _kill_if_due(self) -> None:
+        """kill -9 of this rank, its save just submitted, once the armed point is reached."""
+        armed = self._faults.kill_mid_save
+        if not armed:
+            return
+        stats = self._cache.stats()
+        if (stats.cached_pages > armed["cached_pages_above"]
+                and stats.active_sequences >= armed["sequences"]):
+            self._faults.trace("kill -9 mid-save")
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -176,7 +196,9 @@ class _FaultyCopies:
             return self._engine.submit_save(blocks, pages)
         faults.count("saves")
         if faults.save_rng.random() >= faults.save_rate:
-            return self._engine.submit_save(blocks, pages)
+            transfer = self._engine.submit_save(blocks, pages)
+            self._kill_if_due()
+            return transfer
         faults.count("save_faults")
         if faults.save_rng.random() < 0.5:
             faults.trace(f"save fails at submit: blocks {list(blocks)}")
@@ -248,7 +270,8 @@ class FaultyHostKVConnector(HostKVConnector):
     def register_kv_caches(self, kv_caches: Any) -> None:
         super().register_kv_caches(kv_caches)
         if self._worker is not None and self._worker.rank == self._fault_rank:
-            self._worker.engine = _FaultyCopies(self._worker.engine, self._faults)
+            self._worker.engine = _FaultyCopies(self._worker.engine, self._faults,
+                                                self._worker.cache)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._switch()
