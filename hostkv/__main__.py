@@ -191,14 +191,14 @@ def _print_mapping(title: str, mapping: dict) -> None:
         print(f"  {key:<28} {value}")
 
 
-def _layer_list(text: Optional[str]) -> Tuple[int, ...]:
+def _layer_list(text: Optional[str], option: str = "--state-layers") -> Tuple[int, ...]:
     """--state-layers "0,2" as (0, 2); "" or None as ()."""
     if not text:
         return ()
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"--state-layers takes layer indices separated by commas, got "
+        raise ValueError(f"{option} takes layer indices separated by commas, got "
                          f"{text!r}") from None
 
 
@@ -208,7 +208,7 @@ def _create(args: argparse.Namespace) -> int:
     kv_heads = 1 if kind == "mla" and args.kv_heads is None else args.kv_heads
     layout_args = (args.layers, kv_heads, args.head_dim)
     layout = None
-    if args.kind is not None or args.state_layers or any(
+    if args.kind is not None or args.state_layers or args.window_layers or any(
             value is not None for value in (args.layers, args.kv_heads, args.head_dim)):
         if any(value is None for value in layout_args):
             raise ValueError("a KV layout needs --layers, --kv-heads and --head-dim"
@@ -216,7 +216,8 @@ def _create(args: argparse.Namespace) -> int:
                              "an MLA KV layout needs --layers and --head-dim (the latent's size)")
         layout = KVLayout(num_layers=args.layers, num_kv_heads=kv_heads,
                           head_dim=args.head_dim, dtype=args.dtype, kind=kind,
-                          state_layers=_layer_list(args.state_layers))
+                          state_layers=_layer_list(args.state_layers),
+                          window_layers=_layer_list(args.window_layers, "--window-layers"))
         page_bytes = layout.page_bytes(args.page_size)
     elif args.page_bytes > 0:
         page_bytes = args.page_bytes
@@ -276,6 +277,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="KV layout: layers whose slot of a page holds a recurrent state "
                              "(Mamba, linear attention) instead of K/V, e.g. 0,2 (vLLM: "
                              "what the engine's log names)")
+    create.add_argument("--window-layers", default="",
+                        help="KV layout: sliding-window or chunked-local layers whose KV a "
+                             "page keeps in its window part (with --num-parts), not in the "
+                             "page, e.g. 0,1,2,3,4 (the part's bytes follow from the layout)")
     create.add_argument("--page-bytes", type=int, default=0,
                         help="bytes a page, instead of a KV layout")
     create.add_argument("--num-parts", type=int, default=0,
@@ -283,7 +288,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "hold besides its own bytes (a sliding-window layer's KV); "
                              "default 0, none")
     create.add_argument("--part-bytes", type=int, default=0,
-                        help="bytes a window part (with --num-parts)")
+                        help="bytes a window part (with --num-parts; derived from a layout "
+                             "with --window-layers)")
     create.add_argument("--max-processes", type=int, default=0,
                         help="lease slots (processes attached at once); default 64")
     bench = sub.add_parser("bench", help="run the benchmark", add_help=False)

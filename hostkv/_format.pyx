@@ -143,12 +143,15 @@ cdef HkvConfig config_to_c(object config) except *:
         for layer in layout.state_layers:
             # KVLayout bounds the layers below 64 * HKV_STATE_LAYER_WORDS.
             c.cfg_kv_state_layers[layer // 64] |= (<uint64_t>1) << (layer % 64)
+        for layer in layout.window_layers:
+            c.cfg_kv_window_layers[layer // 64] |= (<uint64_t>1) << (layer % 64)
     return c
 
 
 cdef tuple config_values(const HkvConfig* cfg):
     """The header's config as (dict of HostKVConfig field values, kv layout or None): the
-    layout as (num_layers, num_kv_heads, head_dim, dtype code, kind code, state layers)."""
+    layout as (num_layers, num_kv_heads, head_dim, dtype code, kind code, state layers,
+    window layers)."""
     cdef dict c = cfg[0]
     cdef int word, bit
     values = {pyname: c[cname] for pyname, cname in _CONFIG_FIELDS}
@@ -159,9 +162,12 @@ cdef tuple config_values(const HkvConfig* cfg):
     state_layers = tuple(word * 64 + bit for word in range(HKV_STATE_LAYER_WORDS)
                          for bit in range(64)
                          if (cfg.cfg_kv_state_layers[word] >> bit) & 1)
-    if c["cfg_kv_num_layers"] or state_layers:
+    window_layers = tuple(word * 64 + bit for word in range(HKV_STATE_LAYER_WORDS)
+                          for bit in range(64)
+                          if (cfg.cfg_kv_window_layers[word] >> bit) & 1)
+    if c["cfg_kv_num_layers"] or state_layers or window_layers:
         layout = (c["cfg_kv_num_layers"], c["cfg_kv_num_kv_heads"], c["cfg_kv_head_dim"],
-                  c["cfg_kv_dtype_code"], c["cfg_kv_kind"], state_layers)
+                  c["cfg_kv_dtype_code"], c["cfg_kv_kind"], state_layers, window_layers)
     return values, layout
 
 

@@ -178,6 +178,7 @@ def layout_info():
         ("cfg_kv_dtype_code", <size_t>&h.hdr_config.cfg_kv_dtype_code),
         ("cfg_kv_kind", <size_t>&h.hdr_config.cfg_kv_kind),
         ("cfg_kv_state_layers", <size_t>&h.hdr_config.cfg_kv_state_layers),
+        ("cfg_kv_window_layers", <size_t>&h.hdr_config.cfg_kv_window_layers),
         ("hdr_regions", <size_t>&h.hdr_regions),
         ("reg_leases", <size_t>&h.hdr_regions.reg_leases),
         ("reg_metrics", <size_t>&h.hdr_regions.reg_metrics),

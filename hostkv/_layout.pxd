@@ -62,7 +62,7 @@ cdef extern from *:
     #include <stdint.h>
 
     #define HKV_MAGIC 0x3130564b54534f48ULL     /* "HOSTKV01" read as a little-endian u64 */
-    #define HKV_LAYOUT_VERSION 12u
+    #define HKV_LAYOUT_VERSION 13u
     #define HKV_STATE_LAYER_WORDS 16             /* a bitmap of 1024 page layers */
     #define HKV_BYTE_ORDER_MARK 0x01020304u
     #define HKV_CACHE_LINE 64
@@ -107,6 +107,9 @@ cdef extern from *:
         uint64_t cfg_kv_state_layers[HKV_STATE_LAYER_WORDS];  /* KVLayout.state_layers: bit i
                                                     of word i // 64, layer i's slot holds a
                                                     recurrent state, not K/V */
+        uint64_t cfg_kv_window_layers[HKV_STATE_LAYER_WORDS]; /* KVLayout.window_layers: bit i
+                                                    of word i // 64, layer i's KV lives in
+                                                    window parts, not in the page */
     } HkvConfig;
 
     /* Byte offsets of the regions from the start of the segment. */
@@ -412,6 +415,7 @@ cdef extern from *:
         int32_t cfg_kv_dtype_code
         int32_t cfg_kv_kind
         uint64_t cfg_kv_state_layers[16]
+        uint64_t cfg_kv_window_layers[16]
 
     ctypedef struct HkvRegions:
         int64_t reg_leases

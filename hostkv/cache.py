@@ -241,7 +241,8 @@ class HostKVCache:
         self._pool_span = segment.pool_span()
         values, layout = segment.config_values()
         if layout is not None:
-            num_layers, num_kv_heads, head_dim, dtype_code, kind_code, state_layers = layout
+            (num_layers, num_kv_heads, head_dim, dtype_code, kind_code, state_layers,
+             window_layers) = layout
             kinds = {code: kind for kind, code in KV_KINDS.items()}
             try:
                 dtype = dtype_from_code(dtype_code)
@@ -249,7 +250,7 @@ class HostKVCache:
                     raise ConfigError(f"KV layout kind code {kind_code} is not one of "
                                       f"{sorted(kinds)}")
                 values["kv_layout"] = KVLayout(num_layers, num_kv_heads, head_dim, dtype,
-                                               kinds[kind_code], state_layers)
+                                               kinds[kind_code], state_layers, window_layers)
             except ConfigError as exc:
                 raise IncompatibleSegmentError(f"segment {segment.name!r}: {exc}") from None
         self._config = HostKVConfig(**values)

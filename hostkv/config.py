@@ -144,6 +144,13 @@ class KVLayout:
     whose layout the engine integration defines (``hostkv.vllm.state``) and keys apart in
     its namespace.
 
+    A model whose attention layers keep only a window of recent tokens (sliding-window,
+    chunked-local) may name them in ``window_layers``: their KV leaves the page for the
+    page's window part (``HostKVConfig.num_parts``), which a hit needs only near its end.
+    The page then holds the other layers (:attr:`page_layers`, in order) and the part the
+    window layers, each in the shape above over its own layers (:meth:`page_shape`,
+    :meth:`part_shape`); :meth:`slot` says where a layer's bytes are.
+
     Attributes:
         num_layers: Transformer layers, > 0.
         num_kv_heads: KV heads per layer (after GQA/MQA grouping, before tensor
@@ -156,12 +163,16 @@ class KVLayout:
         state_layers: The layers whose slot holds a recurrent state, increasing, each below
             ``num_layers`` and :data:`MAX_STATE_LAYER`; at least one layer holds K/V. A
             list is accepted and stored as a tuple.
+        window_layers: The layers whose KV lives in window parts, increasing, each below
+            ``num_layers`` and :data:`MAX_STATE_LAYER`, none a state layer, leaving one
+            layer in the page. A list is accepted and stored as a tuple.
 
     Raises:
         ConfigError: A field is not a positive integer, the dtype or kind is not supported,
             an ``"mla"`` layout has more than one KV head, or ``state_layers`` is not
             increasing layers of the layout below :data:`MAX_STATE_LAYER` that leave one
-            K/V layer.
+            K/V layer, or ``window_layers`` is not increasing layers below it that leave
+            one layer in the page and name no state layer.
     """
 
     num_layers: int
@@ -170,6 +181,7 @@ class KVLayout:
     dtype: str = "float16"
     kind: str = "mha"
     state_layers: Tuple[int, ...] = ()
+    window_layers: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # object.__setattr__: the dataclass is frozen, and normalising here keeps equality
@@ -197,6 +209,19 @@ class KVLayout:
                 f"{self.num_layers} and {MAX_STATE_LAYER}, leaving one K/V layer; got "
                 f"{list(state)}")
         object.__setattr__(self, "state_layers", state)
+        try:
+            window = tuple(operator.index(layer) for layer in self.window_layers)
+        except TypeError:
+            raise ConfigError(f"KVLayout.window_layers must be layer indices, got "
+                              f"{self.window_layers!r}") from None
+        if (list(window) != sorted(set(window)) or any(layer < 0 for layer in window)
+                or (window and window[-1] >= min(self.num_layers, MAX_STATE_LAYER))
+                or len(window) >= self.num_layers or set(window) & set(state)):
+            raise ConfigError(
+                f"KVLayout.window_layers must be increasing layers below num_layers "
+                f"{self.num_layers} and {MAX_STATE_LAYER}, none of state_layers "
+                f"{list(state)}, leaving one layer in the page; got {list(window)}")
+        object.__setattr__(self, "window_layers", window)
 
     @property
     def itemsize(self) -> int:
@@ -219,9 +244,39 @@ class KVLayout:
         return 2 if self.kind == "mha" else 1
 
     @property
+    def page_layers(self) -> Tuple[int, ...]:
+        """The layers a page holds, in order: every layer but :attr:`window_layers`."""
+        window = set(self.window_layers)
+        return tuple(layer for layer in range(self.num_layers) if layer not in window)
+
+    def slot(self, layer: int) -> Tuple[str, int]:
+        """Where ``layer``'s bytes are: ``("page", i)``, the i-th layer of the page's shape,
+        or ``("part", j)``, the j-th of the window part's.
+
+        Raises:
+            ConfigError: ``layer`` is not a layer of this layout.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise ConfigError(f"layer {layer} is not one of the layout's {self.num_layers}")
+        if layer in self.window_layers:
+            return ("part", self.window_layers.index(layer))
+        return ("page", layer - sum(1 for w in self.window_layers if w < layer))
+
+    @property
+    def layer_token_bytes(self) -> int:
+        """Bytes of KV per token of one layer: K and V (or the latent), every head."""
+        return self.kv_planes * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
     def token_bytes(self) -> int:
-        """Bytes of KV per token: K and V (or the latent), for every layer, head and element."""
-        return self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes per token a page holds: K and V (or the latent) of every page layer
+        (all layers but :attr:`window_layers`), every head and element."""
+        return (self.num_layers - len(self.window_layers)) * self.layer_token_bytes
+
+    @property
+    def window_token_bytes(self) -> int:
+        """Bytes per token a window part holds: the :attr:`window_layers`' KV (0: none)."""
+        return len(self.window_layers) * self.layer_token_bytes
 
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page of ``page_size`` tokens.
@@ -244,17 +299,40 @@ class KVLayout:
             page_size: Tokens per page, > 0.
 
         Returns:
-            ``(num_layers, 2, page_size, num_kv_heads, head_dim)`` for ``"mha"``: for each
-            layer, K (index 0) then V (index 1), each ``[page_size, num_kv_heads, head_dim]``;
-            ``(num_layers, page_size, head_dim)`` for ``"mla"``.
+            ``(layers, 2, page_size, num_kv_heads, head_dim)`` for ``"mha"``: for each
+            of the page's layers (:attr:`page_layers`), K (index 0) then V (index 1), each
+            ``[page_size, num_kv_heads, head_dim]``; ``(layers, page_size, head_dim)`` for
+            ``"mla"``.
 
         Raises:
             ConfigError: ``page_size`` is not a positive integer.
         """
+        return self._shape(self.num_layers - len(self.window_layers), page_size)
+
+    def part_bytes(self, page_size: int) -> int:
+        """Bytes of one window part of ``page_size`` tokens: 0 without window layers.
+
+        Raises:
+            ConfigError: ``page_size`` is not a positive integer.
+        """
+        return positive_index(page_size, "page_size", ConfigError) * self.window_token_bytes
+
+    def part_shape(self, page_size: int) -> Tuple[int, ...]:
+        """Shape of one window part: :meth:`page_shape`'s over the :attr:`window_layers`.
+
+        Raises:
+            ConfigError: ``page_size`` is not a positive integer, or the layout has no
+                window layers.
+        """
+        if not self.window_layers:
+            raise ConfigError("a KVLayout without window_layers has no window part")
+        return self._shape(len(self.window_layers), page_size)
+
+    def _shape(self, layers: int, page_size: int) -> Tuple[int, ...]:
         page_size = positive_index(page_size, "page_size", ConfigError)
         if self.kind == "mla":
-            return (self.num_layers, page_size, self.head_dim)
-        return (self.num_layers, 2, page_size, self.num_kv_heads, self.head_dim)
+            return (layers, page_size, self.head_dim)
+        return (layers, 2, page_size, self.num_kv_heads, self.head_dim)
 
 
 # Fields where 0 means "derive in apply_runtime_defaults".
@@ -327,7 +405,9 @@ class HostKVConfig:
             in a second pool that a page may or may not have, for the KV a hit needs only
             near its end (a sliding-window layer's). Fresh pages take a part while one is
             free; a page's last reference frees its part. Must be < 2**31.
-        part_bytes: Bytes per window part: > 0 exactly when ``num_parts`` is.
+        part_bytes: Bytes per window part: > 0 exactly when ``num_parts`` is; 0 with a
+            ``kv_layout`` that has window layers derives it (their KV for one page),
+            and such a layout needs ``num_parts > 0``.
 
     Raises:
         ConfigError: A field has the wrong type or is out of range, ``page_bytes`` and
@@ -395,11 +475,6 @@ class HostKVConfig:
                     f"HostKVConfig.{field} must be >= 0 (0: no window parts), "
                     f"got {getattr(self, field)}"
                 )
-        if (self.num_parts == 0) != (self.part_bytes == 0):
-            raise ConfigError(
-                "HostKVConfig.num_parts and part_bytes must both be 0 (no window parts) or "
-                f"both positive, got num_parts={self.num_parts}, part_bytes={self.part_bytes}"
-            )
         for field in ("prefix_min_reuse_pages", "prefix_min_store_pages"):
             if getattr(self, field) < 1:
                 raise ConfigError(
@@ -434,6 +509,27 @@ class HostKVConfig:
             raise ConfigError(
                 "HostKVConfig: give page_bytes or kv_layout "
                 "(page_bytes is 0 and kv_layout is None)"
+            )
+        if self.kv_layout is not None and self.kv_layout.window_layers:
+            # The window layers' KV has no room in the page: only parts hold it.
+            part_bytes = self.kv_layout.part_bytes(page_size)
+            if self.num_parts == 0:
+                raise ConfigError(
+                    f"HostKVConfig: kv_layout keeps window layers "
+                    f"{list(self.kv_layout.window_layers)} in window parts, so num_parts "
+                    "must be > 0"
+                )
+            if self.part_bytes == 0:
+                object.__setattr__(self, "part_bytes", part_bytes)
+            elif self.part_bytes != part_bytes:
+                raise ConfigError(
+                    f"HostKVConfig.part_bytes is {self.part_bytes} but kv_layout gives "
+                    f"{part_bytes} bytes per window part of {page_size} tokens"
+                )
+        if (self.num_parts == 0) != (self.part_bytes == 0):
+            raise ConfigError(
+                "HostKVConfig.num_parts and part_bytes must both be 0 (no window parts) or "
+                f"both positive, got num_parts={self.num_parts}, part_bytes={self.part_bytes}"
             )
 
         for field in ("num_pages", "num_parts") + _DERIVED_FIELDS:

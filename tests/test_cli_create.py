@@ -125,6 +125,40 @@ def test_create_a_segment_with_window_parts(new_name):
     assert refused.returncode != 0 and "must both be 0" in refused.stderr
 
 
+def test_create_a_segment_whose_window_layers_live_in_parts(new_name):
+    """--window-layers: those layers' KV leaves the page for its window part, whose bytes
+    follow from the layout; the header records the layers, inspect shows them, and a layout
+    without them is another layout. A layout with window layers needs --num-parts."""
+    import json
+
+    name = new_name()
+    done = run_cli("create", name, "--num-pages", "4", "--page-size", "16", "--layers", "6",
+                   "--kv-heads", "2", "--head-dim", "64", "--window-layers", "0,1,2,3,4",
+                   "--num-parts", "2")
+    assert done.returncode == 0, done.stderr
+    assert "4 pages of 8192 bytes" in done.stdout                # the one full layer
+    assert "2 window parts of 40960 bytes" in done.stdout         # the five windowed
+    with hostkv.HostKVCache.attach(name) as cache:
+        layout = cache.config.kv_layout
+        assert layout == hostkv.KVLayout(6, 2, 64, "bfloat16", window_layers=(0, 1, 2, 3, 4))
+        assert layout != hostkv.KVLayout(6, 2, 64, "bfloat16")
+        assert cache.parts_array().shape == (2, 40960)
+    shown = run_cli("inspect", name, "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["config"]["kv_layout"]["window_layers"] == [0, 1, 2, 3, 4]
+    for args, said in ((["--window-layers", "0,x", "--num-parts", "2"],
+                        "--window-layers takes layer indices"),
+                       (["--window-layers", "0,1"], "num_parts must be > 0"),
+                       (["--window-layers", "0,1,2,3,4,5", "--num-parts", "2"],
+                        "leaving one layer in the page")):
+        refused = new_name()
+        bad = run_cli("create", refused, "--num-pages", "4", "--layers", "6", "--kv-heads",
+                      "2", "--head-dim", "64", *args)
+        assert bad.returncode == 2 and said in bad.stderr, (args, bad.stderr)
+        with pytest.raises(hostkv.SegmentNotFoundError):
+            hostkv.HostKVCache.attach(refused)
+
+
 def test_parse_size():
     assert parse_size(4096) == 4096
     assert parse_size("4GiB") == 4 << 30

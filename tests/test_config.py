@@ -319,7 +319,8 @@ def test_field_order():
         "num_parts", "part_bytes",
     ]
     assert [f.name for f in dataclasses.fields(KVLayout)] == [
-        "num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "state_layers"]
+        "num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "state_layers",
+        "window_layers"]
 
 
 def test_state_layers_are_increasing_layers_that_leave_one_kv_layer():
@@ -340,6 +341,45 @@ def test_state_layers_are_increasing_layers_that_leave_one_kv_layer():
     with pytest.raises(ConfigError, match="below num_layers 2000 and 1024"):
         KVLayout(2000, 2, 64, "bfloat16", state_layers=[1024])
     assert KVLayout(2000, 2, 64, "bfloat16", state_layers=[1023]).state_layers == (1023,)
+
+
+def test_window_layers_leave_the_page_for_the_window_part():
+    """A sliding-window model's layout names the layers whose KV lives in window parts:
+    the page holds the others (a Gemma-3 of six layers, five windowed: a sixth of the
+    bytes), the part the windowed ones, each in the page's shape over its own layers;
+    slot() says where each layer is. Refused unless increasing, inside the layout, none a
+    state layer, with one layer left in the page."""
+    import numpy as np
+
+    full = KVLayout(6, 2, 64, "bfloat16")
+    gemma = KVLayout(6, 2, 64, "bfloat16", window_layers=[np.int64(0), 1, 2, 3, 4])
+    assert gemma.window_layers == (0, 1, 2, 3, 4) and type(gemma.window_layers[0]) is int
+    assert gemma != full and gemma.page_layers == (5,)
+    assert gemma.page_bytes(16) * 6 == full.page_bytes(16)
+    assert gemma.part_bytes(16) == 5 * gemma.page_bytes(16) and full.part_bytes(16) == 0
+    assert gemma.page_shape(16) == (1, 2, 16, 2, 64)
+    assert gemma.part_shape(16) == (5, 2, 16, 2, 64)
+    assert [gemma.slot(layer) for layer in range(6)] == [
+        ("part", 0), ("part", 1), ("part", 2), ("part", 3), ("part", 4), ("page", 0)]
+    mixed = KVLayout(4, 1, 576, kind="mla", state_layers=[3], window_layers=[1])
+    assert mixed.page_shape(16) == (3, 16, 576) and mixed.part_shape(16) == (1, 16, 576)
+    assert [mixed.slot(layer) for layer in range(4)] == [
+        ("page", 0), ("part", 0), ("page", 1), ("page", 2)]
+    with pytest.raises(ConfigError, match="no window part"):
+        full.part_shape(16)
+    with pytest.raises(ConfigError, match="not one of the layout's 6"):
+        gemma.slot(6)
+    for bad in ([2, 0], [0, 0], [-1], [6], [0, 1, 2, 3, 4, 5], ["0"], [3]):
+        with pytest.raises(ConfigError, match="window_layers"):
+            KVLayout(6, 2, 64, "bfloat16", state_layers=[3], window_layers=bad)
+    # The config takes the part's bytes from the layout, and needs parts to hold them.
+    config = HostKVConfig(num_pages=8, page_size=16, kv_layout=gemma, num_parts=4)
+    assert (config.page_bytes, config.part_bytes) == (gemma.page_bytes(16),
+                                                      gemma.part_bytes(16))
+    with pytest.raises(ConfigError, match="num_parts must be > 0"):
+        HostKVConfig(num_pages=8, page_size=16, kv_layout=gemma)
+    with pytest.raises(ConfigError, match="gives 40960 bytes per window part"):
+        HostKVConfig(num_pages=8, page_size=16, kv_layout=gemma, num_parts=4, part_bytes=64)
 
 
 def test_limits_accepted_at_the_edge():

@@ -73,6 +73,9 @@ def layout_fingerprint(config: Any) -> bytes:
         if layout.state_layers:
             # Slots of state layers hold states, not K/V (their layout is in the namespace).
             described += f"|state_layers={','.join(map(str, layout.state_layers))}"
+        if layout.window_layers:
+            # Those layers' KV is in window parts, not in the page's bytes.
+            described += f"|window_layers={','.join(map(str, layout.window_layers))}"
     return hashlib.blake2b(described.encode(), digest_size=_DIGEST).digest()
 
 

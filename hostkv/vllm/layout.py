@@ -699,6 +699,8 @@ def describe_layout(layout: Optional[KVLayout], page_size: int) -> str:
         return f"no KV layout, {page_size} tokens a page"
     state = (f" (layers {list(layout.state_layers)} hold recurrent state)"
              if layout.state_layers else "")
+    if layout.window_layers:
+        state += f" (layers {list(layout.window_layers)} in window parts)"
     if layout.kind == "mla":
         return (f"{layout.num_layers} layers x MLA latent {layout.head_dim} {layout.dtype}, "
                 f"{page_size} tokens a page{state}")
