@@ -779,6 +779,21 @@ class HostKVCache:
         flat = self.pages_array().reshape(-1)
         return torch.from_numpy(flat).view(dtype).view(shape)
 
+    def parts_tensor(self) -> Any:
+        """The window parts' bytes as a uint8 torch tensor [num_parts, part_bytes], without
+        copying (as :meth:`parts_array`; [0, 0] in a segment without parts).
+
+        Raises:
+            ImportError: torch is not installed (pip install 'hostkv[torch]').
+            ValueError: the cache is closed.
+        """
+        try:
+            import torch
+        except ImportError as exc:
+            raise ImportError(
+                "parts_tensor needs torch; install it with pip install 'hostkv[torch]'") from exc
+        return torch.from_numpy(self.parts_array())
+
     # -- pre-faulting -------------------------------------------------------------------------
 
     def start_prefault(self) -> None:

@@ -54,9 +54,11 @@ SEEDS = range(40) if LONG else range(3)
 SHAPES = [(1, False, False, "full"), (2, True, False, "full"), (4, True, True, "full"),
           (2, False, True, "full"), (1, True, True, "full"), (2, True, False, "hybrid"),
           (1, False, False, "sliding"), (2, True, False, "chunked"), (2, True, False, "state"),
-          (1, False, False, "state")]
+          (1, False, False, "state"), (2, True, False, "hybrid-parts"),
+          (1, False, False, "chunked-parts")]
 # vLLM's blocks: a hybrid model takes a block of each group per page of tokens.
-NUM_BLOCKS = {"full": 28, "hybrid": 44, "sliding": 28, "chunked": 44, "state": 44}
+NUM_BLOCKS = {"full": 28, "hybrid": 44, "sliding": 28, "chunked": 44, "state": 44,
+              "hybrid-parts": 44, "chunked-parts": 44}
 
 
 def _run(segment: str, seed: int, tp: int, async_scheduling: bool, async_saves: bool,

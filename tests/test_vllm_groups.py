@@ -145,7 +145,8 @@ def _group_copies(cache, kv, tensors, asynchronous=False):
 
     return GroupCopies(cache.pages_tensor(), kv, dict(zip(kv.layer_names, tensors)),
                        heads=(0, kv.layout.num_kv_heads), writes=True,
-                       asynchronous=asynchronous)
+                       asynchronous=asynchronous,
+                       parts_pool=cache.parts_tensor() if kv.layout.window_layers else None)
 
 
 def test_a_failed_submit_waits_for_the_copies_already_started(make_cache):
@@ -237,6 +238,69 @@ def test_each_group_copies_its_layers_from_its_own_blocks(make_cache):
     copies.close()
     loader.close()
     del copies, loader, pool, before
+
+
+def test_window_parts_take_the_windowed_layers_out_of_the_page(make_cache):
+    """With window parts the sliding layers (0 and 2) live in the pages' parts: a page
+    holds the full layers, its part the sliding ones. A page without a part is saved
+    without them, whatever its sliding block (gone from the window, or not); a load reads
+    them from the parts, skips null blocks, and refuses a kept block whose page has no
+    part. An all-sliding model keeps its layers in the page (none would be left there)."""
+    full, sliding = _specs(heads=4, dim=8)
+    groups = [(sliding, _names(0, 2)), (full, _names(1, 3))]
+    hv = vllm_module()
+    from vllm.config import ParallelConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(n, s) for s, n in groups])
+    vllm_config = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=1),
+                                  model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 4))
+    kv = hv.layout.engine_kv(vllm_config, config, window_parts=True)
+    layout = hostkv.KVLayout(4, 4, 8, "float32", window_layers=(0, 2))
+    assert kv.layout == layout
+    only_sliding = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(_names(0, 1), sliding)])
+    assert hv.layout.engine_kv(vllm_config, only_sliding,
+                               window_parts=True).layout.window_layers == ()
+    ref = reference_kv(layers=4, heads=4, dim=8)
+    tensors = [as_vllm(r) for r in ref]
+    cache = make_cache(layout, num_parts=4)
+    copies = _group_copies(cache, kv, tensors)
+    pages, parts = [3, 5, 6], [2, -1, -1]
+    sliding_blocks, full_blocks = [7, 2, 0], [4, 9, 5]
+    transfer = copies.submit_save([sliding_blocks, full_blocks], pages, parts)
+    assert transfer.wait() and transfer.error is None
+    pool = cache.pages_tensor().view(torch.float32).view(-1, 2, 2, BLOCK, 4, 8)
+    part_pool = cache.parts_tensor().view(torch.float32).view(-1, 2, 2, BLOCK, 4, 8)
+    assert part_pool.shape[0] == 4
+    for i, page in enumerate(pages):
+        for slot, layer in enumerate((1, 3)):
+            assert torch.equal(pool[page, slot], ref[layer][full_blocks[i]])
+    for slot, layer in enumerate((0, 2)):
+        assert torch.equal(part_pool[2, slot], ref[layer][7])
+    assert not part_pool[[0, 1, 3]].any()                # no part but page 3's written
+    back = [torch.zeros_like(t) for t in tensors]
+    loader = _group_copies(cache, kv, back)
+    assert loader.submit_load(pages[:2], [[6, 0], [1, 3]], parts[:2]).wait()
+    for layer in range(4):
+        if layer in (0, 2):
+            assert torch.equal(back[layer][6], tensors[layer][7]) and not back[layer][0].any()
+        else:
+            assert torch.equal(back[layer][1], tensors[layer][4])
+            assert torch.equal(back[layer][3], tensors[layer][9])
+    before = (cache.pages_tensor().clone(), cache.parts_tensor().clone())
+    with pytest.raises(ValueError, match="without a part"):
+        loader.submit_load(pages[:2], [[6, 5], [1, 3]], parts[:2])
+    with pytest.raises(ValueError, match="null block"):
+        copies.submit_save([[0, 2], [4, 9]], [3, 5], [2, -1])
+    with pytest.raises(ValueError, match="needs a part for each"):
+        copies.submit_save([[7, 2], [4, 9]], [3, 5])
+    assert torch.equal(cache.pages_tensor(), before[0])
+    assert torch.equal(cache.parts_tensor(), before[1])
+    copies.close()
+    loader.close()
+    del copies, loader, pool, part_pool, before
 
 
 @pytest.mark.parametrize("gpu_path", [False, True], ids=["cpu", "gpu-standin"])

@@ -377,7 +377,7 @@ def test_remote_tier_shares_pages_between_two_hosts(new_name, redis_server):
         offered, waits = _ask_until_answered(two, request)
         assert offered == 192 and waits >= 1
         two.update_state_after_alloc(request, vllm_blocks(list(range(20, 29))), offered)
-        (_, pages, blocks), = two.pending_loads
+        (_, pages, blocks, _), = two.pending_loads
         assert blocks == [list(range(20, 26))]
         pool = two.cache.pages_array()
         assert [pool[p].tobytes() for p in pages] == kv

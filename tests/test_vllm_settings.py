@@ -178,9 +178,39 @@ def test_parallelism_that_splits_a_page_is_refused_at_start_up():
             engine_kv(**parallel)
 
 
-def test_a_segment_with_window_parts_is_another_layout_to_the_connector(segment_name):
-    """The connector writes no window parts yet, and a committed page vouches for its part:
-    a segment of the same layout with parts is refused by name, never used."""
+def test_window_parts_settings_size_the_segment(segment_name):
+    """window_parts and window_part_fraction are read and checked; a layout with window
+    layers makes a segment whose size pays for each page and its share of a part, and an
+    engine whose layout has no window layers (its hybrid manager off) takes it for another
+    layout, by name."""
+    hv = vllm_module()
+    s = hv.HostKVSettings.from_extra_config({"segment": "x"})
+    assert (s.window_parts, s.window_part_fraction) == (False, 0.25)
+    s = hv.HostKVSettings.from_extra_config({"segment": "x", "window_parts": True,
+                                             "window_part_fraction": 0.5})
+    assert (s.window_parts, s.window_part_fraction) == (True, 0.5)
+    for bad, said in (({"window_parts": 1}, "window_parts must be true or false"),
+                      ({"window_part_fraction": 0}, r"window_part_fraction must be in \(0, 1\]"),
+                      ({"window_part_fraction": 1.5}, "window_part_fraction must be in"),
+                      ({"window_part_fraction": "x"}, "window_part_fraction must be a number")):
+        with pytest.raises(ValueError, match=said):
+            hv.HostKVSettings.from_extra_config({"segment": "x", **bad})
+    gemma = hostkv.KVLayout(6, 2, 64, "float32", window_layers=(0, 1, 2, 3, 4))
+    page, part = gemma.page_bytes(BLOCK_SIZE), gemma.part_bytes(BLOCK_SIZE)
+    settings = hv.HostKVSettings(segment=segment_name, size=100 * (page + part // 4),
+                                 window_parts=True, replace_incompatible=False)
+    with hv.open_segment(settings, gemma, BLOCK_SIZE) as cache:
+        assert (cache.config.num_pages, cache.config.num_parts) == (100, 25)
+        assert cache.config.part_bytes == part
+    with pytest.raises(hostkv.IncompatibleSegmentError,
+                       match=r"holds pages of 6 layers .* \(layers \[0, 1, 2, 3, 4\] in window "
+                             r"parts\) with 25 window parts"):
+        hv.open_segment(settings, hostkv.KVLayout(6, 2, 64, "float32"), BLOCK_SIZE)
+
+
+def test_a_segment_with_opaque_window_parts_is_another_layout_to_the_connector(segment_name):
+    """A committed page vouches for its part: a segment of the same layout with parts that
+    no window layer fills is refused by name, never used."""
     hv = vllm_module()
     layout = hostkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
     config = hostkv.HostKVConfig(num_pages=8, page_size=BLOCK_SIZE, kv_layout=layout,

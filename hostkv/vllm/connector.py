@@ -93,7 +93,7 @@ class HostKVConnector(KVConnectorBase_V1, SupportsHMA):
             device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
             settings = dataclasses.replace(settings, async_saves=device not in ("cpu", ""))
         self._settings = settings
-        kv = engine_kv(vllm_config, kv_cache_config)
+        kv = engine_kv(vllm_config, kv_cache_config, window_parts=settings.window_parts)
         self._kv = kv
         if kv.null_groups and settings.async_saves:
             # vLLM frees a windowed group's block once it left the span, and may hand a

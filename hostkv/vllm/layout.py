@@ -232,12 +232,14 @@ class KVGroup:
         layers: The group's layers as indices into the page's layers (model order).
         sliding_window: The window in tokens (sliding-window groups), else None.
         state: How a page slot holds a layer's state ("state" groups), else None.
+        attention_chunk: The chunk in tokens (chunked-local groups), else None.
     """
 
     kind: str
     layers: Tuple[int, ...]
     sliding_window: Optional[int] = None
     state: Optional[StateLayout] = None
+    attention_chunk: Optional[int] = None
 
 
 def layer_runs(layers: Sequence[int]) -> List[Tuple[int, int, int]]:
@@ -361,8 +363,13 @@ def _refuse_packed(spec: object, backend: str) -> None:
                          f"is packed or quantized: {', '.join(f'{k}={v}' for k, v in packed)}")
 
 
-def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> EngineKV:
+def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+              window_parts: bool = False) -> EngineKV:
     """Reads vLLM's KV-cache config and parallel config as hostkv pages.
+
+    window_parts: the layers of sliding-window and chunked-local groups go to the pages'
+    window parts (``KVLayout.window_layers``) where other layers remain to fill a page;
+    a model all of whose layers are windowed keeps them in its pages.
 
     Raises:
         ValueError: a KV cache hostkv cannot hold, naming what it saw: KV-cache groups of
@@ -479,9 +486,14 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
     dtype = str(spec.dtype).replace("torch.", "")
     state_layers = sorted(position[name] for kind, group in zip(kinds, groups)
                           if kind == "state" for name in group.layer_names)
+    window_layers = sorted(position[name] for kind, group in zip(kinds, groups)
+                           if kind in ("sliding_window", "chunked_local")
+                           for name in group.layer_names)
+    if not window_parts or len(window_layers) == len(layers):
+        window_layers = []
     layout = KVLayout(num_layers=len(layers), num_kv_heads=total_heads,
                       head_dim=spec.head_size, dtype=dtype, kind=kind,
-                      state_layers=tuple(state_layers))
+                      state_layers=tuple(state_layers), window_layers=tuple(window_layers))
     block_size = int(spec.block_size)
     if block_size & (block_size - 1):
         # vLLM rounds a model with state's block up until an attention page holds a state
@@ -490,12 +502,14 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> En
         raise ValueError(f"hostkv pages hold a power-of-two number of tokens; vLLM's block "
                          f"size is {block_size}: start vLLM with --block-size "
                          f"{1 << (block_size - 1).bit_length()}")
-    slot_bytes = layout.page_bytes(block_size) // layout.num_layers
+    slot_bytes = layout.layer_token_bytes * block_size
     kv_groups = tuple(
         KVGroup(kind, tuple(sorted(position[name] for name in group.layer_names)),
                 int(group.kv_cache_spec.sliding_window) if kind == "sliding_window" else None,
                 _state_layout(vllm_config, group, block_size, slot_bytes, tp)
-                if kind == "state" else None)
+                if kind == "state" else None,
+                int(group.kv_cache_spec.attention_chunk_size)
+                if kind == "chunked_local" else None)
         for kind, group in zip(kinds, groups))
     return EngineKV(layout, block_size, tuple(layers), block_layout, tp, backend, kv_groups)
 
@@ -745,9 +759,17 @@ def open_segment(settings: HostKVSettings, layout: KVLayout, page_size: int) -> 
         HostKVError: the segment could not be created or attached.
     """
     page_bytes = layout.page_bytes(page_size)
-    num_pages = settings.num_pages or max(1, settings.size // page_bytes)
+    num_parts = 0
+    if layout.window_layers:
+        # size pays for each page and its share of a window part.
+        fraction = settings.window_part_fraction
+        num_pages = settings.num_pages or max(
+            1, int(settings.size // (page_bytes + fraction * layout.part_bytes(page_size))))
+        num_parts = max(1, int(num_pages * fraction))
+    else:
+        num_pages = settings.num_pages or max(1, settings.size // page_bytes)
     config = HostKVConfig(num_pages=num_pages, page_size=page_size, kv_layout=layout,
-                          max_processes=settings.max_processes)
+                          max_processes=settings.max_processes, num_parts=num_parts)
     wanted = describe_layout(layout, page_size)
     name = settings.segment
 
@@ -785,10 +807,10 @@ def open_segment(settings: HostKVSettings, layout: KVLayout, page_size: int) -> 
     try:
         cache = HostKVCache.open(
             name, config,
-            # Window parts: the connector writes none yet, and a committed page vouches
-            # for its part, so a segment with parts is another layout to it.
+            # A committed page vouches for its part: parts of another size (or parts a
+            # layout without window layers never fills) make another layout.
             compatible=lambda found: (found.kv_layout == layout and found.page_size == page_size
-                                      and found.num_parts == 0),
+                                      and (found.num_parts > 0) == bool(layout.window_layers)),
             may_replace=may_replace, lock_timeout=settings.lock_timeout,
             ready_timeout=settings.ready_timeout)
     except SegmentInUseError:

@@ -37,6 +37,10 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
             (``HostKVCache.segment_id``); 0: unknown. A worker that mapped a segment of
             another id (the name was unlinked and made again between their opens) copies
             nothing: its loads are reported bad, its saves failed.
+        load_parts: With window parts, each load's pages' parts (-1: none), by request;
+            the borrow holds them until the load is over.
+        save_parts: With window parts, each save's pages' parts (-1: none; a page without
+            one is saved without its window layers), by request.
         scheduler_lease: The scheduler's lease in the segment, (slot, generation)
             (``HostKVCache.lease_identity``); None: unknown. Each worker joins its group
             before its first copy, so that, should the scheduler die, the pages its
@@ -55,6 +59,8 @@ class HostKVConnectorMetadata(KVConnectorMetadata):
     recv_failed: List[str] = dataclasses.field(default_factory=list)
     segment_id: int = 0
     scheduler_lease: Optional[Tuple[int, int]] = None
+    load_parts: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+    save_parts: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

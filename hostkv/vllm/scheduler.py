@@ -45,6 +45,15 @@ allocated. vLLM itself keeps the blocks of a request that finishes while its loa
 outstanding until the load is reported. A save that would read a windowed group's null
 block freezes the request (the page's KV for those layers is gone).
 
+With window parts (``HostKVSettings.window_parts``) a windowed group's layers live in the
+pages' parts, which the part LRU may take from a page that stays cached: a hit ends where
+the pages its window reads all have parts (``hostkv.vllm.window``), the borrow reads the
+held pages' parts again against the blocks vLLM gave (a needed part gone in between fails
+the whole load), and the metadata names each load's and save's parts. A save writes a
+page's window layers into its part, or, for a page that got none, skips them (the page is
+committed without them; no hit needs them). A borrowed prefix stays locked until the
+request's release, so its parts cannot go before the load is over.
+
 A model with recurrent-state layers (Mamba, linear attention) has a state group: a hit must
 end at a page holding the state, the state is loaded into the hit's last block, and a page
 is saved with the state vLLM offered for its end in that step, or without one
@@ -74,6 +83,7 @@ from hostkv.vllm.metadata import HostKVConnectorMetadata, HostKVWorkerMetadata
 from hostkv.vllm.metrics import TIER_COUNTERS, Counters, Failures
 from hostkv.vllm.settings import HostKVSettings
 from hostkv.vllm.state import offered_state_blocks, pages_with_state, state_blocks_to_load
+from hostkv.vllm.window import window_hit
 from hostkv.worker_view import SequenceRequest, WorkerView
 
 if TYPE_CHECKING:
@@ -151,6 +161,7 @@ class _Load(NamedTuple):
     st: _Req
     pages: List[int]
     blocks: List[List[int]]              # one list per group
+    parts: Optional[List[int]] = None    # the pages' window parts (window parts only)
 
 
 class SchedulerSide:
@@ -170,6 +181,8 @@ class SchedulerSide:
         # groups, and the groups whose block lists may name the null block.
         self.kv = kv
         self.state_groups = kv.state_groups if kv is not None else ()
+        # Windowed groups' layers live in the pages' window parts.
+        self.window_parts = kv is not None and bool(kv.layout.window_layers)
         self.null_groups = kv.null_groups if kv is not None else windowed_groups
         self.async_loads = async_loads
         # Requests whose asynchronous load failed: offered no hit again, so that a load
@@ -310,11 +323,13 @@ class SchedulerSide:
         match = self.cache.match_prefix(tokens[:limit], namespace)
         # Pages the cache holds, with or without a state (those past the hit did not leave).
         found = match.num_tokens
-        if self.state_groups and match.num_tokens:
-            # A hit ends at a page that holds the state (the pages are not held yet: the
-            # borrow reads it again).
-            match = PrefixMatch(self._pages_with_state(match.pages) * self.block_size,
-                                match.pages)
+        if (self.state_groups or self.window_parts) and match.num_tokens:
+            # A hit ends at a page that holds the state, and where the pages its window
+            # reads have their parts (the pages are not held yet: the borrow reads both
+            # again).
+            match = PrefixMatch(
+                self._whole_hit(match.pages, num_computed_tokens // self.block_size)
+                * self.block_size, match.pages)
         if pending is not None:
             if match.num_tokens > pending[5]:
                 self.counters.add("remote_hit_tokens", match.num_tokens - pending[5])
@@ -341,6 +356,22 @@ class SchedulerSide:
             return 0, False
         self.counters.add("hit_tokens", match.num_tokens - num_computed_tokens)
         return match.num_tokens - num_computed_tokens, self.async_loads
+
+    def _whole_hit(self, pages: Any, local: int) -> int:
+        """The longest prefix of ``pages``, in pages, that ends at a page with the model's
+        state and whose window parts are there from ``local`` on; each walk back only
+        shortens it, so they take turns until neither does."""
+        count = len(pages)
+        while True:
+            before = count
+            if self.state_groups and count:
+                count = self._pages_with_state(pages[:count])
+            if self.window_parts and count:
+                assert self.kv is not None
+                count = window_hit(self.kv, self.cache.page_parts(pages[:count]).tolist(),
+                                   local)
+            if count == before:
+                return count
 
     def _pages_with_state(self, pages: Any) -> int:
         """How many of a prefix's pages make the longest one ending at a page with the
@@ -461,6 +492,16 @@ class SchedulerSide:
             # one, between lookup and borrow), or vLLM gave no block to load it into. Never
             # a hit without its state.
             bad_start = local_blocks
+        load_parts: Optional[List[int]] = None
+        if self.window_parts and load_end > local_blocks:
+            # Held now: every block vLLM kept of a windowed group is loaded from its page's
+            # part, which the part LRU may have taken since the lookup.
+            load_parts = self.cache.page_parts(
+                alloc.page_table[local_blocks:load_end]).tolist()
+            if any(st.blocks[g][i] != NULL_BLOCK and load_parts[i - local_blocks] < 0
+                   for g in self.windowed_groups
+                   for i in range(local_blocks, min(load_end, len(st.blocks[g])))):
+                bad_start = local_blocks
         if self.async_loads and promised > local_blocks:
             if promised > bad_start:
                 # Evicted between lookup and borrow: vLLM takes only whole-request
@@ -473,7 +514,8 @@ class SchedulerSide:
                 for g in self.state_groups:
                     blocks[g] = state_blocks_to_load(st.blocks[g], local_blocks, load_end)
                 self.pending_loads.append(_Load(
-                    st, alloc.page_table[local_blocks:load_end].tolist(), blocks))
+                    st, alloc.page_table[local_blocks:load_end].tolist(), blocks,
+                    load_parts))
         if promised > bad_start:
             # Evicted between lookup and borrow: never load what is not held. vLLM
             # recomputes these blocks; until it does, the request's KV rests on them.
@@ -572,7 +614,8 @@ class SchedulerSide:
             loads = self._drop_finished_loads(loads, bad, recv_failed)
             meta = HostKVConnectorMetadata(
                 step=step, loads=[(ld.st.req_id, ld.pages, ld.blocks) for ld in loads],
-                bad_blocks=bad, finishing=finishing, recv_failed=recv_failed)
+                bad_blocks=bad, finishing=finishing, recv_failed=recv_failed,
+                load_parts={ld.st.req_id: ld.parts for ld in loads if ld.parts is not None})
             meta.segment_id = self.cache.segment_id
             meta.scheduler_lease = self.cache.lease_identity
             self.suspect_blocks = {b: s for b, s in self.suspect_blocks.items()
@@ -598,7 +641,9 @@ class SchedulerSide:
                 # can differ.
                 out.has_sync_kv_loads = True
         offers = self._state_offers(out)
-        for st, end, pages in saves:
+        for st, end, pages, parts in saves:
+            if parts is not None:
+                meta.save_parts[st.req_id] = parts
             blocks = st.block_slice(st.scheduled_upto, end)
             for g in self.state_groups:
                 blocks[g] = offered_state_blocks(offers.get(st.req_id, ()), g,
@@ -632,8 +677,10 @@ class SchedulerSide:
         state = getattr(out, "kv_connector_block_state", None)
         return dict(getattr(state, "boundary_state_offloads", None) or {})
 
-    def _plan_saves(self, out: "SchedulerOutput") -> List[Tuple[_Req, int, List[int]]]:
-        """This step's saves: (request, end, pages) for blocks [scheduled_upto, end).
+    def _plan_saves(self, out: "SchedulerOutput"
+                    ) -> List[Tuple[_Req, int, List[int], Optional[List[int]]]]:
+        """This step's saves: (request, end, pages, their window parts or None) for blocks
+        [scheduled_upto, end).
         Changes no state but the blocks vLLM gave and the tokens appended."""
         plans: List[Tuple[_Req, int]] = []
         scheduled = out.num_scheduled_tokens
@@ -662,26 +709,31 @@ class SchedulerSide:
         for st, end in plans:
             if st.frozen or st.seq_tokens < end * self.block_size:
                 continue
-            if self.windowed_groups and not self._window_holds(st, end):
+            pages = self.view.page_table(st.seq_id)[st.scheduled_upto:end].tolist()
+            # A sequence's own pages keep their parts until it commits them.
+            parts = self.cache.page_parts(pages).tolist() if self.window_parts else None
+            if self.windowed_groups and not self._window_holds(st, end, parts):
                 st.freeze()
                 continue
-            saves.append((st, end, self.view.page_table(st.seq_id)[st.scheduled_upto:end]
-                          .tolist()))
+            saves.append((st, end, pages, parts))
         return saves
 
-    def _window_holds(self, st: _Req, end: int) -> bool:
+    def _window_holds(self, st: _Req, end: int, parts: Optional[List[int]]) -> bool:
         """Whether every windowed group still holds blocks [scheduled_upto, end) of the
-        request. vLLM's own table says (its copy in the scheduler output is only what it
-        added): it frees a block once it left the span (the window, the current chunk),
-        and gives it to others."""
+        request (with window parts: those of the pages that have a part; the others are
+        saved without their window layers). vLLM's own table says (its copy in the
+        scheduler output is only what it added): it frees a block once it left the span
+        (the window, the current chunk), and gives it to others."""
         if self.kv_cache_manager is not None:
             try:
                 live = self.kv_cache_manager.get_block_ids(st.req_id)
             except Exception:             # noqa: BLE001 - a request vLLM does not know
                 return False
             st.blocks = [list(group) for group in live]
+        start = st.scheduled_upto
         return all(len(st.blocks[g]) >= end
-                   and NULL_BLOCK not in st.blocks[g][st.scheduled_upto:end]
+                   and all(block != NULL_BLOCK or (parts is not None and parts[i] < 0)
+                           for i, block in enumerate(st.blocks[g][start:end]))
                    for g in self.windowed_groups)
 
     def _unplanned(self, step: int, loads: List[_Load], bad: List[int],

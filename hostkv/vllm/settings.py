@@ -51,6 +51,15 @@ class HostKVSettings:
             over. False: a step's saves are copied before the step ends. None (the
             default): True on a GPU, False on a CPU, where the copy thread only takes
             turns with the forward on the same cores (measured slower).
+        window_parts: True: a model with sliding-window or chunked-local layers beside
+            others (vLLM's hybrid manager on) keeps those layers' KV in the pages' window
+            parts, not in the pages, and a hit needs it only for the pages its window
+            reaches (``hostkv.vllm.window``): a page costs the other layers' bytes, a
+            part the windowed ones'. Every engine of a segment must agree (it is the
+            segment's layout). False (the default): every layer in the page.
+        window_part_fraction: Window parts per page when this engine creates the segment
+            with ``window_parts``, in (0, 1]: ``size`` is shared so, and the pages whose
+            parts were evicted (least recently used first) keep their other layers.
     """
 
     segment: str
@@ -64,6 +73,8 @@ class HostKVSettings:
     remote_wait: float = 0.5
     replace_incompatible: bool = True
     async_saves: Optional[bool] = None
+    window_parts: bool = False
+    window_part_fraction: float = 0.25
 
     @classmethod
     def from_extra_config(cls, extra: Optional[Dict[str, Any]]) -> "HostKVSettings":
@@ -101,7 +112,14 @@ class HostKVSettings:
                 values[key] = float(value)
         if "namespace" in extra:
             values["namespace"] = str(extra["namespace"])
-        for key in ("replace_incompatible", "async_saves"):
+        if "window_part_fraction" in extra:
+            values["window_part_fraction"] = float(number(
+                extra["window_part_fraction"], "hostkv: window_part_fraction", 0, 1, False,
+                ValueError))
+            if values["window_part_fraction"] <= 0:
+                raise ValueError(f"hostkv: window_part_fraction must be in (0, 1], got "
+                                 f"{extra['window_part_fraction']!r}")
+        for key in ("replace_incompatible", "async_saves", "window_parts"):
             if key in extra:
                 if not isinstance(extra[key], bool):
                     raise ValueError(f"hostkv: {key} must be true or false, got "

@@ -92,10 +92,12 @@ def pages_with_state(kv: EngineKV, pool: np.ndarray, pages: Sequence[int]) -> in
     slots = _state_slots(kv)
     if not slots:
         return len(pages)
-    slot_bytes = pool.shape[1] // kv.layout.num_layers
+    slot_bytes = pool.shape[1] // len(kv.layout.page_layers)
     for count in range(len(pages), 0, -1):
         page = pool[int(pages[count - 1])]
-        if all(slot_holds_state(page[layer * slot_bytes:(layer + 1) * slot_bytes], state)
+        # (A state layer is never a window layer: its slot is in the page.)
+        if all(slot_holds_state(page[kv.layout.slot(layer)[1] * slot_bytes:
+                                     (kv.layout.slot(layer)[1] + 1) * slot_bytes], state)
                for layer, state in slots):
             return count
     return 0
@@ -151,7 +153,7 @@ class StateCopies:
         self.group = group
         self.num_pages = pool.shape[0]
         self.page_bytes = pool.shape[1]
-        self.slot_bytes = self.page_bytes // kv.layout.num_layers
+        self.slot_bytes = self.page_bytes // len(kv.layout.page_layers)
         # The flat pool (a copy slices it: the per-copy Python is most of a small state's
         # cost; see hostkv.vllm.state_bench), and the same host memory for reading markers.
         self.pool = pool.view(-1)           # a view or an error, never a copy
@@ -173,7 +175,7 @@ class StateCopies:
                                  f"{list(state.shapes)} of {list(state.dtypes)} per block, "
                                  f"{state.rank_bytes} bytes")
             flat = [t.view(t.shape[0], -1).view(torch.uint8) for t in tensors]
-            self.layers.append((layer * self.slot_bytes, state, flat,
+            self.layers.append((kv.layout.slot(layer)[1] * self.slot_bytes, state, flat,
                                 _pieces(state.runs(rank), [t.shape[1] for t in flat])))
         self.markers = {id(state): torch.frombuffer(bytearray(state.marker_bytes(rank)),
                                                     dtype=torch.uint8)

@@ -117,7 +117,9 @@ class WorkerSide:
                    else torch.empty(0)]
         try:
             engine = GroupCopies(self.cache.pages_tensor(), kv, kv_caches, heads=(first, stop),
-                                 writes=writes, asynchronous=self.async_saves, rank=self.rank)
+                                 writes=writes, asynchronous=self.async_saves, rank=self.rank,
+                                 parts_pool=(self.cache.parts_tensor()
+                                             if kv.layout.window_layers else None))
         except ValueError as exc:
             if str(exc).startswith("hostkv: state layer"):
                 # StateCopies names the state layer it refused, and what it saw.
@@ -246,7 +248,12 @@ class WorkerSide:
             return
         start = time.perf_counter()
         try:
-            transfer = self._engine().submit_load(pages, blocks)
+            if self.kv.layout.window_layers:
+                parts = [q for req_id, ps, _ in meta.loads
+                         for q in meta.load_parts.get(req_id, [-1] * len(ps))]
+                transfer = self._engine().submit_load(pages, blocks, parts)
+            else:
+                transfer = self._engine().submit_load(pages, blocks)
         except Exception as exc:          # noqa: BLE001 - fail open: vLLM recomputes
             self.failures.note("load", exc)
             self.counters.add("failures", 1)
@@ -288,7 +295,12 @@ class WorkerSide:
                 blocks = [[b for _, bs, _ in saves for b in bs[g]]
                           for g in range(len(self.kv.groups))]
                 page_ids = [p for _, _, ps in saves for p in ps]
-                transfer = self._engine().submit_save(blocks, page_ids)
+                if self.kv.layout.window_layers:
+                    parts = [q for req_id, _, ps in saves
+                             for q in meta.save_parts.get(req_id, [-1] * len(ps))]
+                    transfer = self._engine().submit_save(blocks, page_ids, parts)
+                else:
+                    transfer = self._engine().submit_save(blocks, page_ids)
             except Exception as exc:      # noqa: BLE001 - fail open: nothing is committed
                 self.failures.note("save", exc)
                 self.counters.add("failures", 1)

@@ -118,7 +118,7 @@ class Options:
     num_blocks: int = 28            # vLLM's KV blocks: small, so requests get preempted
     num_pages: int = 40             # hostkv's pages: small, so pages get evicted
     fault_rate: float = 0.08        # per step and per kind of fault
-    kv_groups: str = "full"         # a key of GROUPS
+    kv_groups: str = "full"         # a key of GROUPS, "-parts" after it: window parts on
 
 
 def prefix_hashes(tokens: List[int], weights: int = 0) -> np.ndarray:
@@ -230,7 +230,12 @@ class Harness:
         self.step_no = 0
         tp = opts.tp
         extra = {"num_pages": opts.num_pages, "async_saves": opts.async_saves}
-        groups = GROUPS[opts.kv_groups]
+        self.window_parts = opts.kv_groups.endswith("-parts")
+        if self.window_parts:
+            # Few parts: the part LRU takes them from cached pages every few steps.
+            extra.update(window_parts=True, window_part_fraction=0.3)
+        self.groups = groups = GROUPS[opts.kv_groups[:-len("-parts")] if self.window_parts
+                                      else opts.kv_groups]
         self.layers = 1 + max(layer for _, layers, _ in groups for layer in layers)
         # layer -> its group; group -> its span (None: full attention or state) and kind.
         self.layer_group = [next(g for g, (_, layers, _) in enumerate(groups) if i in layers)
@@ -365,7 +370,7 @@ class Harness:
         tensors: Dict[str, Any] = {}
         states: Dict[str, Any] = {}
         pools = []
-        members = [layers for _, layers, _ in GROUPS[self.opts.kv_groups]]
+        members = [layers for _, layers, _ in self.groups]
         for i in range(max(len(layers) for layers in members)):
             shared = torch.full(shape, UNWRITTEN)
             pools.append(shared)
@@ -647,10 +652,14 @@ class Harness:
             self.note(f"meta {meta.step} bad blocks {sorted(meta.bad_blocks)}")
         for req_id, pages, blocks in meta.loads:
             self.note(f"meta {meta.step} load {req_id} blocks {blocks}")
+            if any(part >= 0 for part in meta.load_parts.get(req_id, ())):
+                self.note(f"parts-loaded {req_id} parts {meta.load_parts[req_id]}")
             for g in self.state_groups:
                 self.loaded_states.update(b for b in blocks[g] if b != NULL_BLOCK)
         for req_id, blocks, pages in meta.saves:
             self.note(f"meta {meta.step} save {req_id} blocks {blocks}")
+            if any(part < 0 for part in meta.save_parts.get(req_id, ())):
+                self.note(f"partless-save {req_id} parts {meta.save_parts[req_id]}")
         if meta.preempted:
             # A held copy would hold handle_preemptions' wait forever; real copies end.
             self._release_holds(all_=True)
@@ -998,9 +1007,16 @@ class Harness:
         contents = seg.run_locked(_introspect.tree_contents, seg)
         pool = self.other.pages_tensor().numpy()
         layers = self.attention_layers if self.state_layers else slice(None)
+        # With window parts the page holds the other layers; a part, where the page has
+        # one, the windowed layers (the harness's window models have no state layers).
+        layout = self.other.config.kv_layout
+        window = list(layout.window_layers)
+        page_layers = [layer for layer in range(self.layers) if layer not in window]
+        parts_pool = self.other.parts_tensor().numpy() if window else None
         wrong = None
         try:
             for namespace, tokens, pages, _ in contents:
+                parts = self.other.page_parts(pages) if window else None
                 for k, page in enumerate(pages):
                     key = (namespace, tuple(tokens[:(k + 1) * BS]))
                     want = self.expected_pages.get(key)
@@ -1008,8 +1024,18 @@ class Harness:
                         want = expected_kv(prefix_hashes(list(key[1]), self.namespace_weights[
                             namespace])[k * BS:], self.layers)[layers]
                         self.expected_pages[key] = want
-                    have = pool[page].reshape(self.layers, *want.shape[1:])[layers]
-                    if not np.array_equal(have, want):
+                    if window:
+                        assert parts is not None and parts_pool is not None
+                        have = pool[page].reshape(len(page_layers), *want.shape[1:])
+                        want_here = want[page_layers]
+                        if np.array_equal(have, want_here) and parts[k] >= 0:
+                            have = parts_pool[parts[k]].view(np.float32).reshape(
+                                len(window), *want.shape[1:])
+                            want_here = want[window]
+                    else:
+                        have = pool[page].reshape(self.layers, *want.shape[1:])[layers]
+                        want_here = want
+                    if not np.array_equal(have, want_here):
                         what = ("poison: KV computed on wrong KV" if (have == POISON).any()
                                 else "never written" if (have == UNWRITTEN).any()
                                 else "other KV")
@@ -1026,7 +1052,7 @@ class Harness:
                 if wrong:
                     break
         finally:
-            del pool             # no view of the pool may outlive the handle
+            del pool, parts_pool     # no view of the pool may outlive the handle
         if wrong:
             self.fail(wrong)
         if self.state_layers:
@@ -1116,6 +1142,10 @@ class Harness:
         stats = self.other.stats()
         if stats.active_sequences:
             self.fail(f"{stats.active_sequences} sequences leaked in the segment")
+        if self.window_parts:
+            self.counts["parts_evicted"] = stats.parts_evicted
+            self.counts["parts_donated"] = stats.parts_donated
+            self.counts["pages_without_part"] = stats.pages_without_part
 
     def close(self) -> None:
         """Stops every thread and detaches every handle (failures included)."""

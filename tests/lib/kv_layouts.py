@@ -61,8 +61,9 @@ def make_cache(new_name):
     told), each closed and unlinked after the test."""
     caches = []
 
-    def make(layout, num_pages=PAGES):
-        cfg = hostkv.HostKVConfig(num_pages=num_pages, page_size=TOKENS, kv_layout=layout)
+    def make(layout, num_pages=PAGES, num_parts=0):
+        cfg = hostkv.HostKVConfig(num_pages=num_pages, page_size=TOKENS, kv_layout=layout,
+                                  num_parts=num_parts)
         cache = hostkv.HostKVCache.create(new_name(), cfg.apply_runtime_defaults())
         caches.append(cache)
         return cache

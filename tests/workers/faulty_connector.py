@@ -190,13 +190,23 @@ class _FaultyCopies:
         """How many of a failing copy's n pages it wrote first: none, or a prefix."""
         return rng.choice([0, rng.randrange(n + 1)])
 
-    def submit_save(self, blocks: Sequence[int], pages: Sequence[int]) -> Transfer:
+    @staticmethod
+    def _head(blocks: Sequence[Any], parts: Tuple[Any, ...], done: int) -> Tuple[Any, ...]:
+        """The first ``done`` pages' blocks (each group's, for GroupCopies) and parts."""
+        if blocks and isinstance(blocks[0], (list, tuple)):
+            head = [list(group[:done]) for group in blocks]
+        else:
+            head = list(blocks[:done])
+        return (head,) + tuple(list(p[:done]) for p in parts)
+
+    def submit_save(self, blocks: Sequence[Any], pages: Sequence[int],
+                    *parts: Sequence[int]) -> Transfer:
         faults = self._faults
         if not blocks:
-            return self._engine.submit_save(blocks, pages)
+            return self._engine.submit_save(blocks, pages, *parts)
         faults.count("saves")
         if faults.save_rng.random() >= faults.save_rate:
-            transfer = self._engine.submit_save(blocks, pages)
+            transfer = self._engine.submit_save(blocks, pages, *parts)
             self._kill_if_due()
             return transfer
         faults.count("save_faults")
@@ -208,17 +218,19 @@ class _FaultyCopies:
         faults.trace(f"save fails late: blocks {list(blocks[done:])} not saved")
         # Queued behind the step's other copies like a real one: the error shows only when
         # the copy thread gets to it.
-        inner = self._engine.submit_save(list(blocks[:done]), list(pages[:done]))
+        head, *head_parts = self._head(blocks, parts, done)
+        inner = self._engine.submit_save(head, list(pages[:done]), *head_parts)
         return _FailsAfter(inner, len(pages) * self._engine.bytes_per_page,
                            InjectedFault(f"save failed after {done} of {len(pages)} pages"))
 
-    def submit_load(self, pages: Sequence[int], blocks: Sequence[int]) -> Transfer:
+    def submit_load(self, pages: Sequence[int], blocks: Sequence[Any],
+                    *parts: Sequence[int]) -> Transfer:
         faults = self._faults
         if not pages:
-            return self._engine.submit_load(pages, blocks)
+            return self._engine.submit_load(pages, blocks, *parts)
         faults.count("loads")
         if faults.load_rng.random() >= faults.load_rate:
-            return self._engine.submit_load(pages, blocks)
+            return self._engine.submit_load(pages, blocks, *parts)
         faults.count("load_faults")
         if faults.load_rng.random() < 0.5:
             faults.trace(f"load fails at submit: blocks {list(blocks)}, requests "
@@ -228,7 +240,8 @@ class _FaultyCopies:
         done = self._written_part(faults.load_rng, len(pages))
         faults.trace(f"load fails late: blocks {list(blocks[done:])} not loaded, requests "
                      f"{faults.loads_missed(done)}")
-        inner = self._engine.submit_load(list(pages[:done]), list(blocks[:done]))
+        head, *head_parts = self._head(blocks, parts, done)
+        inner = self._engine.submit_load(list(pages[:done]), head, *head_parts)
         return _FailsAfter(inner, len(pages) * self._engine.bytes_per_page,
                            InjectedFault(f"load failed after {done} of {len(pages)} pages"))
 
