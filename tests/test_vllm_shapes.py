@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 
 import hostkv
-from conftest import unlink_quietly
+from conftest import report_counts, unlink_quietly
 from lib.vllm_engine import (BLOCK_SIZE, Engine, settled_stats, stop_engines,
                              unlink_vllm_shm, vllm_shm, write_model)
 
@@ -204,6 +204,97 @@ def test_sliding_window_models_share_pages_with_the_hybrid_manager_on(tmp_path, 
                         kind=kind)
     _share_both_ways(tmp_path, kind, model, tp_a=tp_a, llm_kwargs={"dtype": dtype},
                      then=_kill_b_mid_save if kind == "gemma3" else None)
+
+
+@pytest.mark.parametrize("kind,num_layers,dtype,tp_a", [
+    ("gemma3_5to1", 6, "float32", 1), ("gpt_oss", 2, "bfloat16", 2),
+    ("llama4", 4, "float32", 1)],
+    ids=["gemma3", "gpt-oss", "llama4-chunked-local"])
+def test_window_layers_live_in_window_parts(tmp_path, kind, num_layers, dtype, tp_a):
+    """With window_parts on, the sliding-window (chunked-local) layers' KV lives in the
+    pages' window parts and the pages hold the other layers: Gemma-3 (five sliding layers
+    of six), gpt-oss (sliding and full alternating) and Llama 4 (three chunked-local layers
+    of four). A and B (TP=2) share pages both ways, tokens exact as above, the loads
+    reading the window layers from parts; then, for Gemma-3, B's rank 1 is killed mid-save
+    and A reads nothing half-written."""
+    model = write_model(str(tmp_path / "model"), num_layers=num_layers, num_kv_heads=2,
+                        kind=kind)
+
+    def then(a: Engine, b: Engine, segment: str) -> None:
+        with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+            layout, stats = cache.config.kv_layout, cache.stats()
+        # The window layers are in parts, and the pages both engines committed have them.
+        assert layout.window_layers and len(layout.page_layers) < layout.num_layers
+        assert stats.tree_parts > 0 and stats.pages_without_part == 0
+        if kind == "gemma3_5to1":
+            assert layout.page_layers == (5,)
+            _kill_b_mid_save(a, b, segment)
+
+    _share_both_ways(tmp_path, f"{kind}-parts", model, tp_a=tp_a,
+                     settings={"window_parts": True}, llm_kwargs={"dtype": dtype}, then=then)
+
+
+def test_a_hit_ends_where_its_window_has_parts(tmp_path):
+    """Gemma-3 (five sliding layers of six, window 64) with one window part for every
+    twenty pages: engine A (TP=1) computes eight prompts of 3-8 pages, four at a time. In
+    the first batch the parts run out (the pages of the last requests get none); the
+    second batch's allocations take the first batch's parts (the part LRU: a page keeps
+    its full layer). Engine B (TP=2) asks for every prompt: a hit ends where
+    the pages its window reads (the last two) have parts, or is a miss; B never loads
+    window layers a page does not have, and every token is what A computed. Prints the
+    pool's bytes per cached token against pages holding every layer."""
+    model = write_model(str(tmp_path / "model"), num_layers=6, num_kv_heads=2,
+                        kind="gemma3_5to1")
+    segment = f"hostkv-test-scarce-parts-{os.getpid()}-{random.randrange(1 << 30):x}"
+    extra = {"segment": segment, "num_pages": 400, "window_parts": True,
+             "window_part_fraction": 0.05}
+    prompts = _prompts(random.Random(23), 8)
+    engines: List[Engine] = []
+    shm_before = vllm_shm()
+    try:
+        a = Engine(model, extra, str(tmp_path / "a.log"), tp=1, env=IN_PROCESS)
+        b = Engine(model, extra, str(tmp_path / "b.log"), tp=2, env=IN_PROCESS)
+        engines = [a, b]
+        for engine in engines:
+            engine.ready()
+        expected, cached = [], []
+        for batch in (prompts[:4], prompts[4:]):
+            outs, batch_cached, _ = a.generate(batch, MAX_TOKENS)
+            expected += outs
+            cached += batch_cached
+        assert cached == [0] * len(prompts)
+        with hostkv.HostKVCache.attach(segment, lease=False) as cache:
+            config, stats = cache.config, cache.stats()
+        assert config.num_parts == 20
+        assert stats.parts_evicted > 0 and stats.pages_without_part > 0, stats
+        outs, cached, _ = b.generate(prompts, MAX_TOKENS)
+        hits = _hits(prompts, BLOCK_SIZE)
+        assert all(c % BLOCK_SIZE == 0 and c <= h for c, h in zip(cached, hits)), cached
+        # Some prompts kept their window's parts, some lost them.
+        assert 0 < sum(cached) < sum(hits), (cached, hits)
+        assert outs == expected
+        with hostkv.HostKVCache.attach(segment) as cache:
+            cache.check()
+            stats = cache.stats()
+        for engine in engines:
+            assert "hostkv: " not in engine.log()
+        layout = config.kv_layout
+        full_page = config.page_bytes + config.part_bytes       # every layer in the page
+        per_token = (config.num_pages * config.page_bytes
+                     + config.num_parts * config.part_bytes) / (config.num_pages * BLOCK_SIZE)
+        held = ((stats.cached_pages * config.page_bytes + stats.tree_parts * config.part_bytes)
+                / (stats.cached_pages * BLOCK_SIZE))
+        report_counts(
+            f"window parts, Gemma-3 ({len(layout.window_layers)} of {layout.num_layers} "
+            f"layers windowed): pool {per_token:.0f} bytes a cached token against "
+            f"{full_page / BLOCK_SIZE:.0f} with every layer in the page "
+            f"({per_token * BLOCK_SIZE / full_page:.3f}); the tree's {stats.cached_pages} "
+            f"pages and {stats.tree_parts} parts hold {held:.0f} a token; B's hits "
+            f"{sum(cached)} of {sum(hits)} tokens; {stats.parts_evicted} parts evicted")
+    finally:
+        stop_engines(engines)
+        unlink_quietly(segment)
+        unlink_vllm_shm(shm_before)
 
 
 def _state_hits(prompts: List[List[int]], looked_up: List[List[int]],

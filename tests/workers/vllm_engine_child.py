@@ -74,6 +74,16 @@ def save_model(path: str, num_layers: int, num_kv_heads: int, seed: int, head_di
                                   sliding_window=64, **common)
         assert set(config.layer_types) == {"sliding_attention"}, config.layer_types
         model = Gemma3ForCausalLM(config)
+    elif kind == "gemma3_5to1":
+        # Gemma-3's own pattern: five sliding-window layers, then a full-attention one.
+        from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+        config = Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                  num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                                  sliding_window=64, sliding_window_pattern=6, **common)
+        assert [t == "full_attention" for t in config.layer_types] == [
+            i % 6 == 5 for i in range(num_layers)], config.layer_types
+        model = Gemma3ForCausalLM(config)
     elif kind == "gpt_oss":
         # gpt-oss: sliding-window and full-attention layers alternating, with attention
         # sinks and a mixture of experts.
