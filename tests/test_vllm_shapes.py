@@ -241,7 +241,9 @@ def test_a_hit_ends_where_its_window_has_parts(tmp_path):
     second batch's allocations take the first batch's parts (the part LRU: a page keeps
     its full layer). Engine B (TP=2) asks for every prompt: a hit ends where
     the pages its window reads (the last two) have parts, or is a miss; B never loads
-    window layers a page does not have, and every token is what A computed. Prints the
+    window layers a page does not have, and every token is what A computed. A request
+    whose hit walked back borrows no page past it: B computes and saves those pages anew,
+    and their commit hands its parts to the cached pages that had lost theirs. Prints the
     pool's bytes per cached token against pages holding every layer."""
     model = write_model(str(tmp_path / "model"), num_layers=6, num_kv_heads=2,
                         kind="gemma3_5to1")
@@ -276,6 +278,7 @@ def test_a_hit_ends_where_its_window_has_parts(tmp_path):
         with hostkv.HostKVCache.attach(segment) as cache:
             cache.check()
             stats = cache.stats()
+        assert stats.parts_donated > 0, stats
         for engine in engines:
             assert "hostkv: " not in engine.log()
         layout = config.kv_layout

@@ -33,13 +33,19 @@ def _kv(*windowed):
 
 
 def _kept_by_vllm(kind: str, span: int, pages: int) -> int:
-    """vLLM's first block kept for the next token after ``pages`` pages, from its own
-    rule in tokens: a sliding window skips tokens before ``k*P - W + 1``; chunked-local
-    attention those before the current chunk's start."""
+    """The first block vLLM keeps for the next token after ``pages`` pages, by its own
+    managers' ``get_num_skipped_tokens`` (called on a stand-in for the manager's state)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.single_type_kv_cache_manager import (ChunkedLocalAttentionManager,
+                                                           SlidingWindowManager)
+
     if kind == "sliding_window":
-        skipped = max(0, pages * P - span + 1)
+        skipped = SlidingWindowManager.get_num_skipped_tokens(
+            SimpleNamespace(sliding_window=span, extra_retained_tokens=0), pages * P)
     else:
-        skipped = pages * P // span * span
+        skipped = ChunkedLocalAttentionManager.get_num_skipped_tokens(
+            SimpleNamespace(attention_chunk_size=span), pages * P)
     return skipped // P
 
 

@@ -233,6 +233,8 @@ class KVGroup:
         sliding_window: The window in tokens (sliding-window groups), else None.
         state: How a page slot holds a layer's state ("state" groups), else None.
         attention_chunk: The chunk in tokens (chunked-local groups), else None.
+        extra_retained: Tokens vLLM keeps behind a sliding window besides it (its
+            ``extra_retained_tokens``: for speculative decoding, which hostkv refuses, so 0).
     """
 
     kind: str
@@ -240,6 +242,7 @@ class KVGroup:
     sliding_window: Optional[int] = None
     state: Optional[StateLayout] = None
     attention_chunk: Optional[int] = None
+    extra_retained: int = 0
 
 
 def layer_runs(layers: Sequence[int]) -> List[Tuple[int, int, int]]:
@@ -509,7 +512,9 @@ def engine_kv(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                 _state_layout(vllm_config, group, block_size, slot_bytes, tp)
                 if kind == "state" else None,
                 int(group.kv_cache_spec.attention_chunk_size)
-                if kind == "chunked_local" else None)
+                if kind == "chunked_local" else None,
+                int(getattr(group.kv_cache_spec, "extra_retained_tokens", 0) or 0)
+                if kind == "sliding_window" else 0)
         for kind, group in zip(kinds, groups))
     return EngineKV(layout, block_size, tuple(layers), block_layout, tp, backend, kv_groups)
 

@@ -218,6 +218,10 @@ class SchedulerSide:
         self.lock = threading.Lock()
         self.seq_ids = itertools.count(1)
         self.lookups: Dict[str, Tuple[int, np.ndarray, int]] = {}
+        # Requests whose hit the lookup walked back for missing window parts: the tokens
+        # their sequence starts with, so that it borrows no page past the hit (and vLLM's
+        # own) and saves the rest anew, which gives the cached pages their parts back.
+        self.reuse_caps: Dict[str, int] = {}
         self.reqs: Dict[str, _Req] = {}
         self.retiring: List[_Req] = []
         self.step = 0
@@ -323,6 +327,7 @@ class SchedulerSide:
         match = self.cache.match_prefix(tokens[:limit], namespace)
         # Pages the cache holds, with or without a state (those past the hit did not leave).
         found = match.num_tokens
+        self.reuse_caps.pop(req_id, None)
         if (self.state_groups or self.window_parts) and match.num_tokens:
             # A hit ends at a page that holds the state, and where the pages its window
             # reads have their parts (the pages are not held yet: the borrow reads both
@@ -330,6 +335,9 @@ class SchedulerSide:
             match = PrefixMatch(
                 self._whole_hit(match.pages, num_computed_tokens // self.block_size)
                 * self.block_size, match.pages)
+            cap = max(match.num_tokens, num_computed_tokens // self.block_size * self.block_size)
+            if self.window_parts and cap < found:
+                self.reuse_caps[req_id] = cap
         if pending is not None:
             if match.num_tokens > pending[5]:
                 self.counters.add("remote_hit_tokens", match.num_tokens - pending[5])
@@ -462,6 +470,11 @@ class SchedulerSide:
             local = request.num_computed_tokens
         else:
             local, tokens, namespace = looked
+        cap = self.reuse_caps.pop(req_id, None)
+        # The sequence starts with the tokens it borrows and one more (an allocation leaves
+        # the last page of its tokens to compute); the rest are appended as they are saved
+        # (the lookup walked back before pages without window parts).
+        seq_tokens = tokens if cap is None else tokens[:cap + 1]
         bs = self.block_size
         block_ids = [list(group) for group in blocks.get_block_ids()]
         local_blocks = local // bs
@@ -469,7 +482,7 @@ class SchedulerSide:
         seq_id = next(self.seq_ids)
         try:
             alloc = self.view.allocate_pages_for_sequences_with_prefix(
-                [SequenceRequest(seq_id, tokens, namespace)])[0]
+                [SequenceRequest(seq_id, seq_tokens, namespace)])[0]
         except Exception as exc:          # noqa: BLE001 - fail open: vLLM recomputes
             self.failures.note("allocate", exc)
             self.counters.add("failures", 1)
@@ -479,7 +492,7 @@ class SchedulerSide:
             return
         reused = alloc.reused_tokens // bs
         self.counters.add("borrowed_tokens", alloc.reused_tokens)
-        st = _Req(req_id, request, seq_id, namespace, reused, len(tokens), block_ids)
+        st = _Req(req_id, request, seq_id, namespace, reused, len(seq_tokens), block_ids)
         self.reqs[req_id] = st
         self.allocated_since_build.add(req_id)
         load_end = min(reused, promised)
@@ -984,6 +997,7 @@ class SchedulerSide:
         (it knows whether it was)."""
         req_id = request.request_id
         self.lookups.pop(req_id, None)
+        self.reuse_caps.pop(req_id, None)
         self.remote_pending.pop(req_id, None)
         self.remote_done.pop(req_id, None)
         self.recv_failed_reqs.pop(req_id, None)
@@ -1013,6 +1027,7 @@ class SchedulerSide:
         for st in self.reqs.values():
             st.freeze()
         self.lookups.clear()
+        self.reuse_caps.clear()
         for req_id in list(self.remote_pending):
             # Its pages arrive under the old namespace: the request goes on without them.
             self._remote_over(req_id)

@@ -7,8 +7,9 @@ while its other layers stay cached (``hostkv.config.KVLayout.window_layers``). A
 own prefix-cache hit) to ``k``, and a windowed group reads only the blocks vLLM keeps for
 the span at the hit's end; those must come from parts. vLLM's rule for what it keeps:
 
-- sliding window ``W``: the last ``cdiv(W - 1, P)`` blocks before the next token
-  (``SlidingWindowManager``: tokens before ``k*P - W + 1`` are skipped);
+- sliding window ``W``: the last ``cdiv(W - 1 + E, P)`` blocks before the next token
+  (``SlidingWindowManager``: tokens before ``k*P - W + 1 - E`` are skipped; ``E``, its
+  ``extra_retained_tokens``, is 0 without speculative decoding);
 - chunked-local attention of chunk ``C``: the blocks of the current chunk, from
   ``(k*P // C) * C`` (``ChunkedLocalAttentionManager``); none where a chunk ends at ``k``.
 
@@ -36,7 +37,7 @@ def first_needed_page(kv: EngineKV, pages: int) -> int:
         group = kv.groups[g]
         if group.kind == "sliding_window":
             assert group.sliding_window is not None
-            keep = -(-(group.sliding_window - 1) // size)
+            keep = -(-(group.sliding_window - 1 + group.extra_retained) // size)
             first = min(first, max(0, pages - keep))
         else:
             assert group.attention_chunk is not None

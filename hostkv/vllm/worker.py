@@ -249,6 +249,7 @@ class WorkerSide:
         start = time.perf_counter()
         try:
             if self.kv.layout.window_layers:
+                # (A load without its parts fails at the copy: it reads window layers.)
                 parts = [q for req_id, ps, _ in meta.loads
                          for q in meta.load_parts.get(req_id, [-1] * len(ps))]
                 transfer = self._engine().submit_load(pages, blocks, parts)
@@ -296,8 +297,14 @@ class WorkerSide:
                           for g in range(len(self.kv.groups))]
                 page_ids = [p for _, _, ps in saves for p in ps]
                 if self.kv.layout.window_layers:
-                    parts = [q for req_id, _, ps in saves
-                             for q in meta.save_parts.get(req_id, [-1] * len(ps))]
+                    # A save without its parts would leave the parts its pages have
+                    # unwritten, and a commit vouches for them: refused, never guessed.
+                    missing = [req_id for req_id, _, ps in saves
+                               if len(meta.save_parts.get(req_id, ())) != len(ps)]
+                    if missing or len({req_id for req_id, _, _ in saves}) != len(saves):
+                        raise ValueError(f"hostkv: saves {missing or saves} lack their "
+                                         "window parts (or name a request twice)")
+                    parts = [q for req_id, _, ps in saves for q in meta.save_parts[req_id]]
                     transfer = self._engine().submit_save(blocks, page_ids, parts)
                 else:
                     transfer = self._engine().submit_save(blocks, page_ids)

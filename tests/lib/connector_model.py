@@ -500,6 +500,17 @@ class Harness:
                              f"of {request.request_id} ({answer[0]} tokens offered)")
             elif answer[0] and harness.state_groups and harness._maybe("resave"):
                 harness._resave_without_state(request, num_computed_tokens + answer[0])
+            elif (answer[0] and harness.window_parts and harness.opts.fault_rate
+                  and harness.rng.random() < 0.4):
+                # Another engine's allocation takes the parts of every unlocked prefix
+                # (the part LRU), the lookup's pages staying cached. Often: hits are rare
+                # with few parts, and each of these must fail its load whole.
+                from hostkv import _radix
+
+                seg = harness.other._segment
+                freed = _radix.evict_parts(seg, harness.other.config.num_parts)
+                harness.note(f"parts-evict {freed} after the lookup of {request.request_id} "
+                             f"({answer[0]} tokens offered)")
             return answer
 
         conn.get_num_new_matched_tokens = lookup
