@@ -92,3 +92,22 @@ def test_the_hit_is_the_longest_whose_needed_pages_have_parts():
     # vLLM's own hit covers the partless pages: they are not loaded.
     assert window.window_hit(kv, [-1, -1, -1, -1, 7], 4) == 5
     assert window.window_hit(kv, [-1, -1, -1, -1, -1], 2) == 0
+
+
+def test_tokens_vllm_retains_behind_the_window_need_their_parts():
+    """A sliding window with ``extra_retained_tokens`` (vLLM keeps their blocks for
+    speculative decoding): the pages of those tokens need parts too, by vLLM's rule."""
+    from types import SimpleNamespace
+
+    import dataclasses
+
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    window = vllm_module().window
+    kv = _kv(("sliding_window", 40))
+    kv = dataclasses.replace(kv, groups=(dataclasses.replace(kv.groups[0], extra_retained=20),
+                                         kv.groups[1]))
+    for pages in range(0, 60):
+        skipped = SlidingWindowManager.get_num_skipped_tokens(
+            SimpleNamespace(sliding_window=40, extra_retained_tokens=20), pages * P)
+        assert window.first_needed_page(kv, pages) == min(pages, skipped // P), pages

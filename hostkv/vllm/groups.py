@@ -262,9 +262,11 @@ class GroupCopies:
         return sum(engine.stats().copy_calls for _, engine in self.engines)
 
     def registration(self):
-        """The first engine's registration of the pool with CUDA (see
-        :meth:`CopyEngine.registration`); None on a CPU."""
-        return self.engines[0][1].registration() if self.engines else None
+        """The page pool's registration with CUDA, by the first engine over it (see
+        :meth:`CopyEngine.registration`); None on a CPU. (With window parts the first
+        engine over the part pool registers that pool.)"""
+        return next((engine.registration() for g, engine in self.engines
+                     if g not in self.in_parts), None)
 
     def close(self) -> None:
         """Closes every engine, the first (which registered the pool with CUDA) last:
