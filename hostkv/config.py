@@ -16,7 +16,7 @@ import operator
 import os
 import sys
 import types
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 from hostkv._validate import as_index, describe, is_bool, positive_index
 from hostkv.errors import ConfigError
@@ -196,32 +196,30 @@ class KVLayout:
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise ConfigError(f"KVLayout of kind 'mla' holds one latent vector per token: "
                               f"num_kv_heads must be 1, got {self.num_kv_heads}")
-        try:
-            state = tuple(operator.index(layer) for layer in self.state_layers)
-        except TypeError:
-            raise ConfigError(f"KVLayout.state_layers must be layer indices, got "
-                              f"{self.state_layers!r}") from None
-        if (list(state) != sorted(set(state)) or any(layer < 0 for layer in state)
-                or (state and state[-1] >= min(self.num_layers, MAX_STATE_LAYER))
-                or len(state) >= self.num_layers):
-            raise ConfigError(
-                f"KVLayout.state_layers must be increasing layers below num_layers "
-                f"{self.num_layers} and {MAX_STATE_LAYER}, leaving one K/V layer; got "
-                f"{list(state)}")
+        state = self._layer_list("state_layers", "leaving one K/V layer",
+                                 lambda layers: True)
         object.__setattr__(self, "state_layers", state)
-        try:
-            window = tuple(operator.index(layer) for layer in self.window_layers)
-        except TypeError:
-            raise ConfigError(f"KVLayout.window_layers must be layer indices, got "
-                              f"{self.window_layers!r}") from None
-        if (list(window) != sorted(set(window)) or any(layer < 0 for layer in window)
-                or (window and window[-1] >= min(self.num_layers, MAX_STATE_LAYER))
-                or len(window) >= self.num_layers or set(window) & set(state)):
-            raise ConfigError(
-                f"KVLayout.window_layers must be increasing layers below num_layers "
-                f"{self.num_layers} and {MAX_STATE_LAYER}, none of state_layers "
-                f"{list(state)}, leaving one layer in the page; got {list(window)}")
+        window = self._layer_list(
+            "window_layers", f"none of state_layers {list(state)}, leaving one layer in the "
+            "page", lambda layers: not set(layers) & set(state))
         object.__setattr__(self, "window_layers", window)
+
+    def _layer_list(self, field: str, rule: str,
+                    allowed: Callable[[Tuple[int, ...]], bool]) -> Tuple[int, ...]:
+        """The layers ``field`` names, as plain ints: increasing, below num_layers and the
+        header's bitmap, leaving one layer out, and ``allowed``; else ConfigError."""
+        try:
+            layers = tuple(operator.index(layer) for layer in getattr(self, field))
+        except TypeError:
+            raise ConfigError(f"KVLayout.{field} must be layer indices, got "
+                              f"{getattr(self, field)!r}") from None
+        if (list(layers) != sorted(set(layers)) or any(layer < 0 for layer in layers)
+                or (layers and layers[-1] >= min(self.num_layers, MAX_STATE_LAYER))
+                or len(layers) >= self.num_layers or not allowed(layers)):
+            raise ConfigError(
+                f"KVLayout.{field} must be increasing layers below num_layers "
+                f"{self.num_layers} and {MAX_STATE_LAYER}, {rule}; got {list(layers)}")
+        return layers
 
     @property
     def itemsize(self) -> int:

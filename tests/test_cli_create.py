@@ -96,12 +96,16 @@ def test_create_a_segment_with_recurrent_state_layers(new_name):
                        (["--state-layers", "2,0"], "state_layers must be increasing"),
                        (["--state-layers", "0,1,2,3"], "leaving one K/V layer"),
                        (["--state-layers", "4"], "below num_layers 4")):
-        refused = new_name()
-        bad = run_cli("create", refused, "--num-pages", "4", "--layers", "4", "--kv-heads",
-                      "2", "--head-dim", "64", *args)
-        assert bad.returncode == 2 and said in bad.stderr, (args, bad.stderr)
-        with pytest.raises(hostkv.SegmentNotFoundError):
-            hostkv.HostKVCache.attach(refused)
+        _refused(new_name(), ["--layers", "4", *args], said)
+
+
+def _refused(name, args, said):
+    """create NAME of 2 KV heads of 64 with args is refused, saying said, and makes nothing."""
+    bad = run_cli("create", name, "--num-pages", "4", "--kv-heads", "2", "--head-dim", "64",
+                  *args)
+    assert bad.returncode == 2 and said in bad.stderr, (args, bad.stderr)
+    with pytest.raises(hostkv.SegmentNotFoundError):
+        hostkv.HostKVCache.attach(name)
 
 
 def test_create_a_segment_with_window_parts(new_name):
@@ -151,12 +155,7 @@ def test_create_a_segment_whose_window_layers_live_in_parts(new_name):
                        (["--window-layers", "0,1"], "num_parts must be > 0"),
                        (["--window-layers", "0,1,2,3,4,5", "--num-parts", "2"],
                         "leaving one layer in the page")):
-        refused = new_name()
-        bad = run_cli("create", refused, "--num-pages", "4", "--layers", "6", "--kv-heads",
-                      "2", "--head-dim", "64", *args)
-        assert bad.returncode == 2 and said in bad.stderr, (args, bad.stderr)
-        with pytest.raises(hostkv.SegmentNotFoundError):
-            hostkv.HostKVCache.attach(refused)
+        _refused(new_name(), ["--layers", "6", *args], said)
 
 
 def test_parse_size():
